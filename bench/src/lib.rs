@@ -1,0 +1,1 @@
+//! rackfill-bench (being written)
