@@ -1,1 +1,40 @@
-fn main() {}
+//! The `rackfill` command line.
+
+mod bench_cmd;
+mod plan_cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// rackfill: prefill serving engine for MoE models under large expert parallelism.
+#[derive(Debug, Parser)]
+#[command(name = "rackfill", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Solve one layer's replication plan from a load matrix.
+    Plan(plan_cmd::PlanArgs),
+    /// Benchmarks (balancer quality and solve time).
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(args) => plan_cmd::run(args),
+        Command::Bench(cmd) => bench_cmd::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One line: the chain of causes, joined.
+            eprintln!("error: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -63,7 +63,9 @@ pub enum BalanceError {
         ranks: usize,
         experts: usize,
     },
-    #[error("load matrix is {load_ranks} x {load_experts}, layout is {ranks} ranks x {experts} experts")]
+    #[error(
+        "load matrix is {load_ranks} x {load_experts}, layout is {ranks} ranks x {experts} experts"
+    )]
     ShapeMismatch {
         load_ranks: usize,
         load_experts: usize,
@@ -110,6 +112,8 @@ impl Balancer for NoBalancing {
 pub enum Algo {
     None,
     Quota,
+    /// The quota planner with the published target rule (largest slack always), for ablations.
+    QuotaPaper,
     EplbExact,
     EplbHistory,
     GreedyMove,
@@ -117,9 +121,10 @@ pub enum Algo {
 
 impl Algo {
     /// Every planner, in report order.
-    pub const ALL: [Algo; 5] = [
+    pub const ALL: [Algo; 6] = [
         Algo::None,
         Algo::Quota,
+        Algo::QuotaPaper,
         Algo::EplbExact,
         Algo::EplbHistory,
         Algo::GreedyMove,
@@ -130,6 +135,7 @@ impl Algo {
         match self {
             Algo::None => "none",
             Algo::Quota => "quota",
+            Algo::QuotaPaper => "quota-paper",
             Algo::EplbExact => "eplb-exact",
             Algo::EplbHistory => "eplb-history",
             Algo::GreedyMove => "greedy-move",
@@ -141,6 +147,10 @@ impl Algo {
         match self {
             Algo::None => Box::new(NoBalancing),
             Algo::Quota => Box::new(quota::QuotaPlanner::new(settings.u_min)),
+            Algo::QuotaPaper => Box::new(quota::QuotaPlanner::with_rule(
+                settings.u_min,
+                quota::TargetRule::LargestSlack,
+            )),
             Algo::EplbExact => Box::new(eplb::EplbExact),
             Algo::EplbHistory => Box::new(eplb::EplbHistory::new(
                 settings.history_window,
@@ -166,7 +176,10 @@ impl FromStr for Algo {
             .find(|a| a.name() == s)
             .ok_or_else(|| {
                 let names: Vec<_> = Algo::ALL.iter().map(|a| a.name()).collect();
-                format!("unknown balancer '{s}' (expected one of: {})", names.join(", "))
+                format!(
+                    "unknown balancer '{s}' (expected one of: {})",
+                    names.join(", ")
+                )
             })
     }
 }

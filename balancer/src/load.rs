@@ -147,10 +147,7 @@ mod tests {
     #[test]
     fn ragged_rows_are_rejected_with_the_rank() {
         let err = LoadMatrix::from_rows(&[vec![1, 2], vec![3]]).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "load row 1 has 1 experts, row 0 has 2"
-        );
+        assert_eq!(err.to_string(), "load row 1 has 1 experts, row 0 has 2");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! reroute split `Q` (UltraEP Table 1), plus [`Plan::validate`], which checks every invariant the
 //! engine relies on before it moves a single byte.
 
-use crate::reroute::{split_evenly, split_locality_first};
+use crate::reroute::{split_evenly, split_locality_first, SplitScratch};
 use crate::{Layout, LoadMatrix};
 use serde::Serialize;
 
@@ -81,14 +81,15 @@ impl Plan {
         let mut instances = Vec::with_capacity(experts + replicas.len());
         let mut split_offsets = Vec::with_capacity(experts + 1);
         let mut split = Vec::new();
+        let mut split_scratch = SplitScratch::default();
         let mut next = 0;
-        for e in 0..experts {
+        for (e, &main_quota) in main_quota[..experts].iter().enumerate() {
             instance_offsets.push(instances.len() as u32);
             split_offsets.push(split.len() as u32);
             let first = instances.len();
             instances.push(Instance {
                 rank: layout.home(e) as u32,
-                quota: main_quota[e],
+                quota: main_quota,
             });
             while next < replicas.len() && replicas[next].expert as usize == e {
                 instances.push(Instance {
@@ -104,7 +105,9 @@ impl Plan {
                 let group = &mut instances[first..];
                 let block = &mut split[block..];
                 match policy {
-                    SplitPolicy::LocalityFirst => split_locality_first(load, e, group, block),
+                    SplitPolicy::LocalityFirst => {
+                        split_locality_first(load, e, group, block, &mut split_scratch)
+                    }
                     SplitPolicy::Even => split_evenly(load, e, group, block),
                 }
             }
@@ -160,8 +163,8 @@ impl Plan {
 
     /// Physical instances `H(e)` with their quotas: main first, then replicas by ascending rank.
     pub fn instances(&self, expert: usize) -> &[Instance] {
-        &self.instances[self.instance_offsets[expert] as usize
-            ..self.instance_offsets[expert + 1] as usize]
+        &self.instances
+            [self.instance_offsets[expert] as usize..self.instance_offsets[expert + 1] as usize]
     }
 
     /// Reroute split of source rank `r` for expert `e`: `q[r][e][t]` for every instance of `e`, in
@@ -221,7 +224,7 @@ impl Plan {
         }
         let totals = load.expert_totals();
         let mut replica_slots_seen = 0usize;
-        for e in 0..experts {
+        for (e, &total) in totals.iter().enumerate() {
             let inst = self.instances(e);
             let Some(main) = inst.first() else {
                 return Err(V::NoMainInstance { expert: e });
@@ -268,11 +271,11 @@ impl Plan {
                 }
             }
             let quota_sum: u64 = inst.iter().map(|i| i.quota).sum();
-            if quota_sum != totals[e] {
+            if quota_sum != total {
                 return Err(V::QuotaSum {
                     expert: e,
                     quotas: quota_sum,
-                    load: totals[e],
+                    load: total,
                 });
             }
             self.validate_split(load, e)?;

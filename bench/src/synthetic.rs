@@ -1,0 +1,649 @@
+//! Deterministic synthetic routing loads: a sequence of exact load matrices `load[r][e]`, one per
+//! step (one MoE layer per step), shaped like what a top-k router produces under data-parallel
+//! attention.
+//!
+//! Model of one step:
+//! 1. a *global popularity* over experts: a [`Family`] of weights (Zipf or lognormal) sorted from
+//!    hottest to coldest and laid onto the experts through a random permutation (the "hot order");
+//! 2. *per-rank variation*: source rank `r` routes with `global[e] * exp(sigma_r * N(0, 1))`
+//!    (`sigma_r = `[`RANK_SIGMA`] by default), drawn fresh every step, so ranks differ the way
+//!    different data-parallel batches do;
+//! 3. *tokens*: every rank routes exactly `tokens_per_rank` tokens; each token picks `top_k`
+//!    **distinct** experts (alias-table draws, duplicates rejected), so every row sums to
+//!    `tokens_per_rank * top_k` and no entry exceeds `tokens_per_rank`;
+//! 4. a temporal [`Pattern`] moves the hot order between steps (stationary, drifting, switching).
+//!
+//! Everything is a pure function of the [`Suite`] and the seed: the same pair always produces the
+//! same matrices, whatever the number of generator threads (every rank of every step draws from its
+//! own `StdRng` stream, seeded from the suite's master stream).
+
+use rackfill_balancer::{BalanceError, Layout, LoadMatrix};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, RngCore, SeedableRng};
+use rand_distr::{Distribution, LogNormal, StandardNormal};
+use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
+
+/// Experts per token in every suite of the default grid (DeepSeek-V3, Qwen3-MoE, GLM-4.x all use 8).
+pub const TOP_K: usize = 8;
+
+/// Default sigma of the per-rank lognormal perturbation of the global popularity.
+pub const RANK_SIGMA: f64 = 0.3;
+
+/// Steps between domain switches in the default grid's `switching` suites.
+pub const DEFAULT_SWITCH_EVERY: usize = 5;
+
+/// EP shape: ranks `R`, logical experts `E`, redundant slots per rank `n_slot`; written `R/E/n_slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct Shape {
+    pub ranks: usize,
+    pub experts: usize,
+    pub slots: usize,
+}
+
+impl Shape {
+    pub const fn new(ranks: usize, experts: usize, slots: usize) -> Self {
+        Self {
+            ranks,
+            experts,
+            slots,
+        }
+    }
+}
+
+/// The shapes the default grid covers.
+pub const DEFAULT_SHAPES: [Shape; 6] = [
+    Shape::new(8, 64, 2),
+    Shape::new(32, 256, 4),
+    // GLM-4.7: 160 routed experts.
+    Shape::new(40, 160, 4),
+    // Qwen3-235B-A22B: 128 experts.
+    Shape::new(64, 128, 2),
+    Shape::new(64, 256, 2),
+    // DeepSeek-V3 (256 experts) on an NVL72 rack.
+    Shape::new(72, 256, 2),
+];
+
+/// Tokens per rank per step in the default grid.
+pub const DEFAULT_TOKENS: [u64; 4] = [256, 1024, 4096, 8192];
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.ranks, self.experts, self.slots)
+    }
+}
+
+impl FromStr for Shape {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("invalid shape '{s}': expected RANKS/EXPERTS/SLOTS, e.g. 72/256/2");
+        let parts: Vec<&str> = s.trim().split('/').collect();
+        let [r, e, n] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let num = |p: &str| p.trim().parse::<usize>().map_err(|_| bad());
+        let shape = Shape::new(num(r)?, num(e)?, num(n)?);
+        if shape.ranks == 0 {
+            return Err(format!("invalid shape '{s}': needs at least one rank"));
+        }
+        if shape.experts < TOP_K {
+            return Err(format!(
+                "invalid shape '{s}': needs at least {TOP_K} experts (top-{TOP_K} routing picks distinct experts)"
+            ));
+        }
+        Ok(shape)
+    }
+}
+
+/// Popularity family: the sorted global expert weights before they are laid onto experts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Family {
+    /// The `i`-th hottest expert (1-based) has weight `i^-s`.
+    Zipf { s: f64 },
+    /// Weights are i.i.d. `exp(sigma * N(0, 1))`, drawn once per suite.
+    LogNormal { sigma: f64 },
+}
+
+impl Family {
+    /// Every family of the default grid: Zipf 0.6/0.8/1.0/1.2, lognormal 0.5/0.8/1.2.
+    pub const DEFAULT: [Family; 7] = [
+        Family::Zipf { s: 0.6 },
+        Family::Zipf { s: 0.8 },
+        Family::Zipf { s: 1.0 },
+        Family::Zipf { s: 1.2 },
+        Family::LogNormal { sigma: 0.5 },
+        Family::LogNormal { sigma: 0.8 },
+        Family::LogNormal { sigma: 1.2 },
+    ];
+
+    /// Short label for names and reports, e.g. `zipf-1.0`, `lognormal-0.8`.
+    pub fn label(&self) -> String {
+        match self {
+            Family::Zipf { s } => format!("zipf-{s:.1}"),
+            Family::LogNormal { sigma } => format!("lognormal-{sigma:.1}"),
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let (what, v) = match *self {
+            Family::Zipf { s } => ("zipf exponent", s),
+            Family::LogNormal { sigma } => ("lognormal sigma", sigma),
+        };
+        if !(v.is_finite() && (0.0..=8.0).contains(&v)) {
+            return Err(format!("{what} must be in [0, 8], got {v}"));
+        }
+        Ok(())
+    }
+}
+
+/// How the hot order moves from one step to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Pattern {
+    /// Same global popularity every step; only the per-rank perturbation and the token samples are
+    /// fresh.
+    Stationary,
+    /// Gradual drift: before every step after the first, `max(1, E / 16)` swaps of two popularity
+    /// positions at most `max(1, E / 8)` apart, so experts climb or fall a few places per step and
+    /// the hot set turns over within tens of steps.
+    Drifting,
+    /// Domain switch: every `every` steps (at steps `every`, `2 every`, ...) a brand-new random hot
+    /// order; stationary in between.
+    Switching { every: usize },
+}
+
+impl Pattern {
+    /// Short label, e.g. `stationary`, `drifting`, `switching-5`.
+    pub fn label(&self) -> String {
+        match self {
+            Pattern::Stationary => "stationary".into(),
+            Pattern::Drifting => "drifting".into(),
+            Pattern::Switching { every } => format!("switching-{every}"),
+        }
+    }
+
+    /// The label without parameters, for grouping (`switching-5` and `switching-10` are both
+    /// `switching`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Pattern::Stationary => "stationary",
+            Pattern::Drifting => "drifting",
+            Pattern::Switching { .. } => "switching",
+        }
+    }
+}
+
+/// One synthetic workload: a shape, a token count, a popularity family, a temporal pattern and a
+/// number of steps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Suite {
+    /// `R/E/n_slot family pattern tTOKENS`, unique within a grid.
+    pub name: String,
+    pub ranks: usize,
+    pub experts: usize,
+    pub slots: usize,
+    pub tokens_per_rank: u64,
+    pub top_k: usize,
+    /// Sigma of the per-rank lognormal perturbation.
+    pub rank_sigma: f64,
+    pub family: Family,
+    pub pattern: Pattern,
+    pub steps: usize,
+}
+
+impl Suite {
+    /// A suite with top-[`TOP_K`] routing and the default per-rank perturbation.
+    pub fn new(
+        shape: Shape,
+        tokens_per_rank: u64,
+        family: Family,
+        pattern: Pattern,
+        steps: usize,
+    ) -> Self {
+        Self {
+            name: format!(
+                "{shape} {} {} t{tokens_per_rank}",
+                family.label(),
+                pattern.label()
+            ),
+            ranks: shape.ranks,
+            experts: shape.experts,
+            slots: shape.slots,
+            tokens_per_rank,
+            top_k: TOP_K,
+            rank_sigma: RANK_SIGMA,
+            family,
+            pattern,
+            steps,
+        }
+    }
+
+    pub fn shape(&self) -> Shape {
+        Shape::new(self.ranks, self.experts, self.slots)
+    }
+
+    /// The contiguous layout the suite is balanced under.
+    pub fn layout(&self) -> Result<Layout, BalanceError> {
+        Layout::contiguous(self.ranks, self.experts, self.slots)
+    }
+
+    /// Checks that the suite can be generated.
+    pub fn check(&self) -> Result<(), InvalidSuite> {
+        let fail = |why: String| Err(InvalidSuite(format!("suite '{}': {why}", self.name)));
+        if self.ranks == 0 {
+            return fail("needs at least one rank".into());
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return fail(format!(
+                "top-k {} must be in 1..={} (the expert count)",
+                self.top_k, self.experts
+            ));
+        }
+        if self.experts > u32::MAX as usize {
+            return fail("too many experts".into());
+        }
+        if self.tokens_per_rank == 0 {
+            return fail("needs at least one token per rank".into());
+        }
+        if !(self.rank_sigma.is_finite() && (0.0..=8.0).contains(&self.rank_sigma)) {
+            return fail(format!(
+                "rank sigma must be in [0, 8], got {}",
+                self.rank_sigma
+            ));
+        }
+        if let Err(why) = self.family.check() {
+            return fail(why);
+        }
+        if let Pattern::Switching { every: 0 } = self.pattern {
+            return fail("switching period must be at least 1 step".into());
+        }
+        Ok(())
+    }
+}
+
+/// A suite that cannot be generated, with a one-line reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidSuite(pub String);
+
+impl fmt::Display for InvalidSuite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidSuite {}
+
+/// The default benchmark grid over `shapes x tokens`:
+///
+/// | family                              | patterns                                   |
+/// |-------------------------------------|--------------------------------------------|
+/// | zipf 0.6, 0.8, 1.0, 1.2             | stationary                                 |
+/// | lognormal 0.5, 0.8, 1.2             | stationary                                 |
+/// | zipf 1.0, lognormal 0.8             | drifting, switching every 5 steps          |
+///
+/// i.e. 11 suites per (shape, tokens) pair. With the six default shapes, four token counts and 20
+/// steps that is 264 suites, 5,280 load matrices and 26,400 plans (five balancers); generating the
+/// top-8 samples dominates and takes about a minute on two cores in release.
+///
+/// Suites are ordered shape-major, then tokens, then the rows above.
+pub fn default_grid(shapes: &[Shape], tokens: &[u64], steps: usize) -> Vec<Suite> {
+    let moving = [Family::Zipf { s: 1.0 }, Family::LogNormal { sigma: 0.8 }];
+    let mut suites = Vec::new();
+    for &shape in shapes {
+        for &t in tokens {
+            for family in Family::DEFAULT {
+                suites.push(Suite::new(shape, t, family, Pattern::Stationary, steps));
+            }
+            for pattern in [
+                Pattern::Drifting,
+                Pattern::Switching {
+                    every: DEFAULT_SWITCH_EVERY,
+                },
+            ] {
+                for family in moving {
+                    suites.push(Suite::new(shape, t, family, pattern, steps));
+                }
+            }
+        }
+    }
+    suites
+}
+
+/// The load matrices of `suite` under `seed`, one per step, generated lazily.
+pub fn generate(suite: &Suite, seed: u64) -> Result<Generator, InvalidSuite> {
+    Generator::new(suite, seed)
+}
+
+/// Iterator over a suite's load matrices (see the module docs for the model).
+#[derive(Debug, Clone)]
+pub struct Generator {
+    suite: Suite,
+    master: StdRng,
+    /// Weights by popularity position, hottest first.
+    sorted_weights: Vec<f64>,
+    /// `hot_order[i]` is the expert at popularity position `i` (0 = hottest).
+    hot_order: Vec<u32>,
+    step: usize,
+    threads: usize,
+    /// Scratch: global popularity by expert id.
+    popularity: Vec<f64>,
+}
+
+/// Work (token-expert draws) below which a step is generated on the calling thread.
+const PARALLEL_DRAWS: u64 = 1 << 17;
+
+impl Generator {
+    /// A generator for `suite` with the given seed, using all available cores for large steps.
+    pub fn new(suite: &Suite, seed: u64) -> Result<Self, InvalidSuite> {
+        suite.check()?;
+        let mut master = StdRng::seed_from_u64(seed);
+        let e = suite.experts;
+        let mut sorted_weights: Vec<f64> = match suite.family {
+            Family::Zipf { s } => (1..=e).map(|i| (i as f64).powf(-s)).collect(),
+            Family::LogNormal { sigma } => {
+                let dist = LogNormal::new(0.0, sigma)
+                    .map_err(|err| InvalidSuite(format!("suite '{}': {err}", suite.name)))?;
+                (0..e).map(|_| dist.sample(&mut master)).collect()
+            }
+        };
+        sorted_weights.sort_by(|a, b| b.total_cmp(a));
+        let mut hot_order: Vec<u32> = (0..e as u32).collect();
+        hot_order.shuffle(&mut master);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(Self {
+            suite: suite.clone(),
+            master,
+            sorted_weights,
+            hot_order,
+            step: 0,
+            threads,
+            popularity: vec![0.0; e],
+        })
+    }
+
+    /// Uses at most `threads` threads per step (1: everything on the calling thread). The output
+    /// does not depend on it.
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
+    }
+
+    /// The suite being generated.
+    pub fn suite(&self) -> &Suite {
+        &self.suite
+    }
+
+    /// Steps generated so far.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// The hot order of the most recent step (before the first step: of the first step):
+    /// `hot_order()[i]` is the expert at popularity position `i`, hottest first.
+    pub fn hot_order(&self) -> &[u32] {
+        &self.hot_order
+    }
+
+    /// Moves the hot order from the previous step to step `self.step` according to the pattern.
+    fn advance_pattern(&mut self) {
+        if self.step == 0 {
+            return;
+        }
+        let e = self.suite.experts;
+        match self.suite.pattern {
+            Pattern::Stationary => {}
+            Pattern::Drifting => {
+                if e < 2 {
+                    return;
+                }
+                let swaps = (e / 16).max(1);
+                let reach = (e / 8).max(1);
+                for _ in 0..swaps {
+                    let i = self.master.gen_range(0..e);
+                    let d = self.master.gen_range(1..=reach);
+                    let j = if i + d < e {
+                        i + d
+                    } else {
+                        i.saturating_sub(d)
+                    };
+                    self.hot_order.swap(i, j);
+                }
+            }
+            Pattern::Switching { every } => {
+                if self.step % every == 0 {
+                    self.hot_order.shuffle(&mut self.master);
+                }
+            }
+        }
+    }
+
+    fn next_matrix(&mut self) -> LoadMatrix {
+        self.advance_pattern();
+        for (pos, &expert) in self.hot_order.iter().enumerate() {
+            self.popularity[expert as usize] = self.sorted_weights[pos];
+        }
+        let (ranks, experts) = (self.suite.ranks, self.suite.experts);
+        let rank_seeds: Vec<u64> = (0..ranks).map(|_| self.master.next_u64()).collect();
+        let mut counts = vec![0u64; ranks * experts];
+        let draws = ranks as u64 * self.suite.tokens_per_rank * self.suite.top_k as u64;
+        let threads = if draws < PARALLEL_DRAWS {
+            1
+        } else {
+            self.threads.min(ranks)
+        };
+        let job = RankJob {
+            popularity: &self.popularity,
+            rank_sigma: self.suite.rank_sigma,
+            tokens: self.suite.tokens_per_rank,
+            top_k: self.suite.top_k,
+        };
+        if threads <= 1 {
+            job.run(&rank_seeds, &mut counts);
+        } else {
+            let per = ranks.div_ceil(threads);
+            std::thread::scope(|scope| {
+                for (seeds, out) in rank_seeds.chunks(per).zip(counts.chunks_mut(per * experts)) {
+                    let job = &job;
+                    scope.spawn(move || job.run(seeds, out));
+                }
+            });
+        }
+        self.step += 1;
+        LoadMatrix::from_flat(ranks, experts, counts)
+            .expect("synthetic counts are bounded by ranks * tokens * top_k")
+    }
+}
+
+impl Iterator for Generator {
+    type Item = LoadMatrix;
+
+    fn next(&mut self) -> Option<LoadMatrix> {
+        (self.step < self.suite.steps).then(|| self.next_matrix())
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.suite.steps - self.step;
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for Generator {}
+
+/// Everything one rank needs to sample its row of one step.
+struct RankJob<'a> {
+    popularity: &'a [f64],
+    rank_sigma: f64,
+    tokens: u64,
+    top_k: usize,
+}
+
+impl RankJob<'_> {
+    /// Samples the rows of the ranks whose seeds are given into `out` (`seeds.len()` rows).
+    fn run(&self, seeds: &[u64], out: &mut [u64]) {
+        let e = self.popularity.len();
+        let mut scratch = Scratch::new(e, self.top_k);
+        for (&seed, row) in seeds.iter().zip(out.chunks_mut(e)) {
+            self.sample_row(seed, row, &mut scratch);
+        }
+    }
+
+    fn sample_row(&self, seed: u64, row: &mut [u64], s: &mut Scratch) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        for (w, &p) in s.weights.iter_mut().zip(self.popularity) {
+            let z: f64 = StandardNormal.sample(&mut rng);
+            *w = p * (self.rank_sigma * z).exp();
+        }
+        s.build_alias();
+        let n = row.len() as u64;
+        // Rejections before falling back to the heaviest unpicked expert: only reachable when a
+        // handful of experts hold nearly all the mass.
+        let max_rejects = 64 * self.top_k;
+        for _ in 0..self.tokens {
+            let mut picked = 0;
+            let mut rejects = 0;
+            while picked < self.top_k {
+                let x = rng.next_u64();
+                let col = (((x >> 32) * n) >> 32) as usize;
+                let expert = if (x & 0xffff_ffff) < s.prob[col] {
+                    col
+                } else {
+                    s.alias[col] as usize
+                };
+                let (word, bit) = (expert >> 6, 1u64 << (expert & 63));
+                if s.seen[word] & bit == 0 {
+                    s.seen[word] |= bit;
+                    s.chosen[picked] = expert as u32;
+                    picked += 1;
+                } else {
+                    rejects += 1;
+                    if rejects > max_rejects {
+                        let expert = s.heaviest_unseen();
+                        s.seen[expert >> 6] |= 1 << (expert & 63);
+                        s.chosen[picked] = expert as u32;
+                        picked += 1;
+                        rejects = 0;
+                    }
+                }
+            }
+            for &expert in &s.chosen {
+                let expert = expert as usize;
+                row[expert] += 1;
+                s.seen[expert >> 6] &= !(1u64 << (expert & 63));
+            }
+        }
+    }
+}
+
+/// Per-thread buffers: rank weights, alias table, duplicate bitset.
+struct Scratch {
+    weights: Vec<f64>,
+    scaled: Vec<f64>,
+    /// Column `i` yields `i` when the low 32 random bits are below `prob[i]` (2^32 = always).
+    prob: Vec<u64>,
+    alias: Vec<u32>,
+    small: Vec<u32>,
+    large: Vec<u32>,
+    seen: Vec<u64>,
+    chosen: Vec<u32>,
+}
+
+impl Scratch {
+    fn new(experts: usize, top_k: usize) -> Self {
+        Self {
+            weights: vec![0.0; experts],
+            scaled: vec![0.0; experts],
+            prob: vec![0; experts],
+            alias: vec![0; experts],
+            small: Vec::with_capacity(experts),
+            large: Vec::with_capacity(experts),
+            seen: vec![0; experts.div_ceil(64)],
+            chosen: vec![0; top_k],
+        }
+    }
+
+    /// Vose's alias method over `weights` (uniform if they are degenerate).
+    fn build_alias(&mut self) {
+        const ONE: u64 = 1 << 32;
+        let n = self.weights.len();
+        let sum: f64 = self.weights.iter().sum();
+        let uniform = !(sum.is_finite() && sum > 0.0);
+        for (s, &w) in self.scaled.iter_mut().zip(&self.weights) {
+            *s = if uniform { 1.0 } else { w * n as f64 / sum };
+        }
+        self.small.clear();
+        self.large.clear();
+        for (i, &s) in self.scaled.iter().enumerate() {
+            if s < 1.0 {
+                self.small.push(i as u32);
+            } else {
+                self.large.push(i as u32);
+            }
+        }
+        while let (Some(&s), Some(&l)) = (self.small.last(), self.large.last()) {
+            self.small.pop();
+            let (s, l) = (s as usize, l as usize);
+            self.prob[s] = (self.scaled[s] * ONE as f64) as u64;
+            self.alias[s] = l as u32;
+            self.scaled[l] -= 1.0 - self.scaled[s];
+            if self.scaled[l] < 1.0 {
+                self.large.pop();
+                self.small.push(l as u32);
+            }
+        }
+        // Leftovers are 1 up to rounding.
+        for &i in self.small.iter().chain(&self.large) {
+            self.prob[i as usize] = ONE;
+            self.alias[i as usize] = i;
+        }
+    }
+
+    fn heaviest_unseen(&self) -> usize {
+        let mut best = None;
+        for (e, &w) in self.weights.iter().enumerate() {
+            if self.seen[e >> 6] & (1 << (e & 63)) != 0 {
+                continue;
+            }
+            if best.is_none_or(|(_, bw)| w > bw) {
+                best = Some((e, w));
+            }
+        }
+        best.expect("top_k <= experts leaves an unpicked expert").0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alias_table_reproduces_weights() {
+        let mut s = Scratch::new(4, 1);
+        s.weights.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        s.build_alias();
+        // Exact column masses: prob[i]/2^32 of column i plus the alias shares.
+        let mut mass = [0.0f64; 4];
+        for i in 0..4 {
+            let p = s.prob[i] as f64 / (1u64 << 32) as f64;
+            mass[i] += p / 4.0;
+            mass[s.alias[i] as usize] += (1.0 - p) / 4.0;
+        }
+        for (i, m) in mass.iter().enumerate() {
+            assert!((m - (i + 1) as f64 / 10.0).abs() < 1e-9, "{mass:?}");
+        }
+    }
+
+    #[test]
+    fn shapes_parse_and_reject() {
+        assert_eq!("72/256/2".parse::<Shape>().unwrap(), Shape::new(72, 256, 2));
+        assert_eq!(Shape::new(40, 160, 4).to_string(), "40/160/4");
+        for bad in ["72/256", "a/b/c", "0/64/2", "8/4/2", "8/64/2/1", ""] {
+            let err = bad.parse::<Shape>().unwrap_err();
+            assert!(err.starts_with("invalid shape"), "{err}");
+            assert!(!err.contains('\n'));
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! `rackfill bench ...`: benchmark subcommands.
+//!
+//! `rackfill bench balance --synthetic` replays the synthetic grid of
+//! [`rackfill_bench::synthetic::default_grid`] (restricted to `--shapes` and `--tokens`) through
+//! every balancer, prints one markdown table per group to stdout, progress to stderr, and optionally
+//! writes the full report as JSON. Any plan that fails validation makes the command exit non-zero
+//! (after printing and writing the report).
+
+use anyhow::{bail, Context as _};
+use rackfill_balancer::Settings;
+use rackfill_bench::balance::{run_balance, BalanceRun};
+use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
+use std::io::Write as _;
+use std::path::PathBuf;
+
+/// Benchmarks.
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Replay routing loads through every balancer (none, quota, eplb-exact, eplb-history,
+    /// greedy-move) and report imbalance, optimality gap, replicas, fan-out, in-flight ratio and
+    /// solve time.
+    Balance(BalanceArgs),
+}
+
+/// `rackfill bench balance`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BalanceArgs {
+    /// Generate synthetic routing loads (Zipf/lognormal popularity; stationary, drifting and
+    /// switching hot sets). Required for now: recorded-trace replay is not supported yet.
+    #[arg(long)]
+    pub synthetic: bool,
+
+    /// Steps (load matrices, one MoE layer each) per suite.
+    #[arg(long, default_value_t = 20, value_parser = parse_steps)]
+    pub steps: usize,
+
+    /// Master seed; the same seed gives the same loads.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// EP shapes RANKS/EXPERTS/SLOTS, comma-separated
+    /// [default: 8/64/2,32/256/4,40/160/4,64/128/2,64/256/2,72/256/2]
+    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
+    pub shapes: Vec<Shape>,
+
+    /// Tokens per rank per step, comma-separated [default: 256,1024,4096,8192]
+    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
+    pub tokens: Vec<u64>,
+
+    /// Smallest quota a new replica must carry (quota planner) [default: the planner's default]
+    #[arg(long)]
+    pub u_min: Option<u64>,
+
+    /// Steps of past load eplb-history plans from [default: the planner's default]
+    #[arg(long, value_parser = parse_positive)]
+    pub history_window: Option<usize>,
+
+    /// eplb-history re-plans every this many steps [default: the planner's default]
+    #[arg(long, value_parser = parse_positive)]
+    pub rebalance_interval: Option<usize>,
+
+    /// Also write the full report (every group, every balancer) as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+fn parse_shape(s: &str) -> Result<Shape, String> {
+    s.parse()
+}
+
+fn parse_tokens(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(t) if (1..=1 << 20).contains(&t) => Ok(t),
+        _ => Err(format!(
+            "invalid token count '{s}': expected an integer in 1..=1048576"
+        )),
+    }
+}
+
+fn parse_positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("invalid value '{s}': expected a positive integer")),
+    }
+}
+
+fn parse_steps(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=1_000_000).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "invalid step count '{s}': expected an integer in 1..=1000000"
+        )),
+    }
+}
+
+/// Runs a bench subcommand.
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Balance(args) => balance(args),
+    }
+}
+
+/// Keeps the first occurrence of every value.
+fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(values.len());
+    for &v in values {
+        if !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    out
+}
+
+fn balance(args: BalanceArgs) -> anyhow::Result<()> {
+    if !args.synthetic {
+        bail!("recorded routing traces are not supported yet; pass --synthetic");
+    }
+    let shapes = if args.shapes.is_empty() {
+        DEFAULT_SHAPES.to_vec()
+    } else {
+        dedup(&args.shapes)
+    };
+    let tokens = if args.tokens.is_empty() {
+        DEFAULT_TOKENS.to_vec()
+    } else {
+        dedup(&args.tokens)
+    };
+    let mut settings = Settings::default();
+    if let Some(u) = args.u_min {
+        settings.u_min = u;
+    }
+    if let Some(w) = args.history_window {
+        settings.history_window = w;
+    }
+    if let Some(i) = args.rebalance_interval {
+        settings.rebalance_interval = i;
+    }
+    // Fail on an unwritable JSON path before minutes of work, not after.
+    let json_file = match &args.json {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot write {}", path.display()))?,
+        ),
+        None => None,
+    };
+
+    let suites = default_grid(&shapes, &tokens, args.steps);
+    let run = BalanceRun::new(suites, args.seed, settings);
+    eprintln!(
+        "bench balance: {} suites x {} steps x {} balancers (seed {})",
+        run.suites.len(),
+        args.steps,
+        run.algos.len(),
+        args.seed
+    );
+    let report = run_balance(&run, |p| {
+        let last_of_shape = run
+            .suites
+            .get(p.done)
+            .is_none_or(|next| next.shape() != p.suite.shape());
+        if last_of_shape {
+            eprintln!(
+                "  [{}/{}] shape {} done, {:.1} s",
+                p.done,
+                p.total,
+                p.suite.shape(),
+                p.elapsed.as_secs_f64()
+            );
+        }
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(report.to_table().as_bytes())?;
+    stdout.flush()?;
+    if let (Some(file), Some(path)) = (json_file, &args.json) {
+        let mut w = std::io::BufWriter::new(file);
+        serde_json::to_writer_pretty(&mut w, &report)
+            .and_then(|()| w.write_all(b"\n").map_err(serde_json::Error::io))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        w.flush()
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("bench balance: report written to {}", path.display());
+    }
+    if report.validation_failures > 0 {
+        bail!(
+            "{} plans failed validation (see the report)",
+            report.validation_failures
+        );
+    }
+    Ok(())
+}
