@@ -16,8 +16,9 @@
 //! - the search starts at the plan-independent lower bound ([`crate::metrics::lower_bound`])
 //!   and gallops upward from it (the answer is almost always within a percent of the bound)
 //!   before bisecting; a feasible probe lowers the upper end to the load it actually reached;
-//! - admissible targets sit in a small vector sorted by slack, so a move costs `O(log R)` to find
-//!   and `O(R)` bytes to re-file, instead of a scan of all ranks.
+//! - ranks are sorted by load once per layer, so every probe reads its overloaded ranks and its
+//!   targets (by ascending slack) off that order without sorting; admissible targets sit in a
+//!   small sorted vector searched by a branch-free count and re-filed by a rotate.
 //!
 //! Why admissibility is only "slack and a free slot": an overloaded rank has no slack, so a target
 //! is never the expert's home, and each move exhausts the excess, the target's slack, the expert's

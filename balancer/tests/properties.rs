@@ -127,7 +127,7 @@ proptest! {
         slots in 0usize..4,
         pattern in pattern(),
         seed in any::<u64>(),
-        scale in 1u64..300,
+        scale in prop_oneof![1u64..300, (1u64 << 28)..(1u64 << 40)],
         scatter_home in any::<bool>(),
     ) {
         let layout = if scatter_home {
