@@ -167,8 +167,7 @@ fn balance(args: BalanceArgs) -> anyhow::Result<()> {
                 p.elapsed.as_secs_f64()
             );
         }
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    })?;
 
     let mut stdout = std::io::stdout().lock();
     stdout.write_all(report.to_table().as_bytes())?;

@@ -40,7 +40,12 @@ impl Balancer for EplbExact {
         load.check_shape(layout)?;
         let totals = load.expert_totals();
         let mut replicas = place_replicas(layout, &totals);
-        Ok(split_evenly(layout, load, &totals, &mut replicas))
+        Ok(assemble_with_even_split(
+            layout,
+            load,
+            &totals,
+            &mut replicas,
+        ))
     }
 }
 
@@ -137,7 +142,7 @@ impl Balancer for EplbHistory {
         let totals = load.expert_totals();
         self.scratch.clear();
         self.scratch.extend_from_slice(&self.placement);
-        let plan = split_evenly(layout, load, &totals, &mut self.scratch);
+        let plan = assemble_with_even_split(layout, load, &totals, &mut self.scratch);
         self.record(totals);
         self.step = self.step.wrapping_add(1);
         Ok(plan)
@@ -151,7 +156,7 @@ fn place_replicas(layout: &Layout, totals: &[u64]) -> Vec<Replica> {
 }
 
 /// Step (c): every source splits its tokens evenly (round-robin) among the expert's instances.
-fn split_evenly(
+fn assemble_with_even_split(
     layout: &Layout,
     load: &LoadMatrix,
     totals: &[u64],

@@ -240,16 +240,9 @@ pub fn run_balance(
 }
 
 /// A suite that could not be generated or laid out.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct RunError(pub String);
-
-impl fmt::Display for RunError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for RunError {}
 
 /// The seed suite `name` is generated with under master seed `seed`: independent streams per suite,
 /// stable across grids (a suite's loads do not depend on which other suites run).

@@ -266,16 +266,9 @@ impl Suite {
 }
 
 /// A suite that cannot be generated, with a one-line reason.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct InvalidSuite(pub String);
-
-impl fmt::Display for InvalidSuite {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for InvalidSuite {}
 
 /// The default benchmark grid over `shapes x tokens`:
 ///
