@@ -9,6 +9,7 @@
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Settings;
 use rackfill_bench::balance::{run_balance, BalanceRun};
+use rackfill_bench::forward::{run_forward, synthetic_bench_model};
 use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -20,6 +21,33 @@ pub enum BenchCommand {
     /// greedy-move) and report imbalance, optimality gap, replicas, fan-out, in-flight ratio and
     /// solve time.
     Balance(BalanceArgs),
+    /// Prefill tokens/s of the dense single-device forward (the bench shape with seeded random
+    /// weights, or a checkpoint given with --model).
+    Forward(ForwardArgs),
+}
+
+/// `rackfill bench forward`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ForwardArgs {
+    /// Checkpoint directory or HF id [default: the bench shape, random weights in memory]
+    #[arg(long)]
+    pub model: Option<String>,
+
+    /// Prompt lengths in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "512,2048,4096")]
+    pub tokens: Vec<usize>,
+
+    /// Timed runs per length (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    pub repeats: usize,
+
+    /// Seed for the random weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// `rackfill bench balance`.
@@ -97,6 +125,7 @@ fn parse_steps(s: &str) -> Result<usize, String> {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Balance(args) => balance(args),
+        BenchCommand::Forward(args) => forward(args),
     }
 }
 
@@ -135,14 +164,7 @@ fn balance(args: BalanceArgs) -> anyhow::Result<()> {
     if let Some(i) = args.rebalance_interval {
         settings.rebalance_interval = i;
     }
-    // Fail on an unwritable JSON path before minutes of work, not after.
-    let json_file = match &args.json {
-        Some(path) => Some(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot write {}", path.display()))?,
-        ),
-        None => None,
-    };
+    let json_file = create_report_file(args.json.as_deref())?;
 
     let suites = default_grid(&shapes, &tokens, args.steps);
     let run = BalanceRun::new(suites, args.seed, settings);
@@ -173,13 +195,7 @@ fn balance(args: BalanceArgs) -> anyhow::Result<()> {
     stdout.write_all(report.to_table().as_bytes())?;
     stdout.flush()?;
     if let (Some(file), Some(path)) = (json_file, &args.json) {
-        let mut w = std::io::BufWriter::new(file);
-        serde_json::to_writer_pretty(&mut w, &report)
-            .and_then(|()| w.write_all(b"\n").map_err(serde_json::Error::io))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        w.flush()
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("bench balance: report written to {}", path.display());
+        write_json(file, path, &report)?;
     }
     if report.validation_failures > 0 {
         bail!(
@@ -187,5 +203,59 @@ fn balance(args: BalanceArgs) -> anyhow::Result<()> {
             report.validation_failures
         );
     }
+    Ok(())
+}
+
+fn forward(args: ForwardArgs) -> anyhow::Result<()> {
+    let json_file = create_report_file(args.json.as_deref())?;
+    let (model, name) = match &args.model {
+        Some(spec) => {
+            let dir = rackfill_models::source::resolve(spec)?;
+            (rackfill_models::MoeModel::load(&dir)?, spec.clone())
+        }
+        None => (synthetic_bench_model(args.seed)?, "bench-shape".to_string()),
+    };
+    eprintln!(
+        "bench forward: {name}, prompts {:?} tokens, {} repeats",
+        args.tokens, args.repeats
+    );
+    let report = run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?;
+    println!("| tokens | tokens/s | seconds (each run) |");
+    println!("|-------:|---------:|:-------------------|");
+    for r in &report.results {
+        let runs: Vec<String> = r.seconds.iter().map(|s| format!("{s:.3}")).collect();
+        println!(
+            "| {} | {:.0} | {} |",
+            r.tokens,
+            r.tokens_per_s,
+            runs.join(", ")
+        );
+    }
+    if let (Some(file), Some(path)) = (json_file, &args.json) {
+        write_json(file, path, &report)?;
+    }
+    Ok(())
+}
+
+/// Opens a report file up front, so an unwritable path fails before minutes of work.
+fn create_report_file(path: Option<&std::path::Path>) -> anyhow::Result<Option<std::fs::File>> {
+    path.map(|path| {
+        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))
+    })
+    .transpose()
+}
+
+/// Writes a report as pretty JSON with a trailing newline.
+fn write_json(
+    file: std::fs::File,
+    path: &std::path::Path,
+    report: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    let mut w = std::io::BufWriter::new(file);
+    serde_json::to_writer_pretty(&mut w, report)
+        .and_then(|()| w.write_all(b"\n").map_err(serde_json::Error::io))
+        .and_then(|()| w.flush().map_err(serde_json::Error::io))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!("report written to {}", path.display());
     Ok(())
 }

@@ -1,3 +1,26 @@
 //! rackfill-models: Hugging Face MoE checkpoints (config.json, safetensors, tokenizer, chat
 //! template) loaded offline, with each family split into attention, router and per-expert FFN so
-//! that experts can run on any rank. Nothing is implemented yet.
+//! that experts can run on any rank.
+
+pub mod bundle;
+pub mod chat_template;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod families;
+pub mod generation_config;
+pub mod layers;
+pub mod model;
+pub mod source;
+pub mod tokenizer;
+
+pub use bundle::{ModelBundle, ModelOrigin, BUILTIN_MODEL_NAME};
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use checkpoint::Checkpoint;
+pub use config::{Family, ModelConfig};
+pub use error::{ModelError, Result};
+pub use generation_config::GenerationConfig;
+pub use layers::attention::{KvCache, LayerCache, SeqChunk};
+pub use layers::router::Routing;
+pub use model::{DecoderLayer, FeedForward, LogitsFor, MoeModel, SequenceInput};
+pub use tokenizer::{DecodeStream, Tokenizer};

@@ -1,0 +1,189 @@
+//! `rackfill bench forward`: prefill tokens/s of the dense single-device path.
+//!
+//! By default the model is the bench shape (a Qwen3-MoE with hidden 1024, 4 layers,
+//! 16/4 heads of 64, 64 experts top-8, moe_intermediate 256, vocab 32000) with seeded random
+//! weights built in memory, so the bench runs anywhere without files. `--model DIR` loads a real
+//! checkpoint instead: `scripts/bench_forward_hf.py` uses it to time transformers and rackfill on
+//! the same weights side by side.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use rackfill_models::{Checkpoint, LogitsFor, ModelConfig, MoeModel, SequenceInput};
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+use serde::Serialize;
+
+/// Errors of the forward bench.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardBenchError {
+    #[error(transparent)]
+    Model(#[from] rackfill_models::ModelError),
+    #[error("cannot build the synthetic checkpoint: {0}")]
+    Synthetic(String),
+    #[error("prompt length must be positive")]
+    EmptyPrompt,
+}
+
+/// `config.json` of the bench shape.
+pub fn bench_shape_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": true,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": false
+    })
+}
+
+/// Every tensor name and shape a Qwen3-MoE checkpoint of this config holds.
+fn qwen3_tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, v) = (config.hidden_size, config.vocab_size);
+    let (q, kv, d) = (
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.head_dim,
+    );
+    let (e, i) = (config.moe.num_experts, config.moe.intermediate_size);
+    let mut shapes = vec![
+        ("model.embed_tokens.weight".to_string(), vec![v, h]),
+        ("model.norm.weight".to_string(), vec![h]),
+        ("lm_head.weight".to_string(), vec![v, h]),
+    ];
+    for layer in 0..config.num_layers {
+        let p = format!("model.layers.{layer}");
+        let mut add = |name: String, shape: Vec<usize>| shapes.push((format!("{p}.{name}"), shape));
+        add("input_layernorm.weight".into(), vec![h]);
+        add("post_attention_layernorm.weight".into(), vec![h]);
+        add("self_attn.q_proj.weight".into(), vec![q, h]);
+        add("self_attn.k_proj.weight".into(), vec![kv, h]);
+        add("self_attn.v_proj.weight".into(), vec![kv, h]);
+        add("self_attn.o_proj.weight".into(), vec![h, q]);
+        add("self_attn.q_norm.weight".into(), vec![d]);
+        add("self_attn.k_norm.weight".into(), vec![d]);
+        add("mlp.gate.weight".into(), vec![e, h]);
+        for expert in 0..e {
+            add(format!("mlp.experts.{expert}.gate_proj.weight"), vec![i, h]);
+            add(format!("mlp.experts.{expert}.up_proj.weight"), vec![i, h]);
+            add(format!("mlp.experts.{expert}.down_proj.weight"), vec![h, i]);
+        }
+    }
+    shapes
+}
+
+/// The bench-shape model with seeded random weights (norms 1, everything else N(0, 0.02), the
+/// initialisation transformers uses), built as an in-memory safetensors checkpoint so it goes
+/// through the real loader.
+pub fn synthetic_bench_model(seed: u64) -> Result<MoeModel, ForwardBenchError> {
+    let config_json = bench_shape_config().to_string();
+    let config = ModelConfig::from_json_str(&config_json, Path::new("<bench shape>"))?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal =
+        Normal::new(0.0f32, 0.02).map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
+    let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (name, shape) in qwen3_tensor_shapes(&config) {
+        let count: usize = shape.iter().product();
+        let bytes = if name.ends_with("norm.weight") {
+            half::bf16::from_f32(1.0).to_le_bytes().repeat(count)
+        } else {
+            (0..count)
+                .flat_map(|_| half::bf16::from_f32(normal.sample(&mut rng)).to_le_bytes())
+                .collect()
+        };
+        data.insert(name, (shape, bytes));
+    }
+    let views = data
+        .iter()
+        .map(|(name, (shape, bytes))| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
+    let bytes = safetensors::serialize(views, None)
+        .map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
+    let checkpoint = Checkpoint::from_bytes("<bench shape>", bytes)?;
+    Ok(MoeModel::from_checkpoint(config, &checkpoint)?)
+}
+
+/// One prompt length's timings.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardResult {
+    pub tokens: usize,
+    /// Median over repeats.
+    pub tokens_per_s: f64,
+    pub seconds: Vec<f64>,
+}
+
+/// The whole bench's output (the JSON `--json` writes).
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardReport {
+    #[serde(rename = "impl")]
+    pub implementation: &'static str,
+    pub model: String,
+    pub threads: usize,
+    pub results: Vec<ForwardResult>,
+}
+
+/// Times one prefill (whole prompt, last-position logits) per repeat after one warm-up, for each
+/// prompt length.
+pub fn run_forward(
+    model: &MoeModel,
+    model_name: &str,
+    lengths: &[usize],
+    repeats: usize,
+    seed: u64,
+) -> Result<ForwardReport, ForwardBenchError> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let vocab = model.config().vocab_size as u32;
+    let mut results = Vec::with_capacity(lengths.len());
+    for &length in lengths {
+        if length == 0 {
+            return Err(ForwardBenchError::EmptyPrompt);
+        }
+        let prompt: Vec<u32> = (0..length).map(|_| rng.gen_range(0..vocab)).collect();
+        let time_once = || -> Result<f64, ForwardBenchError> {
+            let mut cache = model.new_cache();
+            let start = Instant::now();
+            let mut batch = [SequenceInput {
+                tokens: &prompt,
+                cache: &mut cache,
+            }];
+            model.forward(&mut batch, LogitsFor::LastPosition)?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        time_once()?;
+        let seconds = (0..repeats.max(1))
+            .map(|_| time_once())
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut sorted = seconds.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        results.push(ForwardResult {
+            tokens: length,
+            tokens_per_s: length as f64 / median,
+            seconds,
+        });
+    }
+    Ok(ForwardReport {
+        implementation: "rackfill",
+        model: model_name.to_string(),
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        results,
+    })
+}

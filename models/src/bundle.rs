@@ -1,0 +1,163 @@
+//! Everything the server needs to serve one model: the weights, the tokenizer, the chat template,
+//! the generation defaults and the name clients address it by. [`ModelBundle::load`] takes what a
+//! user passes to `--model` (a directory or a hub id), or nothing for the built-in model.
+
+use std::path::{Path, PathBuf};
+
+use crate::chat_template::{load_chat_template, ChatTemplate};
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::generation_config::GenerationConfig;
+use crate::model::MoeModel;
+use crate::source;
+use crate::tokenizer::Tokenizer;
+use crate::Result;
+
+/// The name the built-in model is served under (`"model"` in requests, `/v1/models`).
+pub const BUILTIN_MODEL_NAME: &str = "rackfill-tiny-moe";
+
+/// The built-in model's files, compiled into the binary so that `rackfill serve` works offline
+/// from any directory. `scripts/make_builtin_model.py` writes them.
+mod builtin_files {
+    pub const CONFIG: &str = include_str!("../builtin/config.json");
+    pub const WEIGHTS: &[u8] = include_bytes!("../builtin/model.safetensors");
+    pub const TOKENIZER: &[u8] = include_bytes!("../builtin/tokenizer.json");
+    pub const TOKENIZER_CONFIG: &str = include_str!("../builtin/tokenizer_config.json");
+    pub const GENERATION_CONFIG: &str = include_str!("../builtin/generation_config.json");
+}
+
+/// Where a bundle's files came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelOrigin {
+    /// The model compiled into the binary.
+    Builtin,
+    /// A checkpoint directory (given directly or resolved from a hub id).
+    Directory(PathBuf),
+}
+
+/// A model ready to serve.
+pub struct ModelBundle {
+    /// The id clients put in `"model"`: the `--model` argument as given, or
+    /// [`BUILTIN_MODEL_NAME`].
+    pub name: String,
+    pub origin: ModelOrigin,
+    pub model: MoeModel,
+    pub tokenizer: Tokenizer,
+    /// `None` for base models without a template (chat requests are then refused).
+    pub chat_template: Option<ChatTemplate>,
+    /// Defaults from `generation_config.json` (all empty when the file is absent).
+    pub generation: GenerationConfig,
+    /// Tokens that end a generation: `generation_config.json`'s `eos_token_id`, else
+    /// `config.json`'s, else the tokenizer config's `eos_token`.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl ModelBundle {
+    /// Loads `spec` (a checkpoint directory, `org/name` or `org/name@revision`), or the built-in
+    /// model when `spec` is `None`.
+    pub fn load(spec: Option<&str>) -> Result<Self> {
+        match spec {
+            None => Self::builtin(),
+            Some(spec) => {
+                let dir = source::resolve(spec)?;
+                Self::from_dir(&dir, spec.trim_end_matches('/').to_string())
+            }
+        }
+    }
+
+    /// The built-in tiny Qwen3-MoE (see `models/builtin/README.md`).
+    pub fn builtin() -> Result<Self> {
+        let origin = Path::new("<builtin>/config.json");
+        let config = ModelConfig::from_json_str(builtin_files::CONFIG, origin)?;
+        let checkpoint =
+            Checkpoint::from_static("<builtin>/model.safetensors", builtin_files::WEIGHTS)?;
+        let model = MoeModel::from_checkpoint(config, &checkpoint)?;
+        let tokenizer =
+            Tokenizer::from_bytes(builtin_files::TOKENIZER, "<builtin>/tokenizer.json")?;
+        let chat_template = ChatTemplate::from_tokenizer_config_json(
+            builtin_files::TOKENIZER_CONFIG,
+            "<builtin>/tokenizer_config.json",
+        )?;
+        let generation = GenerationConfig::from_json_str(
+            builtin_files::GENERATION_CONFIG,
+            "<builtin>/generation_config.json",
+        )?;
+        Ok(Self::assemble(
+            BUILTIN_MODEL_NAME.into(),
+            ModelOrigin::Builtin,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+        ))
+    }
+
+    /// Loads a checkpoint directory: `config.json`, the safetensors, `tokenizer.json` (required),
+    /// the chat template and `generation_config.json` (both optional).
+    pub fn from_dir(dir: &Path, name: String) -> Result<Self> {
+        let model = MoeModel::load(dir)?;
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+        let chat_template = load_chat_template(dir)?;
+        let generation = GenerationConfig::load(dir)?.unwrap_or_default();
+        Ok(Self::assemble(
+            name,
+            ModelOrigin::Directory(dir.to_path_buf()),
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+        ))
+    }
+
+    fn assemble(
+        name: String,
+        origin: ModelOrigin,
+        model: MoeModel,
+        tokenizer: Tokenizer,
+        chat_template: Option<ChatTemplate>,
+        generation: GenerationConfig,
+    ) -> Self {
+        let stop_token_ids = stop_tokens(&generation, model.config(), &tokenizer, &chat_template);
+        Self {
+            name,
+            origin,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+            stop_token_ids,
+        }
+    }
+}
+
+/// The first source that names any end-of-sequence token wins, as in `transformers`' `generate`
+/// (which merges `generation_config.json` over `config.json`).
+fn stop_tokens(
+    generation: &GenerationConfig,
+    config: &ModelConfig,
+    tokenizer: &Tokenizer,
+    template: &Option<ChatTemplate>,
+) -> Vec<u32> {
+    if !generation.eos_token_ids.is_empty() {
+        return dedup(&generation.eos_token_ids);
+    }
+    if !config.eos_token_ids.is_empty() {
+        return dedup(&config.eos_token_ids);
+    }
+    template
+        .as_ref()
+        .and_then(|t| t.special_tokens().eos_token.as_deref())
+        .and_then(|text| tokenizer.token_id(text))
+        .into_iter()
+        .collect()
+}
+
+fn dedup(ids: &[u32]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(ids.len());
+    for &id in ids {
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}

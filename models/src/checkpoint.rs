@@ -1,0 +1,284 @@
+//! Safetensors checkpoints: one file or a sharded set with `model.safetensors.index.json`,
+//! memory-mapped (or embedded, for the built-in model), converted to f32 on load.
+//!
+//! Headers are validated when the checkpoint opens, so a truncated file is reported with its
+//! path before any layer is built; tensor lookups report the tensor name and expected shape.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{ModelError, Result};
+
+/// The bytes of one safetensors file.
+enum ShardBytes {
+    Mapped(memmap2::Mmap),
+    Static(&'static [u8]),
+    Owned(Vec<u8>),
+}
+
+impl ShardBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Mapped(map) => map,
+            Self::Static(bytes) => bytes,
+            Self::Owned(bytes) => bytes,
+        }
+    }
+}
+
+struct Shard {
+    path: PathBuf,
+    bytes: ShardBytes,
+}
+
+/// Where one tensor lives: its shard, dtype, shape and byte range in the shard.
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// All tensors of a checkpoint, addressable by name.
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    entries: HashMap<String, Entry>,
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors.index.json` and its shards, or `dir/model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        let files = if index.is_file() {
+            shard_files(&index)?
+                .into_iter()
+                .map(|name| dir.join(name))
+                .collect()
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.is_file() {
+                return Err(ModelError::MissingFile { path: single });
+            }
+            vec![single]
+        };
+        let shards = files
+            .into_iter()
+            .map(|path| {
+                let file = std::fs::File::open(&path).map_err(|source| match source.kind() {
+                    std::io::ErrorKind::NotFound => ModelError::MissingFile { path: path.clone() },
+                    _ => ModelError::Io {
+                        path: path.clone(),
+                        source,
+                    },
+                })?;
+                // SAFETY: the map is read-only; a checkpoint modified while being served is the
+                // user's error, as for every mmap-based loader (transformers, candle, vLLM).
+                let map =
+                    unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+                Ok(Shard {
+                    path,
+                    bytes: ShardBytes::Mapped(map),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::index(shards)
+    }
+
+    /// A checkpoint from embedded bytes (`origin` names it in errors).
+    pub fn from_static(origin: &str, bytes: &'static [u8]) -> Result<Self> {
+        Self::index(vec![Shard {
+            path: PathBuf::from(origin),
+            bytes: ShardBytes::Static(bytes),
+        }])
+    }
+
+    /// A checkpoint from safetensors bytes built in memory (benchmarks with generated weights).
+    pub fn from_bytes(origin: &str, bytes: Vec<u8>) -> Result<Self> {
+        Self::index(vec![Shard {
+            path: PathBuf::from(origin),
+            bytes: ShardBytes::Owned(bytes),
+        }])
+    }
+
+    fn index(shards: Vec<Shard>) -> Result<Self> {
+        let mut entries = HashMap::new();
+        for (shard_index, shard) in shards.iter().enumerate() {
+            let data = shard.bytes.as_slice();
+            let parsed = SafeTensors::deserialize(data).map_err(|e| ModelError::Safetensors {
+                path: shard.path.clone(),
+                message: e.to_string(),
+            })?;
+            for (name, view) in parsed.tensors() {
+                let start = view.data().as_ptr() as usize - data.as_ptr() as usize;
+                let entry = Entry {
+                    shard: shard_index,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    start,
+                    end: start + view.data().len(),
+                };
+                entries.insert(name, entry);
+            }
+        }
+        Ok(Self { shards, entries })
+    }
+
+    /// Whether the checkpoint holds a tensor of this name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The stored shape of a tensor, if present.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// Loads a tensor as f32 and checks its shape.
+    pub fn tensor(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let entry = self.entry(name)?;
+        if entry.shape != expected {
+            return Err(ModelError::TensorShape {
+                path: self.shards[entry.shard].path.clone(),
+                name: name.to_string(),
+                found: entry.shape.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        let values = self.values(name, entry)?;
+        Ok(Tensor::from_vec(values, expected, &Device::Cpu)?)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.describe(),
+                name: name.to_string(),
+            })
+    }
+
+    fn values(&self, name: &str, entry: &Entry) -> Result<Vec<f32>> {
+        let shard = &self.shards[entry.shard];
+        let bytes = &shard.bytes.as_slice()[entry.start..entry.end];
+        Ok(match entry.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::TensorDtype {
+                    path: shard.path.clone(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        })
+    }
+
+    /// The checkpoint's files, for error messages about tensors found in none of them.
+    fn describe(&self) -> PathBuf {
+        match self.shards.as_slice() {
+            [one] => one.path.clone(),
+            shards => {
+                let dir = shards
+                    .first()
+                    .and_then(|s| s.path.parent())
+                    .unwrap_or(Path::new(""));
+                dir.join(format!("model-*.safetensors ({} shards)", shards.len()))
+            }
+        }
+    }
+
+    /// A prefix view for building one module (`VarBuilder::pp` style).
+    pub fn root(&self) -> Weights<'_> {
+        Weights {
+            checkpoint: self,
+            prefix: String::new(),
+        }
+    }
+}
+
+/// The distinct shard file names listed in an index's `weight_map`.
+pub(crate) fn shard_files(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|source| ModelError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let bad = |message: String| ModelError::Json {
+        path: index.to_path_buf(),
+        message,
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("missing object weight_map".into()))?;
+    let files: BTreeSet<&str> = map
+        .values()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| bad("weight_map values must be file names".into()))
+        })
+        .collect::<Result<_>>()?;
+    if let Some(bad_name) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(bad(format!(
+            "shard {bad_name:?} is not a file name in this directory"
+        )));
+    }
+    Ok(files.into_iter().map(str::to_string).collect())
+}
+
+/// A checkpoint seen under a name prefix, the way a module's weights are named.
+#[derive(Clone)]
+pub struct Weights<'a> {
+    checkpoint: &'a Checkpoint,
+    prefix: String,
+}
+
+impl<'a> Weights<'a> {
+    /// Descends into a submodule: `w.pp("layers").pp(3)` names `layers.3.*`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Weights<'a> {
+        let prefix = if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        };
+        Weights {
+            checkpoint: self.checkpoint,
+            prefix,
+        }
+    }
+
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        }
+    }
+
+    /// Loads `prefix.name` with the expected shape.
+    pub fn get(&self, shape: &[usize], name: &str) -> Result<Tensor> {
+        self.checkpoint.tensor(&self.full(name), shape)
+    }
+
+    /// Whether `prefix.name` exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.checkpoint.contains(&self.full(name))
+    }
+}

@@ -1,0 +1,173 @@
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention (optional q LoRA,
+//! compressed KV with a decoupled shared RoPE key part), sigmoid router with
+//! `e_score_correction_bias`, group-limited top-k, `routed_scaling_factor`, shared experts, and
+//! dense MLP layers before `first_k_dense_replace`.
+
+use candle_core::{Module, Tensor, D};
+
+use crate::checkpoint::Weights;
+use crate::config::{MlaConfig, ModelConfig, RopeScaling};
+use crate::error::{ModelError, Result};
+use crate::layers::attention::{causal_attention, check_chunks, Attention, SeqChunk};
+use crate::layers::moe::{load_experts, MoeBlock, SharedExpert};
+use crate::layers::rope::{yarn_mscale, Rope};
+use crate::layers::router::Router;
+use crate::layers::{Linear, MlpNames, RmsNorm};
+use crate::model::FamilyLoader;
+
+use super::qwen3_moe;
+
+pub(crate) const LOADER: FamilyLoader = FamilyLoader {
+    attention,
+    moe,
+    dense: qwen3_moe::dense,
+};
+
+/// The query path: a direct projection, or DeepSeek's low-rank `q_a -> norm -> q_b`.
+enum QueryProjection {
+    Direct(Linear),
+    LowRank { a: Linear, norm: RmsNorm, b: Linear },
+}
+
+/// Multi-head latent attention. The KV cache holds the expanded per-head keys and values: on a
+/// CPU host the expansion costs more than the memory it would save.
+struct MlaAttention {
+    query: QueryProjection,
+    kv_a: Linear,
+    kv_norm: RmsNorm,
+    kv_b: Linear,
+    o_proj: Linear,
+    rope: Rope,
+    dims: MlaConfig,
+    heads: usize,
+    scale: f64,
+}
+
+fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
+    let dims = config.mla.clone().ok_or_else(|| {
+        ModelError::Input("DeepSeek-V3 config lacks the latent attention dimensions".into())
+    })?;
+    let w = w.pp("self_attn");
+    let (hidden, heads, eps) = (config.hidden_size, config.num_heads, config.rms_norm_eps);
+    let bias = config.attention_bias;
+    let qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+    let query = match dims.q_lora_rank {
+        None => QueryProjection::Direct(Linear::load(
+            &w.pp("q_proj"),
+            hidden,
+            heads * qk_head,
+            false,
+        )?),
+        Some(rank) => QueryProjection::LowRank {
+            a: Linear::load(&w.pp("q_a_proj"), hidden, rank, bias)?,
+            norm: RmsNorm::load(&w.pp("q_a_layernorm"), rank, eps)?,
+            b: Linear::load(&w.pp("q_b_proj"), rank, heads * qk_head, false)?,
+        },
+    };
+    let mut scale = 1.0 / (qk_head as f64).sqrt();
+    if let RopeScaling::Yarn {
+        factor,
+        mscale_all_dim,
+        ..
+    } = config.rope.scaling
+    {
+        if mscale_all_dim != 0.0 {
+            let m = yarn_mscale(factor, mscale_all_dim);
+            scale *= m * m;
+        }
+    }
+    Ok(Box::new(MlaAttention {
+        query,
+        kv_a: Linear::load(
+            &w.pp("kv_a_proj_with_mqa"),
+            hidden,
+            dims.kv_lora_rank + dims.qk_rope_head_dim,
+            bias,
+        )?,
+        kv_norm: RmsNorm::load(&w.pp("kv_a_layernorm"), dims.kv_lora_rank, eps)?,
+        kv_b: Linear::load(
+            &w.pp("kv_b_proj"),
+            dims.kv_lora_rank,
+            heads * (dims.qk_nope_head_dim + dims.v_head_dim),
+            false,
+        )?,
+        o_proj: Linear::load(&w.pp("o_proj"), heads * dims.v_head_dim, hidden, bias)?,
+        rope: Rope::new(&config.rope, dims.qk_rope_head_dim, dims.rope_interleave),
+        dims,
+        heads,
+        scale,
+    }))
+}
+
+impl MlaAttention {
+    /// `[n, heads * d]` to `[heads, n, d]`.
+    fn heads_first(x: &Tensor, heads: usize) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        Ok(x.reshape((n, heads, ()))?.transpose(0, 1)?.contiguous()?)
+    }
+}
+
+impl Attention for MlaAttention {
+    fn forward(&self, x: &Tensor, chunks: &mut [SeqChunk<'_>]) -> Result<Tensor> {
+        check_chunks(x, chunks)?;
+        if x.dim(0)? == 0 {
+            return Ok(x.clone());
+        }
+        let d = &self.dims;
+        let (nope, rot) = (d.qk_nope_head_dim, d.qk_rope_head_dim);
+        let q = match &self.query {
+            QueryProjection::Direct(proj) => proj.forward(x)?,
+            QueryProjection::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
+        };
+        let kv = self.kv_a.forward(x)?;
+        let latent = self
+            .kv_norm
+            .forward(&kv.narrow(D::Minus1, 0, d.kv_lora_rank)?)?;
+        let k_rot = kv.narrow(D::Minus1, d.kv_lora_rank, rot)?;
+        let kv = self.kv_b.forward(&latent)?;
+        let mut outputs = Vec::with_capacity(chunks.len());
+        let mut row = 0;
+        for chunk in chunks.iter_mut() {
+            let (n, start) = (chunk.len, chunk.cache.len());
+            if n == 0 {
+                continue;
+            }
+            let q = Self::heads_first(&q.narrow(0, row, n)?, self.heads)?;
+            let q_rot = self.rope.apply(&q.narrow(2, nope, rot)?, start)?;
+            let q = Tensor::cat(&[&q.narrow(2, 0, nope)?, &q_rot], 2)?;
+            let k_rot = self
+                .rope
+                .apply(&k_rot.narrow(0, row, n)?.unsqueeze(0)?, start)?;
+            let kv = Self::heads_first(&kv.narrow(0, row, n)?, self.heads)?;
+            let k_nope = kv.narrow(2, 0, nope)?;
+            let values = kv.narrow(2, nope, d.v_head_dim)?.contiguous()?;
+            let k_rot = k_rot.broadcast_as((self.heads, n, rot))?;
+            let keys = Tensor::cat(&[&k_nope, &k_rot], 2)?;
+            let (keys, values) = chunk.cache.append(keys, values)?;
+            outputs.push(causal_attention(&q, &keys, &values, self.scale)?);
+            row += n;
+        }
+        Ok(self.o_proj.forward(&Tensor::cat(&outputs, 0)?)?)
+    }
+}
+
+/// `mlp.gate` (with `e_score_correction_bias`), `mlp.experts.*`, `mlp.shared_experts`.
+fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+    let w = w.pp("mlp");
+    let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
+    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF)?;
+    let shared = config
+        .moe
+        .shared
+        .as_ref()
+        .map(|shared| {
+            SharedExpert::load(
+                &w.pp("shared_experts"),
+                &w.pp("shared_experts_gate"),
+                config.hidden_size,
+                shared,
+            )
+        })
+        .transpose()?;
+    Ok(MoeBlock::new(router, experts, shared))
+}

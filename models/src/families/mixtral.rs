@@ -1,0 +1,36 @@
+//! Mixtral (`MixtralForCausalLM`): GQA, every layer sparse, softmax top-k router renormalised
+//! over the chosen experts, experts named `w1` (gate), `w3` (up), `w2` (down) under
+//! `block_sparse_moe` (hub checkpoints) or `mlp` (newer transformers module naming).
+
+use crate::checkpoint::Weights;
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::moe::{load_experts, MoeBlock};
+use crate::layers::router::Router;
+use crate::layers::{Mlp, MlpNames};
+use crate::model::FamilyLoader;
+
+use super::qwen3_moe;
+
+pub(crate) const LOADER: FamilyLoader = FamilyLoader {
+    attention: qwen3_moe::attention,
+    moe,
+    dense,
+};
+
+/// The MoE block under whichever prefix the checkpoint uses.
+fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+    let block = if w.contains("block_sparse_moe.gate.weight") {
+        w.pp("block_sparse_moe")
+    } else {
+        w.pp("mlp")
+    };
+    let router = Router::load(&block.pp("gate"), config.hidden_size, &config.moe)?;
+    let experts = load_experts(&block.pp("experts"), config, MlpNames::MIXTRAL)?;
+    Ok(MoeBlock::new(router, experts, None))
+}
+
+/// Mixtral has no dense layers; the config marks every layer sparse, so this never runs.
+fn dense(_: &Weights, _: &ModelConfig) -> Result<Mlp> {
+    Err(ModelError::Input("Mixtral has no dense MLP layers".into()))
+}

@@ -1,0 +1,41 @@
+//! Qwen3-MoE (`Qwen3MoeForCausalLM`): GQA with per-head q/k RMSNorm, softmax top-k router with
+//! optional renormalisation (`norm_topk_prob`), dense MLP layers per `mlp_only_layers` /
+//! `decoder_sparse_step`, no shared expert.
+
+use crate::checkpoint::Weights;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::layers::attention::{Attention, GqaAttention};
+use crate::layers::moe::{load_experts, MoeBlock};
+use crate::layers::router::Router;
+use crate::layers::{Mlp, MlpNames};
+use crate::model::FamilyLoader;
+
+pub(crate) const LOADER: FamilyLoader = FamilyLoader {
+    attention,
+    moe,
+    dense,
+};
+
+/// `self_attn.*` (q/k norm presence comes from the config).
+pub(crate) fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
+    Ok(Box::new(GqaAttention::load(&w.pp("self_attn"), config)?))
+}
+
+/// `mlp.gate` and `mlp.experts.*`.
+fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+    let w = w.pp("mlp");
+    let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
+    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF)?;
+    Ok(MoeBlock::new(router, experts, None))
+}
+
+/// `mlp.{gate,up,down}_proj` of width `intermediate_size`.
+pub(crate) fn dense(w: &Weights, config: &ModelConfig) -> Result<Mlp> {
+    Mlp::load(
+        &w.pp("mlp"),
+        config.hidden_size,
+        config.intermediate_size,
+        MlpNames::HF,
+    )
+}

@@ -1,0 +1,231 @@
+//! A loaded MoE model split into the pieces the engine schedules separately: embedding, per
+//! layer attention (on a rank's own tokens, with KV cache), router, per-expert FFNs, shared
+//! experts, final norm and LM head. [`MoeModel::forward`] is the dense single-device reference
+//! path: all experts local.
+
+use std::path::Path;
+
+use candle_core::{Device, Module, Tensor};
+
+use crate::checkpoint::{Checkpoint, Weights};
+use crate::config::{Family, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::families;
+use crate::layers::attention::{Attention, KvCache, SeqChunk};
+use crate::layers::moe::MoeBlock;
+use crate::layers::{Linear, Mlp, RmsNorm};
+
+/// The feed-forward half of a decoder layer.
+pub enum FeedForward {
+    /// A dense gated MLP (Qwen `mlp_only_layers`, DeepSeek's first layers).
+    Dense(Mlp),
+    /// Router, routed experts and shared experts.
+    Moe(MoeBlock),
+}
+
+impl FeedForward {
+    /// Dense reference forward (all experts local).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(mlp) => Ok(mlp.forward(x)?),
+            Self::Moe(block) => block.forward(x),
+        }
+    }
+}
+
+/// One transformer block: pre-norm attention and pre-norm feed-forward, each with a residual.
+pub struct DecoderLayer {
+    input_norm: RmsNorm,
+    attention: Box<dyn Attention>,
+    post_attention_norm: RmsNorm,
+    ffn: FeedForward,
+}
+
+impl DecoderLayer {
+    /// `x + attention(norm(x))` for a batch of sequence chunks.
+    pub fn attention_residual(&self, x: &Tensor, chunks: &mut [SeqChunk<'_>]) -> Result<Tensor> {
+        let normed = self.input_norm.forward(x)?;
+        Ok((x + self.attention.forward(&normed, chunks)?)?)
+    }
+
+    /// The normalised input of the feed-forward half.
+    pub fn ffn_input(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(self.post_attention_norm.forward(h)?)
+    }
+
+    /// The feed-forward half (dense MLP or MoE block).
+    pub fn ffn(&self) -> &FeedForward {
+        &self.ffn
+    }
+
+    /// Dense reference forward of the whole layer.
+    pub fn forward(&self, x: &Tensor, chunks: &mut [SeqChunk<'_>]) -> Result<Tensor> {
+        let h = self.attention_residual(x, chunks)?;
+        let out = self.ffn.forward(&self.ffn_input(&h)?)?;
+        Ok((h + out)?)
+    }
+}
+
+/// One sequence's new tokens and its cache, for a batched forward.
+pub struct SequenceInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every new token (prompt scoring, `echo` with logprobs).
+    AllPositions,
+    /// Only each sequence's last new token (plain prefill then sampling).
+    LastPosition,
+}
+
+/// A loaded model of any supported family.
+pub struct MoeModel {
+    config: ModelConfig,
+    /// `[V, H]`.
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+/// The per-family constructors of a layer's parts; each family file provides one.
+pub(crate) struct FamilyLoader {
+    pub attention: fn(&Weights, &ModelConfig) -> Result<Box<dyn Attention>>,
+    pub moe: fn(&Weights, &ModelConfig) -> Result<MoeBlock>,
+    pub dense: fn(&Weights, &ModelConfig) -> Result<Mlp>,
+}
+
+impl MoeModel {
+    /// Loads `config.json` and the safetensors of a local checkpoint directory.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::load(dir)?;
+        let checkpoint = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &checkpoint)
+    }
+
+    /// Builds the model from a parsed config and an opened checkpoint.
+    pub fn from_checkpoint(config: ModelConfig, checkpoint: &Checkpoint) -> Result<Self> {
+        let loader = match config.family {
+            Family::Qwen3Moe => families::qwen3_moe::LOADER,
+            Family::Qwen2Moe => families::qwen2_moe::LOADER,
+            Family::Mixtral => families::mixtral::LOADER,
+            Family::DeepseekV3 => families::deepseek_v3::LOADER,
+        };
+        let root = checkpoint.root();
+        let model = root.pp("model");
+        let (vocab, hidden, eps) = (config.vocab_size, config.hidden_size, config.rms_norm_eps);
+        let embed_tokens = model.pp("embed_tokens").get(&[vocab, hidden], "weight")?;
+        let layers = (0..config.num_layers)
+            .map(|i| {
+                let w = model.pp("layers").pp(i);
+                let ffn = if config.sparse_layers[i] {
+                    FeedForward::Moe((loader.moe)(&w, &config)?)
+                } else {
+                    FeedForward::Dense((loader.dense)(&w, &config)?)
+                };
+                Ok(DecoderLayer {
+                    input_norm: RmsNorm::load(&w.pp("input_layernorm"), hidden, eps)?,
+                    attention: (loader.attention)(&w, &config)?,
+                    post_attention_norm: RmsNorm::load(
+                        &w.pp("post_attention_layernorm"),
+                        hidden,
+                        eps,
+                    )?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&model.pp("norm"), hidden, eps)?;
+        let lm_head = if config.tie_word_embeddings && !root.contains("lm_head.weight") {
+            Linear::from_weight(&embed_tokens)?
+        } else {
+            Linear::load(&root.pp("lm_head"), hidden, vocab, false)?
+        };
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The normalised architecture.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The decoder layers, for the engine's layer-by-layer EP execution.
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// An empty KV cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_layers)
+    }
+
+    /// Token embeddings `[T, H]`; ids beyond the vocabulary are an input error.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let vocab = self.config.vocab_size;
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
+        Ok(self.embed_tokens.index_select(&ids, 0)?)
+    }
+
+    /// Final norm and LM head: hidden states `[T, H]` to logits `[T, V]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(&self.norm.forward(hidden)?)?)
+    }
+
+    /// Dense reference forward of a batch of sequences, each continuing from its cache.
+    /// Returns logits for every new token (rows in batch order) or for each sequence's last one.
+    pub fn forward(&self, batch: &mut [SequenceInput<'_>], which: LogitsFor) -> Result<Tensor> {
+        let tokens: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        if batch
+            .iter()
+            .any(|s| s.cache.layers.len() != self.layers.len())
+        {
+            return Err(ModelError::Input(
+                "KV cache was made for a different model".into(),
+            ));
+        }
+        let mut x = self.embed(&tokens)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            let mut chunks: Vec<SeqChunk<'_>> = batch
+                .iter_mut()
+                .map(|s| SeqChunk {
+                    len: s.tokens.len(),
+                    cache: &mut s.cache.layers[index],
+                })
+                .collect();
+            x = layer.forward(&x, &mut chunks)?;
+        }
+        let x = match which {
+            LogitsFor::AllPositions => x,
+            LogitsFor::LastPosition => {
+                let mut last = Vec::with_capacity(batch.len());
+                let mut end = 0u32;
+                for s in batch.iter() {
+                    end += s.tokens.len() as u32;
+                    if !s.tokens.is_empty() {
+                        last.push(end - 1);
+                    }
+                }
+                let n = last.len();
+                x.index_select(&Tensor::from_vec(last, n, &Device::Cpu)?, 0)?
+            }
+        };
+        self.logits(&x)
+    }
+}

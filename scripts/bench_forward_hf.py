@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Prefill tokens/s of HF transformers on the bench shape, side by side with `rackfill bench forward`.
+
+Writes the issue's bench shape (Qwen3-MoE: hidden 1024, 4 layers, 16/4 heads of 64, 64 experts
+top-8, moe_intermediate 256, vocab 32000) with seeded random weights (transformers' own init,
+saved in bf16) to --dir, times transformers on it (float32, sdpa attention, --threads torch
+threads, one warm-up then --repeats timed prefills per prompt length, median; last-position
+logits only, as rackfill does), and, with --rackfill BIN, runs
+
+    BIN bench forward --model DIR --tokens ... --repeats ... --json OUT
+
+on the same checkpoint right after, alternating the two per round so machine noise hits both.
+Prints a table with the ratio and writes everything to --json.
+
+    python3 scripts/bench_forward_hf.py --rackfill target/release/rackfill [--rounds 2]
+
+Needs torch, transformers, safetensors (not needed by CI).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+BENCH_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+
+
+def make_checkpoint(path, seed):
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**BENCH_SHAPE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def time_hf(path, lengths, repeats, threads, seed):
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    results = []
+    for n in lengths:
+        ids = torch.randint(0, BENCH_SHAPE["vocab_size"], (1, n), generator=g)
+
+        def once():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model(input_ids=ids, logits_to_keep=1)
+            return time.perf_counter() - start
+
+        once()
+        seconds = [once() for _ in range(repeats)]
+        results.append({"tokens": n, "tokens_per_s": n / statistics.median(seconds), "seconds": seconds})
+    return {"impl": "transformers", "model": path, "threads": threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "results": results}
+
+
+def time_rackfill(binary, path, lengths, repeats, seed):
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [binary, "bench", "forward", "--model", path, "--tokens", ",".join(map(str, lengths)),
+               "--repeats", str(repeats), "--seed", str(seed), "--json", out.name]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(out.name) as f:
+            return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "rackfill-bench-shape"),
+                    help="where the bench-shape checkpoint is written (reused when present)")
+    ap.add_argument("--tokens", default="512,2048,4096")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating transformers/rackfill rounds")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rackfill", help="path of the rackfill binary to run side by side")
+    ap.add_argument("--json", help="write all measurements here")
+    args = ap.parse_args()
+    lengths = [int(t) for t in args.tokens.split(",")]
+
+    make_checkpoint(args.dir, args.seed)
+    rounds = []
+    for r in range(args.rounds):
+        entry = {"transformers": time_hf(args.dir, lengths, args.repeats, args.threads, args.seed)}
+        if args.rackfill:
+            entry["rackfill"] = time_rackfill(args.rackfill, args.dir, lengths, args.repeats, args.seed)
+        rounds.append(entry)
+        print(f"round {r}:")
+        print(f"  {'tokens':>7} {'transformers tok/s':>19} {'rackfill tok/s':>15} {'ratio':>6}")
+        for i, n in enumerate(lengths):
+            hf = entry["transformers"]["results"][i]["tokens_per_s"]
+            if args.rackfill:
+                rf = entry["rackfill"]["results"][i]["tokens_per_s"]
+                print(f"  {n:>7} {hf:>19.0f} {rf:>15.0f} {rf / hf:>5.2f}x")
+            else:
+                print(f"  {n:>7} {hf:>19.0f}")
+        sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": BENCH_SHAPE, "rounds": rounds}, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
