@@ -91,6 +91,20 @@ def time_rackfill(binary, path, lengths, repeats, seed):
             return json.load(f)
 
 
+def print_summary(rounds, lengths):
+    """Tokens/s over every timed run of every round: best (the least-disturbed run on a noisy
+    machine) and median, with the rackfill / transformers ratio of each."""
+    print(f"all {len(rounds)} rounds:")
+    print(f"  {'tokens':>7} {'best: hf':>9} {'rackfill':>9} {'ratio':>6} {'median: hf':>11} {'rackfill':>9} {'ratio':>6}")
+    for i, n in enumerate(lengths):
+        stats = {}
+        for impl in ("transformers", "rackfill"):
+            seconds = [s for entry in rounds for s in entry[impl]["results"][i]["seconds"]]
+            stats[impl] = (n / min(seconds), n / statistics.median(seconds))
+        (hb, hm), (rb, rm) = stats["transformers"], stats["rackfill"]
+        print(f"  {n:>7} {hb:>9.0f} {rb:>9.0f} {rb / hb:>5.2f}x {hm:>11.0f} {rm:>9.0f} {rm / hm:>5.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "rackfill-bench-shape"),
@@ -122,6 +136,8 @@ def main():
             else:
                 print(f"  {n:>7} {hf:>19.0f}")
         sys.stdout.flush()
+    if args.rackfill:
+        print_summary(rounds, lengths)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": BENCH_SHAPE, "rounds": rounds}, f, indent=1)

@@ -126,21 +126,28 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     let group = heads / kv_heads;
     let start = total - n;
     let (q, k, v) = (flat(q)?, flat(k)?, flat(v)?);
-    let tasks: Vec<(usize, usize)> = (0..heads)
-        .flat_map(|h| (0..n).step_by(QUERY_BLOCK).map(move |b| (h, b)))
-        .collect();
-    let blocks: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(head, first)| {
-            let rows = QUERY_BLOCK.min(n - first);
+    // Head-major output `[heads, n, dv]`, so every (head, query block) task owns a contiguous
+    // slice; the scores buffer is reused across the tasks a worker runs (fresh multi-megabyte
+    // allocations cost page faults that showed up as a tenth of the profile).
+    let mut by_head = vec![0f32; heads * n * dv];
+    by_head
+        .par_chunks_mut(n * dv)
+        .enumerate()
+        .flat_map(|(head, out)| {
+            out.par_chunks_mut(QUERY_BLOCK * dv)
+                .enumerate()
+                .map(move |(block, out)| (head, block * QUERY_BLOCK, out))
+        })
+        .for_each_init(Vec::new, |scores: &mut Vec<f32>, (head, first, out)| {
+            let rows = out.len() / dv;
             let visible = start + first + rows;
             let kv = head / group;
             let q = &q[(head * n + first) * dk..(head * n + first + rows) * dk];
             let k = &k[kv * total * dk..(kv * total + visible) * dk];
             let v = &v[kv * total * dv..(kv * total + visible) * dv];
-            let mut scores = vec![0f32; rows * visible];
+            scores.resize(rows * visible, 0.0);
             gemm::matmul_bt(
-                &mut scores,
+                scores,
                 q,
                 k,
                 Dims {
@@ -149,24 +156,26 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
                     n: visible,
                 },
             );
-            for (i, row) in scores.chunks_exact_mut(visible).enumerate() {
-                softmax_prefix(row, start + first + i + 1, scale as f32);
+            let sums: Vec<f32> = scores
+                .chunks_exact_mut(visible)
+                .enumerate()
+                .map(|(i, row)| softmax_prefix(row, start + first + i + 1, scale as f32))
+                .collect();
+            let dims = Dims {
+                m: rows,
+                k: visible,
+                n: dv,
+            };
+            gemm::matmul_strided(out, dv, scores, v, dims);
+            for (row, sum) in out.chunks_exact_mut(dv).zip(sums) {
+                let inv = 1.0 / sum;
+                row.iter_mut().for_each(|x| *x *= inv);
             }
-            gemm::matmul(
-                &scores,
-                v,
-                Dims {
-                    m: rows,
-                    k: visible,
-                    n: dv,
-                },
-            )
-        })
-        .collect();
+        });
     let mut out = vec![0f32; n * heads * dv];
-    for (&(head, first), block) in tasks.iter().zip(&blocks) {
-        for (i, row) in block.chunks_exact(dv).enumerate() {
-            let at = (first + i) * heads * dv + head * dv;
+    for (head, rows) in by_head.chunks_exact(n * dv).enumerate() {
+        for (i, row) in rows.chunks_exact(dv).enumerate() {
+            let at = (i * heads + head) * dv;
             out[at..at + dv].copy_from_slice(row);
         }
     }
@@ -178,18 +187,12 @@ fn flat(x: &Tensor) -> Result<Vec<f32>> {
     Ok(x.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// In place: softmax of `scale * row[..visible]`, zeros after (the causally masked keys).
-fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) {
+/// In place: softmax numerators of `scale * row[..visible]`, zeros after (the causally masked
+/// keys); returns the denominator, applied to the output row after the value product.
+fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) -> f32 {
     let (seen, masked) = row.split_at_mut(visible);
-    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * scale;
-    let mut sum = 0f32;
-    for x in seen.iter_mut() {
-        *x = fastmath::exp(*x * scale - max);
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    seen.iter_mut().for_each(|x| *x *= inv);
     masked.fill(0.0);
+    fastmath::softmax_numerators(seen, scale)
 }
 
 /// Grouped-query attention (Qwen2-MoE, Qwen3-MoE, Mixtral): optional qkv bias, optional per-head

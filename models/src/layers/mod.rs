@@ -140,9 +140,7 @@ impl Mlp {
         let mut act = vec![0f32; rows * i];
         for (out, gu) in act.chunks_exact_mut(i).zip(gate_up.chunks_exact(2 * i)) {
             let (gate, up) = gu.split_at(i);
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + fastmath::exp(-g)) * u;
-            }
+            fastmath::silu_mul(out, gate, up);
         }
         gemm::matmul(
             &act,
