@@ -7,10 +7,13 @@
 //! (after printing and writing the report).
 
 use anyhow::{bail, Context as _};
+use rackfill_balancer::Algo;
 use rackfill_balancer::Settings;
 use rackfill_bench::balance::{run_balance, BalanceRun};
+use rackfill_bench::ep::{run_ep, EpCase};
 use rackfill_bench::forward::{run_forward, synthetic_bench_model};
 use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
+use rackfill_models::ModelBundle;
 use std::io::Write as _;
 use std::path::PathBuf;
 
@@ -24,6 +27,57 @@ pub enum BenchCommand {
     /// Prefill tokens/s of the dense single-device forward (the bench shape with seeded random
     /// weights, or a checkpoint given with --model).
     Forward(ForwardArgs),
+    /// The EP runtime against the dense path: prefill tokens/s (the EP machinery's overhead on
+    /// one host), imbalance before and after, and the cost model's simulated MoE makespan with
+    /// each balancer versus no balancing.
+    Ep(EpArgs),
+}
+
+/// `rackfill bench ep`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EpArgs {
+    /// Checkpoint directory, HF id, or `rackfill-tiny-moe` (the built-in model)
+    /// [default: the bench shape, random weights in memory]
+    #[arg(long)]
+    pub model: Option<String>,
+
+    /// Prompts, one step: a JSON file with a list of strings (or `{"prompts": [...]}`, the
+    /// format of models/builtin/skew.json), tokenized with the model's tokenizer
+    /// [default: --sequences random prompts of --tokens tokens]
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<PathBuf>,
+
+    /// Random prompts per step (one per rank at EP 8 by default).
+    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
+    pub sequences: usize,
+
+    /// Tokens per random prompt.
+    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
+    pub tokens: usize,
+
+    /// EP sizes to run, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "8")]
+    pub ep: Vec<usize>,
+
+    /// Balancers to run at every EP size, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "quota,none")]
+    pub balancers: Vec<Algo>,
+
+    /// Redundant expert slots per rank.
+    #[arg(long, default_value_t = 2)]
+    pub slots: usize,
+
+    /// Timed rounds after one warm-up; every round runs dense and every configuration.
+    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    pub rounds: usize,
+
+    /// Seed for the random weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Also write the report as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// `rackfill bench forward`.
@@ -126,7 +180,95 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Balance(args) => balance(args),
         BenchCommand::Forward(args) => forward(args),
+        BenchCommand::Ep(args) => ep(args),
     }
+}
+
+fn ep(args: EpArgs) -> anyhow::Result<()> {
+    let json_file = create_report_file(args.json.as_deref())?;
+    let (model, tokenizer, name) = match args.model.as_deref() {
+        None => (
+            synthetic_bench_model(args.seed)?,
+            None,
+            "bench-shape".to_string(),
+        ),
+        Some(spec) => {
+            let bundle = ModelBundle::load(Some(spec))?;
+            (bundle.model, Some(bundle.tokenizer), bundle.name)
+        }
+    };
+    let prompts = match &args.prompts {
+        Some(path) => {
+            let tokenizer =
+                tokenizer.context("--prompts needs a model with a tokenizer (give --model)")?;
+            let texts = read_prompt_texts(path)?;
+            texts
+                .iter()
+                .map(|t| tokenizer.encode(t, false))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        None => random_prompts(
+            model.config().vocab_size,
+            args.sequences,
+            args.tokens,
+            args.seed,
+        ),
+    };
+    let cases: Vec<EpCase> = dedup(&args.ep)
+        .into_iter()
+        .flat_map(|ep_size| {
+            args.balancers
+                .iter()
+                .map(move |&balancer| EpCase { ep_size, balancer })
+        })
+        .collect();
+    eprintln!(
+        "bench ep: {name}, {} prompts ({} tokens), {} rounds",
+        prompts.len(),
+        prompts.iter().map(Vec::len).sum::<usize>(),
+        args.rounds
+    );
+    let report = run_ep(
+        std::sync::Arc::new(model),
+        &name,
+        &prompts,
+        &cases,
+        args.slots,
+        args.rounds,
+    )?;
+    print!("{}", report.to_table());
+    if let (Some(file), Some(path)) = (json_file, &args.json) {
+        write_json(file, path, &report)?;
+    }
+    Ok(())
+}
+
+/// Prompt texts from a JSON list of strings or an object with a `prompts` list.
+fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let list = value.get("prompts").unwrap_or(&value);
+    let texts: Vec<String> = serde_json::from_value(list.clone()).with_context(|| {
+        format!(
+            "{}: expected a list of strings or {{\"prompts\": [...]}}",
+            path.display()
+        )
+    })?;
+    if texts.is_empty() || texts.iter().any(|t| t.is_empty()) {
+        bail!("{}: prompts must be non-empty strings", path.display());
+    }
+    Ok(texts)
+}
+
+/// `count` seeded random prompts of `len` tokens.
+fn random_prompts(vocab: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
+    use rand::{Rng as _, SeedableRng as _};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5EED);
+    (0..count)
+        .map(|_| (0..len).map(|_| rng.gen_range(0..vocab as u32)).collect())
+        .collect()
 }
 
 /// Keeps the first occurrence of every value.

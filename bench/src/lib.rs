@@ -7,6 +7,7 @@
 //! - [`forward`]: prefill tokens/s of the dense model path (`rackfill bench forward`).
 
 pub mod balance;
+pub mod ep;
 pub mod forward;
 pub mod synthetic;
 

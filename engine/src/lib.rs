@@ -1,3 +1,31 @@
 //! rackfill-engine: continuous batching with chunked prefill, and the expert-parallel runtime that
 //! balances every MoE layer on its exact load (count exchange, plan, replica streaming, dispatch,
-//! expert compute, combine). Nothing is implemented yet.
+//! expert compute, combine).
+//!
+//! - [`ep`]: the EP runtime (`R` ranks in one process) over a [`fabric::Fabric`];
+//! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
+//! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
+//! - [`metrics`] and [`routing_trace`]: what the engine reports.
+
+pub mod cost;
+pub mod engine;
+pub mod ep;
+pub mod error;
+pub mod fabric;
+pub mod metrics;
+pub mod request;
+pub mod routing_trace;
+pub mod sampling;
+pub mod scheduler;
+pub mod sequence;
+pub mod stop;
+
+pub use cost::{CostModel, SimulatedMakespan};
+pub use engine::{EngineConfig, EngineHandle, EngineInfo};
+pub use ep::{EpConfig, EpRuntime, LayerReport, PhaseTimes, StepOutput};
+pub use error::{EngineError, Result};
+pub use request::{
+    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, TokenEvent, Usage,
+};
+pub use sampling::{SamplingParams, TokenLogprob};
+pub use scheduler::{Scheduler, SchedulerConfig};

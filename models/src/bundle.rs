@@ -54,10 +54,10 @@ pub struct ModelBundle {
 
 impl ModelBundle {
     /// Loads `spec` (a checkpoint directory, `org/name` or `org/name@revision`), or the built-in
-    /// model when `spec` is `None`.
+    /// model when `spec` is `None` or its name, [`BUILTIN_MODEL_NAME`].
     pub fn load(spec: Option<&str>) -> Result<Self> {
         match spec {
-            None => Self::builtin(),
+            None | Some(BUILTIN_MODEL_NAME) => Self::builtin(),
             Some(spec) => {
                 let dir = source::resolve(spec)?;
                 Self::from_dir(&dir, spec.trim_end_matches('/').to_string())

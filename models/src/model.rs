@@ -211,21 +211,39 @@ impl MoeModel {
                 .collect();
             x = layer.forward(&x, &mut chunks)?;
         }
-        let x = match which {
-            LogitsFor::AllPositions => x,
-            LogitsFor::LastPosition => {
-                let mut last = Vec::with_capacity(batch.len());
-                let mut end = 0u32;
-                for s in batch.iter() {
-                    end += s.tokens.len() as u32;
-                    if !s.tokens.is_empty() {
-                        last.push(end - 1);
-                    }
-                }
-                let n = last.len();
-                x.index_select(&Tensor::from_vec(last, n, &Device::Cpu)?, 0)?
+        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
+        self.logits_for(x, &lens, &vec![which; batch.len()])
+    }
+
+    /// Final norm and LM head on the rows of `hidden` that each sequence asks for: `lens[i]`
+    /// consecutive rows belong to sequence `i`, and `which[i]` selects all of them or the last.
+    pub fn logits_for(
+        &self,
+        hidden: Tensor,
+        lens: &[usize],
+        which: &[LogitsFor],
+    ) -> Result<Tensor> {
+        if lens.len() != which.len() || lens.iter().sum::<usize>() != hidden.dim(0)? {
+            return Err(ModelError::Input(format!(
+                "{} hidden rows for sequences of lengths {lens:?}",
+                hidden.dim(0)?
+            )));
+        }
+        if which.iter().all(|&w| w == LogitsFor::AllPositions) {
+            return self.logits(&hidden);
+        }
+        let mut rows = Vec::new();
+        let mut start = 0u32;
+        for (&len, &w) in lens.iter().zip(which) {
+            let end = start + len as u32;
+            match w {
+                _ if len == 0 => {}
+                LogitsFor::AllPositions => rows.extend(start..end),
+                LogitsFor::LastPosition => rows.push(end - 1),
             }
-        };
-        self.logits(&x)
+            start = end;
+        }
+        let n = rows.len();
+        self.logits(&hidden.index_select(&Tensor::from_vec(rows, n, &Device::Cpu)?, 0)?)
     }
 }

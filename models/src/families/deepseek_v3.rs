@@ -9,9 +9,8 @@ use crate::checkpoint::Weights;
 use crate::config::{MlaConfig, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{causal_attention, check_chunks, Attention, SeqChunk};
-use crate::layers::moe::{load_experts, MoeBlock, SharedExpert};
+use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::rope::{yarn_mscale, Rope};
-use crate::layers::router::Router;
 use crate::layers::{Linear, MlpNames, RmsNorm};
 use crate::model::FamilyLoader;
 
@@ -153,21 +152,10 @@ impl Attention for MlaAttention {
 
 /// `mlp.gate` (with `e_score_correction_bias`), `mlp.experts.*`, `mlp.shared_experts`.
 fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
-    let w = w.pp("mlp");
-    let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF)?;
-    let shared = config
-        .moe
-        .shared
-        .as_ref()
-        .map(|shared| {
-            SharedExpert::load(
-                &w.pp("shared_experts"),
-                &w.pp("shared_experts_gate"),
-                config.hidden_size,
-                shared,
-            )
-        })
-        .transpose()?;
-    Ok(MoeBlock::new(router, experts, shared))
+    let names = MoeNames {
+        experts: MlpNames::HF,
+        shared: "shared_experts",
+        shared_gate: "shared_experts_gate",
+    };
+    MoeBlock::load(&w.pp("mlp"), config, names)
 }

@@ -4,8 +4,7 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::layers::moe::{load_experts, MoeBlock, SharedExpert};
-use crate::layers::router::Router;
+use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::MlpNames;
 use crate::model::FamilyLoader;
 
@@ -19,21 +18,10 @@ pub(crate) const LOADER: FamilyLoader = FamilyLoader {
 
 /// `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`.
 fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
-    let w = w.pp("mlp");
-    let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF)?;
-    let shared = config
-        .moe
-        .shared
-        .as_ref()
-        .map(|shared| {
-            SharedExpert::load(
-                &w.pp("shared_expert"),
-                &w.pp("shared_expert_gate"),
-                config.hidden_size,
-                shared,
-            )
-        })
-        .transpose()?;
-    Ok(MoeBlock::new(router, experts, shared))
+    let names = MoeNames {
+        experts: MlpNames::HF,
+        shared: "shared_expert",
+        shared_gate: "shared_expert_gate",
+    };
+    MoeBlock::load(&w.pp("mlp"), config, names)
 }

@@ -7,6 +7,25 @@ use rayon::prelude::*;
 
 /// `out[m, n] = a[m, k] · b[k, n]`; every matrix row-major with the given row strides.
 pub fn matmul_strided(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], dims: Dims) {
+    product(out, out_stride, a, b, BLayout::RowMajor, dims);
+}
+
+/// `out[m, n] = a[m, k] · b[n, k]^T` (b row-major `[n, k]`, e.g. keys for `Q K^T`).
+pub fn matmul_bt(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
+    product(out, dims.n, a, b, BLayout::Transposed, dims);
+}
+
+/// How the right-hand matrix of a product is stored.
+#[derive(Clone, Copy)]
+enum BLayout {
+    /// `[k, n]` row-major.
+    RowMajor,
+    /// `[n, k]` row-major, i.e. the product uses its transpose.
+    Transposed,
+}
+
+/// The one call into the `gemm` crate: bounds checked, single-threaded, `out` overwritten.
+fn product(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], layout: BLayout, dims: Dims) {
     let Dims { m, k, n } = dims;
     if m == 0 || n == 0 {
         return;
@@ -19,8 +38,13 @@ pub fn matmul_strided(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], 
         a.len() >= m * k && b.len() >= k * n,
         "gemm: input too small"
     );
+    // (column stride, row stride) of b as a k x n matrix.
+    let (b_col, b_row) = match layout {
+        BLayout::RowMajor => (1, n as isize),
+        BLayout::Transposed => (k as isize, 1),
+    };
     // SAFETY: the asserts above keep every access of the m x k, k x n and m x n (row stride
-    // `out_stride`) matrices inside the slices.
+    // `out_stride`) matrices inside the slices, whichever layout b has.
     unsafe {
         gemm::gemm(
             m,
@@ -34,45 +58,8 @@ pub fn matmul_strided(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], 
             1,
             k as isize,
             b.as_ptr(),
-            1,
-            n as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
-/// `out[m, n] = a[m, k] · b[n, k]^T` (b row-major `[n, k]`, e.g. keys for `Q K^T`).
-pub fn matmul_bt(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
-    let Dims { m, k, n } = dims;
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(out.len() >= m * n, "gemm: output too small");
-    assert!(
-        a.len() >= m * k && b.len() >= n * k,
-        "gemm: input too small"
-    );
-    // SAFETY: bounds asserted above; b is read with column stride k and row stride 1.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            k as isize,
-            1,
+            b_col,
+            b_row,
             0.0,
             1.0,
             false,

@@ -125,33 +125,52 @@ impl Mlp {
         self.intermediate
     }
 
+    /// Width of the model (input and output of the MLP).
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
     /// The MLP on `rows` row-major inputs `[rows, H]`, on the calling thread.
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let (h, i) = (self.hidden, self.intermediate);
-        let gate_up = gemm::matmul(
-            x,
-            &self.gate_up_t,
-            Dims {
-                m: rows,
-                k: h,
-                n: 2 * i,
-            },
-        );
-        let mut act = vec![0f32; rows * i];
-        for (out, gu) in act.chunks_exact_mut(i).zip(gate_up.chunks_exact(2 * i)) {
-            let (gate, up) = gu.split_at(i);
-            fastmath::silu_mul(out, gate, up);
-        }
-        gemm::matmul(
-            &act,
-            &self.down_t,
-            Dims {
-                m: rows,
-                k: i,
-                n: h,
-            },
-        )
+        gated_mlp_rows(self.weights(), self.hidden, self.intermediate, x, rows)
     }
+}
+
+/// A gated MLP given its weight buffers in [`Mlp::weights`] layout (`[H, 2I]` gate-up, `[I, H]`
+/// down), on `rows` row-major inputs `[rows, H]`, on the calling thread. The EP engine runs
+/// replica experts with it straight from the slot buffers their weights were streamed into.
+pub fn gated_mlp_rows(
+    weights: [&[f32]; 2],
+    hidden: usize,
+    intermediate: usize,
+    x: &[f32],
+    rows: usize,
+) -> Vec<f32> {
+    let (h, i) = (hidden, intermediate);
+    let [gate_up_t, down_t] = weights;
+    let gate_up = gemm::matmul(
+        x,
+        gate_up_t,
+        Dims {
+            m: rows,
+            k: h,
+            n: 2 * i,
+        },
+    );
+    let mut act = vec![0f32; rows * i];
+    for (out, gu) in act.chunks_exact_mut(i).zip(gate_up.chunks_exact(2 * i)) {
+        let (gate, up) = gu.split_at(i);
+        fastmath::silu_mul(out, gate, up);
+    }
+    gemm::matmul(
+        &act,
+        down_t,
+        Dims {
+            m: rows,
+            k: i,
+            n: h,
+        },
+    )
 }
 
 /// Rows per parallel task when a dense MLP splits its batch across threads.

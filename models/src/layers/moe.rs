@@ -51,43 +51,56 @@ impl SharedExpert {
     }
 }
 
-/// The tokens (rows) and combine weights one expert receives.
+/// The token-expert pairs one expert receives: pair `p` is token `p / top_k`'s `p % top_k`-th
+/// choice.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExpertGroup {
-    pub rows: Vec<u32>,
-    pub weights: Vec<f32>,
+    pub pairs: Vec<u32>,
 }
 
-/// Buckets a routing by expert: `groups[e]` lists the rows routed to `e`, in row order.
+/// Buckets a routing by expert: `groups[e]` lists the pairs routed to `e`, in token order.
 pub fn group_by_expert(routing: &Routing, num_experts: usize) -> Vec<ExpertGroup> {
     let mut groups = vec![ExpertGroup::default(); num_experts];
-    let k = routing.top_k.max(1);
-    for (slot, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-        let group = &mut groups[e as usize];
-        group.rows.push((slot / k) as u32);
-        group.weights.push(w);
+    for (pair, &e) in routing.experts.iter().enumerate() {
+        groups[e as usize].pairs.push(pair as u32);
     }
     groups
 }
 
-/// Gathers `rows` of a row-major `[T, H]` matrix into a row-major `[rows, H]` buffer.
-pub fn gather_rows(x: &[f32], hidden: usize, rows: &[u32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * hidden);
-    for &r in rows {
-        let r = r as usize;
+/// Gathers the token rows of `pairs` (pair `p` reads row `p / top_k`) of a row-major `[T, H]`
+/// matrix into a row-major `[pairs, H]` buffer.
+pub fn gather_pair_rows(x: &[f32], hidden: usize, top_k: usize, pairs: &[u32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(pairs.len() * hidden);
+    for &p in pairs {
+        let r = p as usize / top_k.max(1);
         out.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
     }
     out
 }
 
-/// Adds `weights[i] * y[i]` into row `rows[i]` of the row-major accumulator.
-pub fn scatter_add_rows(acc: &mut [f32], hidden: usize, rows: &[u32], weights: &[f32], y: &[f32]) {
-    for ((&r, &w), src) in rows.iter().zip(weights).zip(y.chunks_exact(hidden)) {
-        let dst = &mut acc[r as usize * hidden..(r as usize + 1) * hidden];
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d += w * s;
+/// The weighted sum of each token's expert outputs, taken over its choices in top-k order.
+/// `pair_outputs` is `[T * top_k, H]`, indexed by pair. The fixed order makes the result
+/// bitwise independent of where each pair was computed, which is how the EP engine reproduces
+/// this dense path exactly.
+pub fn combine_in_choice_order(
+    pair_outputs: &[f32],
+    weights: &[f32],
+    top_k: usize,
+    hidden: usize,
+) -> Vec<f32> {
+    let tokens = weights.len() / top_k.max(1);
+    let mut out = vec![0f32; tokens * hidden];
+    for (t, acc) in out.chunks_exact_mut(hidden).enumerate() {
+        for k in 0..top_k {
+            let p = t * top_k + k;
+            let w = weights[p];
+            let y = &pair_outputs[p * hidden..(p + 1) * hidden];
+            for (a, &v) in acc.iter_mut().zip(y) {
+                *a += w * v;
+            }
         }
     }
+    out
 }
 
 /// Row-major f32 contents of a 2-D tensor.
@@ -103,7 +116,39 @@ pub struct MoeBlock {
     pub shared: Option<SharedExpert>,
 }
 
+/// Checkpoint names of an MoE block's parts below its prefix (the router is always `gate`).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeNames {
+    /// Names inside each routed expert.
+    pub experts: MlpNames,
+    /// The shared experts' MLP, loaded when the config has shared experts.
+    pub shared: &'static str,
+    /// Qwen2-MoE's sigmoid gate on the shared expert, loaded when the config says it is gated.
+    pub shared_gate: &'static str,
+}
+
 impl MoeBlock {
+    /// Loads `gate` (the router), `experts.*` and, when the config has shared experts, the shared
+    /// MLP and its gate, all below `w`.
+    pub fn load(w: &Weights, config: &ModelConfig, names: MoeNames) -> Result<Self> {
+        let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
+        let experts = load_experts(&w.pp("experts"), config, names.experts)?;
+        let shared = config
+            .moe
+            .shared
+            .as_ref()
+            .map(|shared| {
+                SharedExpert::load(
+                    &w.pp(names.shared),
+                    &w.pp(names.shared_gate),
+                    config.hidden_size,
+                    shared,
+                )
+            })
+            .transpose()?;
+        Ok(Self::new(router, experts, shared))
+    }
+
     /// Assembles a block from its loaded parts.
     pub fn new(router: Router, experts: Vec<Mlp>, shared: Option<SharedExpert>) -> Self {
         Self {
@@ -125,27 +170,30 @@ impl MoeBlock {
     pub fn forward_routed(&self, x: &Tensor, routing: &Routing) -> Result<Tensor> {
         let (tokens, hidden) = x.dims2()?;
         let xs = rows_of(x)?;
+        let k = routing.top_k;
         let groups = group_by_expert(routing, self.experts.len());
         // One task per expert (largest groups first so the tail is short), each product on one
         // core: per-expert blocks are too small to split well across threads.
         let mut order: Vec<usize> = (0..groups.len())
-            .filter(|&e| !groups[e].rows.is_empty())
+            .filter(|&e| !groups[e].pairs.is_empty())
             .collect();
-        order.sort_by_key(|&e| std::cmp::Reverse(groups[e].rows.len()));
+        order.sort_by_key(|&e| std::cmp::Reverse(groups[e].pairs.len()));
         let outputs: Vec<(usize, Vec<f32>)> = order
             .par_iter()
             .map(|&e| {
-                let input = gather_rows(&xs, hidden, &groups[e].rows);
-                (
-                    e,
-                    self.experts[e].forward_rows(&input, groups[e].rows.len()),
-                )
+                let pairs = &groups[e].pairs;
+                let input = gather_pair_rows(&xs, hidden, k, pairs);
+                (e, self.experts[e].forward_rows(&input, pairs.len()))
             })
             .collect();
-        let mut acc = vec![0f32; tokens * hidden];
+        let mut pair_outputs = vec![0f32; tokens * k * hidden];
         for (e, y) in outputs {
-            scatter_add_rows(&mut acc, hidden, &groups[e].rows, &groups[e].weights, &y);
+            for (&p, row) in groups[e].pairs.iter().zip(y.chunks_exact(hidden)) {
+                let p = p as usize;
+                pair_outputs[p * hidden..(p + 1) * hidden].copy_from_slice(row);
+            }
         }
+        let acc = combine_in_choice_order(&pair_outputs, &routing.weights, k, hidden);
         Ok(Tensor::from_vec(acc, (tokens, hidden), &Device::Cpu)?)
     }
 

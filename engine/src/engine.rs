@@ -1,0 +1,309 @@
+//! The engine thread and its handle.
+//!
+//! The EP runtime and the scheduler live on one dedicated OS thread (model compute is CPU-bound
+//! and must never block an async runtime), fed by a bounded channel. Callers validate and submit
+//! from any thread through a cloneable [`EngineHandle`] and read events from an unbounded tokio
+//! channel; dropping the receiver cancels the sequence at the next step.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use rackfill_models::{MoeModel, Tokenizer};
+use tokio::sync::mpsc as events;
+
+use crate::ep::{EpConfig, EpRuntime};
+use crate::error::{EngineError, Result};
+use crate::metrics;
+use crate::request::{GenerateRequest, RequestStream};
+use crate::routing_trace::RoutingRecorder;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::{Sequence, SequenceParts};
+
+/// Everything the engine needs besides the model.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub ep: EpConfig,
+    pub scheduler: SchedulerConfig,
+    /// Requests submitted but not yet admitted beyond which `submit` answers `QueueFull`.
+    pub max_waiting: usize,
+    /// Record every step's per-layer load matrices here (see [`RoutingRecorder`]).
+    pub record_routing: Option<PathBuf>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            ep: EpConfig::default(),
+            scheduler: SchedulerConfig {
+                chunk_tokens: 4096,
+                kv_tokens_per_rank: 65_536,
+            },
+            max_waiting: 1024,
+            record_routing: None,
+        }
+    }
+}
+
+/// What callers need to know about the served model.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub vocab_size: usize,
+    /// Longest sequence (prompt plus generated tokens) the model accepts.
+    pub max_model_len: usize,
+    /// End-of-sequence ids (generation stops on them unless `ignore_eos`).
+    pub eos: Arc<[u32]>,
+    /// Largest prompt plus `max_tokens` one sequence may reserve (the KV budget of one rank).
+    pub max_reservation: usize,
+}
+
+enum Command {
+    Submit(Box<Sequence>),
+    Cancel(u64),
+    Shutdown,
+}
+
+struct Shared {
+    tx: SyncSender<Command>,
+    info: EngineInfo,
+    tokenizer: Arc<Tokenizer>,
+    next_id: AtomicU64,
+    /// Requests not yet admitted: in the channel or waiting in the scheduler.
+    queued: Arc<AtomicUsize>,
+    max_waiting: usize,
+    alive: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread on `model`.
+    pub fn spawn(
+        model: Arc<MoeModel>,
+        tokenizer: Arc<Tokenizer>,
+        eos: Vec<u32>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        let runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
+        let scheduler = Scheduler::new(config.ep.ep_size, config.scheduler)?;
+        let recorder = config
+            .record_routing
+            .as_deref()
+            .map(RoutingRecorder::create)
+            .transpose()?;
+        let info = EngineInfo {
+            vocab_size: model.config().vocab_size,
+            max_model_len: model.config().max_position_embeddings,
+            eos: eos.into(),
+            max_reservation: config.scheduler.kv_tokens_per_rank,
+        };
+        let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1));
+        let queued = Arc::new(AtomicUsize::new(0));
+        let alive = Arc::new(AtomicBool::new(true));
+        let thread = {
+            let (queued, alive) = (Arc::clone(&queued), Arc::clone(&alive));
+            std::thread::Builder::new()
+                .name("rackfill-engine".into())
+                .spawn(move || {
+                    EngineLoop {
+                        runtime,
+                        scheduler,
+                        recorder,
+                        queued,
+                        step: 0,
+                    }
+                    .run(rx);
+                    alive.store(false, Ordering::Release);
+                })
+                .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?
+        };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                tx,
+                info,
+                tokenizer,
+                next_id: AtomicU64::new(1),
+                queued,
+                max_waiting: config.max_waiting,
+                alive,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The served model's limits.
+    pub fn info(&self) -> &EngineInfo {
+        &self.shared.info
+    }
+
+    /// The tokenizer the engine detokenizes with.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.shared.tokenizer
+    }
+
+    /// Whether the engine thread is running.
+    pub fn is_alive(&self) -> bool {
+        self.shared.alive.load(Ordering::Acquire)
+    }
+
+    /// Validates and queues a request. Errors here mean nothing was queued.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
+        let info = &self.shared.info;
+        self.validate(&request)?;
+        if !self.is_alive() {
+            return Err(EngineError::Unavailable);
+        }
+        if self.shared.queued.load(Ordering::Acquire) >= self.shared.max_waiting {
+            return Err(EngineError::QueueFull(self.shared.max_waiting));
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = events::unbounded_channel();
+        let sequence = Sequence::new(SequenceParts {
+            id,
+            prompt: request.prompt,
+            params: request.params,
+            cache: rackfill_models::KvCache::new(0),
+            fallback_seed: id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            tokenizer: Arc::clone(&self.shared.tokenizer),
+            eos: Arc::clone(&info.eos),
+            events: tx,
+        })?;
+        self.shared.queued.fetch_add(1, Ordering::AcqRel);
+        match self.shared.tx.try_send(Command::Submit(Box::new(sequence))) {
+            Ok(()) => Ok(RequestStream { id, events: rx }),
+            Err(err) => {
+                self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+                Err(match err {
+                    TrySendError::Full(_) => EngineError::QueueFull(self.shared.max_waiting),
+                    TrySendError::Disconnected(_) => EngineError::Unavailable,
+                })
+            }
+        }
+    }
+
+    /// Cancels request `id` (a no-op once it finished). Dropping its stream does the same.
+    pub fn cancel(&self, id: u64) {
+        let _ = self.shared.tx.try_send(Command::Cancel(id));
+    }
+
+    /// Stops accepting work, lets in-flight requests finish, and joins the engine thread.
+    pub fn shutdown(&self) {
+        let _ = self.shared.tx.send(Command::Shutdown);
+        let thread = self.shared.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+
+    /// Requests waiting for admission.
+    pub fn queued(&self) -> usize {
+        self.shared.queued.load(Ordering::Acquire)
+    }
+
+    fn validate(&self, request: &GenerateRequest) -> Result<()> {
+        let info = &self.shared.info;
+        if request.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= info.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                info.vocab_size
+            )));
+        }
+        request.params.validate(info.vocab_size)?;
+        let (prompt, max_tokens) = (request.prompt.len(), request.params.max_tokens as usize);
+        let limit = info.max_model_len.min(info.max_reservation);
+        if prompt + max_tokens > limit {
+            return Err(EngineError::TooLong(format!(
+                "this model's maximum context length is {limit} tokens, but {prompt} prompt \
+                 tokens plus max_tokens {max_tokens} were requested"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The engine thread's state.
+struct EngineLoop {
+    runtime: EpRuntime,
+    scheduler: Scheduler,
+    recorder: Option<RoutingRecorder>,
+    queued: Arc<AtomicUsize>,
+    step: u64,
+}
+
+impl EngineLoop {
+    fn run(mut self, rx: Receiver<Command>) {
+        let mut stopping = false;
+        loop {
+            if self.scheduler.is_idle() {
+                if stopping {
+                    break;
+                }
+                match rx.recv() {
+                    Ok(command) => stopping |= self.handle(command),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(command) = rx.try_recv() {
+                stopping |= self.handle(command);
+            }
+            let before = self.scheduler.waiting();
+            let stepped = self.scheduler.step(&mut self.runtime);
+            // Admitted (or dropped) sequences leave the queue.
+            self.queued.fetch_sub(
+                before.saturating_sub(self.scheduler.waiting()),
+                Ordering::AcqRel,
+            );
+            match stepped {
+                Ok(Some(summary)) => {
+                    metrics::record_step(&summary);
+                    if let Some(recorder) = &mut self.recorder {
+                        if let Err(err) = recorder.record(self.step, &summary.output.layers) {
+                            tracing::error!(%err, "routing trace: recording stopped");
+                            self.recorder = None;
+                        }
+                    }
+                    self.step += 1;
+                }
+                Ok(None) => {}
+                Err(err) => tracing::error!(%err, "engine step failed; its sequences were failed"),
+            }
+            metrics::record_queue(
+                self.scheduler.waiting(),
+                self.scheduler.running(),
+                self.scheduler.kv_usage(),
+            );
+        }
+        self.queued.store(0, Ordering::Release);
+        self.scheduler.fail_all("the engine stopped");
+    }
+
+    /// Applies one command; returns true on shutdown.
+    fn handle(&mut self, command: Command) -> bool {
+        match command {
+            Command::Submit(mut sequence) => {
+                sequence.cache = self.runtime.model().new_cache();
+                self.scheduler.enqueue(*sequence);
+                false
+            }
+            Command::Cancel(id) => {
+                self.scheduler.cancel(id);
+                false
+            }
+            Command::Shutdown => true,
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! The engine's typed errors: what the server maps to HTTP statuses.
+
+use rackfill_balancer::{BalanceError, PlanViolation};
+use rackfill_kernels::KernelError;
+use rackfill_models::ModelError;
+
+use crate::sampling::SamplingError;
+
+/// Everything that can go wrong between a request entering the engine and its last token.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model rejected its input or failed to compute (bad token id, shape mismatch).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A sampling parameter is out of range.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The planner could not plan a layer (a load of the wrong shape).
+    #[error("balancer: {0}")]
+    Balance(#[from] BalanceError),
+    /// A plan broke an invariant the data plane relies on; nothing was moved.
+    #[error("plan for layer {layer} is invalid: {violation}")]
+    InvalidPlan {
+        layer: usize,
+        violation: PlanViolation,
+    },
+    /// The data plane refused a transfer or permutation.
+    #[error("data plane: {0}")]
+    Kernel(#[from] KernelError),
+    /// Rank-to-rank movement failed (mismatched rank counts, a message of the wrong shape).
+    #[error("fabric: {0}")]
+    Fabric(String),
+    /// The engine configuration is unusable (e.g. an EP size of zero).
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    /// The request can never be served: its prompt plus `max_tokens` exceeds what the model or
+    /// the KV budget can hold.
+    #[error("{0}")]
+    TooLong(String),
+    /// The request was malformed (empty prompt, token id outside the vocabulary).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The waiting queue is full; try again later.
+    #[error("the engine's queue is full ({0} requests waiting)")]
+    QueueFull(usize),
+    /// The engine is shutting down or its thread has stopped.
+    #[error("the engine is not running")]
+    Unavailable,
+}
+
+/// Result with [`EngineError`].
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

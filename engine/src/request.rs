@@ -1,0 +1,88 @@
+//! What goes into the engine (a tokenized prompt and its sampling parameters) and what comes
+//! back (a stream of events), independent of any HTTP shape.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::sampling::{SamplingParams, TokenLogprob};
+
+/// A tokenized generation (or scoring) request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` generated (also a scoring request with `max_tokens: 0`).
+    Length,
+    /// The client went away or the request was cancelled.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub token: u32,
+    /// Text that became safe to emit with this token (possibly empty: a stop string may still
+    /// be forming, or a multi-byte character is incomplete).
+    pub text: String,
+    /// The token's logprob and alternatives, when the request asked for them.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Token counts, as OpenAI's `usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// The last event of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishEvent {
+    pub reason: FinishReason,
+    /// Held-back text released at the end (text that turned out not to start a stop string).
+    pub text: String,
+    /// The stop string that ended the sequence, if one did.
+    pub stop: Option<String>,
+    pub usage: Usage,
+    /// Time from submission to the first scheduled step.
+    pub queue_time: Duration,
+}
+
+/// Everything the engine tells a request's owner, in order: optional prompt logprobs, tokens,
+/// then exactly one `Finished` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Logprobs of the prompt tokens (the first is `None`: nothing precedes it), sent once when
+    /// prefill completes, if the request asked for them.
+    PromptLogprobs(Vec<Option<TokenLogprob>>),
+    Token(TokenEvent),
+    Finished(FinishEvent),
+    /// The engine failed this request after accepting it.
+    Error(String),
+}
+
+/// The receiving end of a submitted request. Dropping it cancels the sequence.
+#[derive(Debug)]
+pub struct RequestStream {
+    pub id: u64,
+    pub events: mpsc::UnboundedReceiver<Event>,
+}

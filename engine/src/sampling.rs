@@ -1,0 +1,617 @@
+//! Turning a row of logits into the next token, and reporting log-probabilities the way the
+//! OpenAI API does.
+//!
+//! Two things are kept apart on purpose:
+//! - the *reported* logprobs are always `log_softmax(logits)` at temperature 1, whatever the
+//!   sampling settings (this is what OpenAI and vLLM return, and what evaluation harnesses that
+//!   score prompts with `echo` + `logprobs` expect);
+//! - the *sampling* distribution is `softmax(logits / T)` restricted by top-k, then top-p, and
+//!   renormalised.
+//!
+//! Every function here takes untrusted numbers (logits straight out of a forward pass, parameters
+//! straight out of a request) and reports problems as [`SamplingError`] rather than panicking.
+
+use std::cmp::Ordering;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Largest accepted `temperature` (OpenAI's limit).
+pub const MAX_TEMPERATURE: f32 = 2.0;
+
+/// Largest accepted `logprobs` / `prompt_logprobs` (OpenAI's `top_logprobs` limit, and vLLM's).
+pub const MAX_LOGPROBS: u32 = 20;
+
+/// Most stop strings one request may carry (OpenAI's limit). Each string costs a scan of the
+/// held-back text on every streamed delta, so the count is bounded.
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// A request parameter or a row of logits that cannot be sampled from.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// A request parameter is out of range; `param` is the OpenAI field name, so the HTTP layer
+    /// can fill in the `param` of its error body.
+    #[error("invalid `{param}`: {reason}")]
+    InvalidParam { param: &'static str, reason: String },
+    /// The forward pass produced no logits.
+    #[error("logits are empty")]
+    EmptyLogits,
+    /// More logits than `u32` token ids can name.
+    #[error("{len} logits exceed the u32 token id space")]
+    TooManyLogits { len: usize },
+    /// A NaN or infinite logit: the forward pass overflowed or is broken, and any token drawn
+    /// from it would be meaningless.
+    #[error("logit of token {index} is not finite ({value})")]
+    NonFiniteLogit { index: usize, value: f32 },
+    /// A token id (e.g. a prompt token scored for `echo`) outside the row of logits.
+    #[error("token id {token} is outside the vocabulary of {vocab_size} tokens")]
+    TokenOutOfRange { token: u32, vocab_size: usize },
+}
+
+impl SamplingError {
+    /// The request parameter at fault, if the error is about one.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::InvalidParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+}
+
+fn invalid(param: &'static str, reason: String) -> SamplingError {
+    SamplingError::InvalidParam { param, reason }
+}
+
+/// Per-request generation settings, named as in the OpenAI API (plus vLLM's `top_k`,
+/// `stop_token_ids`, `ignore_eos` and `prompt_logprobs`).
+///
+/// Missing fields take the [`Default`] values when deserialised, so a partial JSON object is a
+/// valid input; call [`validate`](Self::validate) before use.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature in `[0, MAX_TEMPERATURE]`; 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus mass in `(0, 1]`; 1 disables top-p.
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables top-k.
+    pub top_k: u32,
+    /// Seed for this request's RNG; the same seed and logits give the same tokens, whatever else
+    /// shares the batch.
+    pub seed: Option<u64>,
+    /// Tokens to generate at most; 0 is legal (prompt scoring with `echo`).
+    pub max_tokens: u32,
+    /// Strings that end generation; the matched string is not returned.
+    pub stop: Vec<String>,
+    /// Token ids that end generation, in addition to EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS (benchmarks that need a fixed output length).
+    pub ignore_eos: bool,
+    /// `Some(n)`: return each generated token's logprob and its `n` most likely alternatives.
+    pub logprobs: Option<u32>,
+    /// `Some(n)`: return the logprob of every prompt token and `n` alternatives (OpenAI `echo`).
+    pub prompt_logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    /// The OpenAI defaults: plain sampling at temperature 1, 16 tokens, no stops, no logprobs.
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks every parameter against its documented range; `vocab_size` bounds `stop_token_ids`.
+    pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingError> {
+        self.validate_sampling()?;
+        check_logprobs("prompt_logprobs", self.prompt_logprobs)?;
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(invalid(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                    self.stop.len()
+                ),
+            ));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(invalid("stop", "stop strings must not be empty".into()));
+        }
+        if let Some(id) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id as usize >= vocab_size)
+        {
+            return Err(invalid(
+                "stop_token_ids",
+                format!("token id {id} is outside the vocabulary of {vocab_size} tokens"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The checks [`Sampler`] relies on; split out so a sampler can never be built from
+    /// parameters that would make its arithmetic meaningless.
+    fn validate_sampling(&self) -> Result<(), SamplingError> {
+        let t = self.temperature;
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+            return Err(invalid(
+                "temperature",
+                format!("must be in [0, {MAX_TEMPERATURE}], got {t}"),
+            ));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(invalid("top_p", format!("must be in (0, 1], got {p}")));
+        }
+        check_logprobs("logprobs", self.logprobs)
+    }
+}
+
+fn check_logprobs(param: &'static str, n: Option<u32>) -> Result<(), SamplingError> {
+    match n {
+        Some(n) if n > MAX_LOGPROBS => Err(invalid(
+            param,
+            format!("must be at most {MAX_LOGPROBS}, got {n}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// One token with its logprob and the most likely alternatives at the same position, all as
+/// `log_softmax(logits)` at temperature 1.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// `(token, logprob)`, most likely first; equal logprobs list the lower id first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// A sampled token is reported exactly like a scored prompt token.
+pub type SampledToken = TokenLogprob;
+
+/// The logprob of `token` under `logits`, plus the `top_n` most likely tokens: prompt logprobs
+/// for OpenAI `echo`. `top_n` larger than the vocabulary returns the whole vocabulary.
+pub fn token_logprob(
+    logits: &[f32],
+    token: u32,
+    top_n: usize,
+) -> Result<TokenLogprob, SamplingError> {
+    let stats = LogitStats::of(logits)?;
+    let logit = logits
+        .get(token as usize)
+        .ok_or(SamplingError::TokenOutOfRange {
+            token,
+            vocab_size: logits.len(),
+        })?;
+    Ok(TokenLogprob {
+        token,
+        logprob: stats.logprob(*logit),
+        top_logprobs: top_logprobs(logits, &stats, top_n),
+    })
+}
+
+/// Draws tokens for one sequence.
+///
+/// Each sequence owns its RNG, so a seeded request is reproducible no matter which other
+/// requests share its batches or in which order the scheduler samples them.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    temperature: f64,
+    top_p: f64,
+    /// 0 = off.
+    top_k: usize,
+    /// Alternatives to report per token (0 when logprobs were not requested).
+    top_logprobs: usize,
+    rng: StdRng,
+    /// Reused across steps so sampling a 150k vocabulary does not allocate every token.
+    candidates: Vec<Candidate>,
+}
+
+impl Sampler {
+    /// A sampler for `params`, seeded with `params.seed`, or with `fallback_seed` when the request
+    /// gave none (the scheduler should draw it per request so unseeded requests differ).
+    ///
+    /// Fails on the parameters that sampling itself depends on (temperature, top_p, logprobs).
+    pub fn new(params: &SamplingParams, fallback_seed: u64) -> Result<Self, SamplingError> {
+        params.validate_sampling()?;
+        Ok(Self {
+            temperature: f64::from(params.temperature),
+            top_p: f64::from(params.top_p),
+            top_k: params.top_k as usize,
+            top_logprobs: params.logprobs.unwrap_or(0) as usize,
+            rng: StdRng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
+            candidates: Vec::new(),
+        })
+    }
+
+    /// Picks the next token from one row of logits (one entry per vocabulary id).
+    pub fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, SamplingError> {
+        let stats = LogitStats::of(logits)?;
+        let (token, logit) = if self.temperature == 0.0 {
+            (stats.argmax, stats.max)
+        } else {
+            self.draw(logits, &stats)
+        };
+        Ok(TokenLogprob {
+            token,
+            logprob: stats.logprob(logit),
+            top_logprobs: top_logprobs(logits, &stats, self.top_logprobs),
+        })
+    }
+
+    /// Draws from `softmax(logits / T)` after top-k and top-p; returns `(token, logit)`.
+    fn draw(&mut self, logits: &[f32], stats: &LogitStats) -> (u32, f32) {
+        let cands = &mut self.candidates;
+        cands.clear();
+        // Ids fit in u32: `LogitStats::of` rejected longer rows.
+        cands.extend(logits.iter().enumerate().map(|(i, &logit)| Candidate {
+            token: i as u32,
+            logit,
+            weight: 0.0,
+        }));
+        let top_k_active = self.top_k != 0 && self.top_k < cands.len();
+        if top_k_active {
+            // Linear-time partial selection: no full sort of the vocabulary for small k.
+            cands.select_nth_unstable_by(self.top_k - 1, Candidate::rank);
+            cands.truncate(self.top_k);
+        }
+        // Weights relative to the row maximum (always a candidate), so the largest is exactly 1
+        // and nothing overflows however small T is.
+        let max = f64::from(stats.max);
+        let inv_t = 1.0 / self.temperature;
+        let mut total = 0.0;
+        for c in cands.iter_mut() {
+            // The exponent in f64 (1/T may exceed f32's range), the exponential in f32: it is the
+            // costly part, and weights below f32's range are negligible next to the maximum's 1.
+            c.weight = f64::from((((f64::from(c.logit) - max) * inv_t) as f32).exp());
+            total += c.weight;
+        }
+        if self.top_p < 1.0 {
+            if !top_k_active {
+                // Tokens lighter than this floor together weigh less than (1 - top_p) of the
+                // mass, so the nucleus never reaches them: dropping them before sorting is exact
+                // and leaves only a handful of tokens for peaked distributions.
+                let floor = (1.0 - self.top_p) * total / cands.len() as f64;
+                cands.retain(|c| c.weight >= floor);
+            }
+            cands.sort_unstable_by(Candidate::rank);
+            let target = self.top_p * total;
+            let mut mass = 0.0;
+            let keep = cands
+                .iter()
+                .position(|c| {
+                    mass += c.weight;
+                    mass >= target
+                })
+                .map_or(cands.len(), |i| i + 1);
+            cands.truncate(keep);
+            total = cands.iter().map(|c| c.weight).sum();
+        }
+        let mut u = self.rng.gen::<f64>() * total;
+        for c in cands.iter() {
+            if u < c.weight {
+                return (c.token, c.logit);
+            }
+            u -= c.weight;
+        }
+        // Rounding left `u` just above the summed weights: the last candidate is the right pick.
+        cands
+            .last()
+            .map_or((stats.argmax, stats.max), |c| (c.token, c.logit))
+    }
+}
+
+/// A vocabulary entry during sampling.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    token: u32,
+    logit: f32,
+    /// Unnormalised probability `exp((logit - max) / T)`.
+    weight: f64,
+}
+
+impl Candidate {
+    fn rank(a: &Self, b: &Self) -> Ordering {
+        rank((a.token, a.logit), (b.token, b.logit))
+    }
+}
+
+/// Most likely first, ties broken by the lower id, so selections are deterministic. Sorting on
+/// logits rather than weights keeps tokens whose weights both underflowed to 0 in true order.
+fn rank(a: (u32, f32), b: (u32, f32)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// One pass over a row of logits: validity, argmax and the log-partition function.
+struct LogitStats {
+    argmax: u32,
+    max: f32,
+    log_sum_exp: f64,
+}
+
+impl LogitStats {
+    fn of(logits: &[f32]) -> Result<Self, SamplingError> {
+        let Some(&first) = logits.first() else {
+            return Err(SamplingError::EmptyLogits);
+        };
+        if u32::try_from(logits.len() - 1).is_err() {
+            return Err(SamplingError::TooManyLogits { len: logits.len() });
+        }
+        let (mut argmax, mut max) = (0, first);
+        for (index, &value) in logits.iter().enumerate() {
+            if !value.is_finite() {
+                return Err(SamplingError::NonFiniteLogit { index, value });
+            }
+            // Strict `>`: the first (lowest) id wins ties.
+            if value > max {
+                (argmax, max) = (index as u32, value);
+            }
+        }
+        // Max-subtracted, so no term exceeds 1 and nothing overflows; f32 exponentials (the costly
+        // part) summed in f64, so no precision is lost over 150k terms.
+        let sum: f64 = logits.iter().map(|&x| f64::from((x - max).exp())).sum();
+        Ok(Self {
+            argmax,
+            max,
+            log_sum_exp: f64::from(max) + sum.ln(),
+        })
+    }
+
+    fn logprob(&self, logit: f32) -> f32 {
+        (f64::from(logit) - self.log_sum_exp) as f32
+    }
+}
+
+/// The `n` most likely tokens as `(token, logprob)`, most likely first.
+fn top_logprobs(logits: &[f32], stats: &LogitStats, n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(logits.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let top = if n <= MAX_LOGPROBS as usize {
+        top_n_small(logits, n)
+    } else {
+        top_n_large(logits, n)
+    };
+    top.into_iter()
+        .map(|(token, logit)| (token, stats.logprob(logit)))
+        .collect()
+}
+
+/// One pass keeping a sorted buffer of `n` entries: almost every logit fails the comparison with
+/// the current n-th best, so this is linear in practice and allocation-free beyond `n`.
+fn top_n_small(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    for (i, &logit) in logits.iter().enumerate() {
+        // Ids arrive in ascending order, so an equal logit never displaces an earlier entry.
+        if top.len() == n && top.last().is_some_and(|&(_, worst)| logit <= worst) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, l)| l >= logit);
+        top.insert(at, (i as u32, logit));
+        top.truncate(n);
+    }
+    top
+}
+
+/// Partial selection then a sort of the selected entries: linear plus `n log n`, for large `n`
+/// where the insertion buffer of [`top_n_small`] would be quadratic.
+fn top_n_large(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &logit)| (i as u32, logit))
+        .collect();
+    if n < all.len() {
+        all.select_nth_unstable_by(n - 1, |a, b| rank(*a, *b));
+        all.truncate(n);
+    }
+    all.sort_unstable_by(|a, b| rank(*a, *b));
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            ..SamplingParams::default()
+        }
+    }
+
+    fn softmax(logits: &[f32], t: f64) -> Vec<f64> {
+        let w: Vec<f64> = logits.iter().map(|&x| (f64::from(x) / t).exp()).collect();
+        let s: f64 = w.iter().sum();
+        w.iter().map(|x| x / s).collect()
+    }
+
+    /// Pseudo-random logits in [-8, 8) without touching the sampler's RNG.
+    fn random_logits(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.gen_range(-8.0..8.0)).collect()
+    }
+
+    const FIVE: [f32; 5] = [1.0, 2.0, 0.5, -1.0, 3.0];
+
+    #[test]
+    fn greedy_picks_argmax_and_lowest_id_on_ties() {
+        let mut s = Sampler::new(&params(0.0), 7).unwrap();
+        assert_eq!(s.sample(&FIVE).unwrap().token, 4);
+        assert_eq!(s.sample(&[0.0, 5.0, 1.0, 5.0]).unwrap().token, 1);
+        let logits = random_logits(50_000, 3);
+        let best = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap();
+        assert_eq!(s.sample(&logits).unwrap().token as usize, best);
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_and_sum_to_one() {
+        let logits = random_logits(2000, 9);
+        let total: f64 = (0..logits.len() as u32)
+            .map(|t| f64::from(token_logprob(&logits, t, 0).unwrap().logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-4, "sum of probabilities {total}");
+        // Reported logprobs ignore temperature.
+        let p = SamplingParams {
+            logprobs: Some(3),
+            ..params(0.0)
+        };
+        let got = Sampler::new(&p, 0).unwrap().sample(&FIVE).unwrap();
+        let expected = softmax(&FIVE, 1.0)[4].ln() as f32;
+        assert!((got.logprob - expected).abs() < 1e-6);
+        let ids: Vec<u32> = got.top_logprobs.iter().map(|&(t, _)| t).collect();
+        assert_eq!(ids, [4, 1, 0]);
+        assert_eq!(got.top_logprobs[0].1, got.logprob);
+    }
+
+    #[test]
+    fn top_alternatives_sorted_with_ties_by_id_on_both_paths() {
+        let logits = [1.0, 3.0, 3.0, 2.0, 3.0, 0.0];
+        let ids = |n| -> Vec<u32> {
+            let r = token_logprob(&logits, 5, n).unwrap();
+            r.top_logprobs.iter().map(|&(t, _)| t).collect()
+        };
+        assert_eq!(ids(4), [1, 2, 4, 3]);
+        assert_eq!(ids(100), [1, 2, 4, 3, 0, 5]);
+        let big = random_logits(5000, 4);
+        let small = token_logprob(&big, 0, MAX_LOGPROBS as usize).unwrap();
+        let large = token_logprob(&big, 0, 64).unwrap();
+        assert_eq!(small.top_logprobs[..], large.top_logprobs[..20]);
+        assert!(large.top_logprobs.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+
+    #[test]
+    fn bad_logits_are_errors() {
+        let mut s = Sampler::new(&params(1.0), 0).unwrap();
+        let nan = s.sample(&[0.0, f32::NAN]).unwrap_err();
+        assert!(matches!(
+            nan,
+            SamplingError::NonFiniteLogit { index: 1, .. }
+        ));
+        let inf = s.sample(&[f32::NEG_INFINITY, 0.0]).unwrap_err();
+        assert!(matches!(
+            inf,
+            SamplingError::NonFiniteLogit { index: 0, .. }
+        ));
+        assert_eq!(s.sample(&[]).unwrap_err(), SamplingError::EmptyLogits);
+        assert_eq!(
+            token_logprob(&FIVE, 5, 0).unwrap_err(),
+            SamplingError::TokenOutOfRange {
+                token: 5,
+                vocab_size: 5
+            }
+        );
+        assert!(token_logprob(&[f32::INFINITY], 0, 1).is_err());
+    }
+
+    #[test]
+    fn validation_names_the_bad_param() {
+        let ok = SamplingParams::default();
+        assert_eq!(ok.validate(10), Ok(()));
+        let cases: Vec<(SamplingParams, &str)> = vec![
+            (params(-0.1), "temperature"),
+            (params(2.01), "temperature"),
+            (params(f32::NAN), "temperature"),
+            (params(f32::INFINITY), "temperature"),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.01,
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: f32::NAN,
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    logprobs: Some(21),
+                    ..ok.clone()
+                },
+                "logprobs",
+            ),
+            (
+                SamplingParams {
+                    prompt_logprobs: Some(21),
+                    ..ok.clone()
+                },
+                "prompt_logprobs",
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".into(); 5],
+                    ..ok.clone()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop: vec![String::new()],
+                    ..ok.clone()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop_token_ids: vec![3, 10],
+                    ..ok.clone()
+                },
+                "stop_token_ids",
+            ),
+        ];
+        for (p, param) in cases {
+            let err = p.validate(10).unwrap_err();
+            assert_eq!(err.param(), Some(param), "{err}");
+        }
+        let edges = SamplingParams {
+            temperature: 2.0,
+            top_k: u32::MAX,
+            logprobs: Some(20),
+            stop: vec!["a".into(); 4],
+            stop_token_ids: vec![9],
+            ..ok.clone()
+        };
+        assert_eq!(edges.validate(10), Ok(()));
+        assert!(Sampler::new(&params(3.0), 0).is_err());
+    }
+
+    #[test]
+    fn params_deserialise_with_defaults() {
+        let p: SamplingParams =
+            serde_json::from_str(r#"{"temperature": 0, "stop": ["\n"]}"#).unwrap();
+        assert_eq!(p.temperature, 0.0);
+        assert_eq!(p.max_tokens, 16);
+        assert_eq!(p.stop, ["\n"]);
+        let back: SamplingParams =
+            serde_json::from_value(serde_json::to_value(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+    }
+}

@@ -1,0 +1,253 @@
+//! One request's life inside the scheduler: its tokens, KV cache, sampler, detokenizer and stop
+//! matching, and the events it sends back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rackfill_models::{DecodeStream, KvCache, Tokenizer};
+use tokio::sync::mpsc;
+
+use crate::error::Result;
+use crate::request::{Event, FinishEvent, FinishReason, TokenEvent, Usage};
+use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob};
+use crate::stop::StopMatcher;
+
+/// A sequence admitted to (or waiting for) a rank.
+pub struct Sequence {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub generated: Vec<u32>,
+    pub params: SamplingParams,
+    pub cache: KvCache,
+    /// Tokens already in the KV cache.
+    pub computed: usize,
+    /// KV tokens reserved at admission: prompt plus `max_tokens`, so admission never
+    /// over-commits the budget.
+    pub reserved: usize,
+    pub arrived: Instant,
+    pub scheduled: Option<Instant>,
+    sampler: Sampler,
+    decoder: DecodeStream,
+    stops: StopMatcher,
+    stop_ids: Arc<[u32]>,
+    prompt_logprobs: Vec<Option<TokenLogprob>>,
+    events: mpsc::UnboundedSender<Event>,
+    /// Set when the sequence has finished or its client is gone: the scheduler drops it.
+    pub done: bool,
+}
+
+/// What the scheduler needs to build a sequence.
+pub struct SequenceParts {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub cache: KvCache,
+    pub fallback_seed: u64,
+    pub tokenizer: Arc<Tokenizer>,
+    /// End-of-sequence ids of the model (ignored with `ignore_eos`).
+    pub eos: Arc<[u32]>,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+impl Sequence {
+    /// A new sequence; fails on sampling parameters the sampler cannot use.
+    pub fn new(parts: SequenceParts) -> Result<Self> {
+        let SequenceParts {
+            id,
+            prompt,
+            params,
+            cache,
+            fallback_seed,
+            tokenizer,
+            eos,
+            events,
+        } = parts;
+        let sampler = Sampler::new(&params, fallback_seed)?;
+        let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend(eos.iter().copied());
+        }
+        let reserved = prompt.len() + params.max_tokens as usize;
+        Ok(Self {
+            id,
+            generated: Vec::new(),
+            cache,
+            computed: 0,
+            reserved,
+            arrived: Instant::now(),
+            scheduled: None,
+            sampler,
+            decoder: tokenizer.decode_stream(true),
+            stops: StopMatcher::new(&params.stop),
+            stop_ids: stop_ids.into(),
+            prompt_logprobs: Vec::new(),
+            events,
+            done: false,
+            prompt,
+            params,
+        })
+    }
+
+    /// Every token the sequence has: prompt then generated.
+    pub fn len(&self) -> usize {
+        self.prompt.len() + self.generated.len()
+    }
+
+    /// True for a sequence with no tokens (never admitted: prompts are non-empty).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens not yet in the KV cache (the rest of the prompt, or the last generated token).
+    pub fn pending(&self) -> usize {
+        self.len() - self.computed
+    }
+
+    /// Whether the sequence is still prefilling its prompt.
+    pub fn prefilling(&self) -> bool {
+        self.computed < self.prompt.len()
+    }
+
+    /// The token ids at positions `start..start + n`.
+    pub fn tokens(&self, start: usize, n: usize) -> Vec<u32> {
+        self.prompt
+            .iter()
+            .chain(&self.generated)
+            .skip(start)
+            .take(n)
+            .copied()
+            .collect()
+    }
+
+    /// Whether this chunk's logits must include every row (prompt logprobs) or only the last.
+    pub fn wants_all_rows(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && self.prefilling()
+    }
+
+    /// True once the client has dropped its stream.
+    pub fn client_gone(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Consumes the logits of a chunk of `n` tokens starting at `start` (`rows` holds every
+    /// row or only the last, see [`Sequence::wants_all_rows`]): prompt logprobs, then, when the
+    /// chunk reached the end of the known tokens, the next token.
+    pub fn absorb(&mut self, start: usize, n: usize, rows: &[Vec<f32>]) -> Result<()> {
+        self.computed = start + n;
+        if let Some(top_n) = self.params.prompt_logprobs {
+            if start < self.prompt.len() {
+                self.score_prompt(start, n, rows, top_n as usize)?;
+            }
+        }
+        if self.computed < self.len() {
+            return Ok(());
+        }
+        if self.computed == self.prompt.len() && self.params.prompt_logprobs.is_some() {
+            let logprobs = std::mem::take(&mut self.prompt_logprobs);
+            self.send(Event::PromptLogprobs(logprobs));
+        }
+        if self.generated.len() >= self.params.max_tokens as usize {
+            self.finish(FinishReason::Length, None);
+            return Ok(());
+        }
+        let last = rows.last().map(Vec::as_slice).unwrap_or_default();
+        let sampled = self.sampler.sample(last)?;
+        self.push_token(sampled);
+        Ok(())
+    }
+
+    /// Prompt logprobs of the chunk: row `i` (position `start + i`) predicts position
+    /// `start + i + 1`; the first prompt token has none.
+    fn score_prompt(
+        &mut self,
+        start: usize,
+        n: usize,
+        rows: &[Vec<f32>],
+        top_n: usize,
+    ) -> Result<()> {
+        if start == 0 {
+            self.prompt_logprobs.push(None);
+        }
+        for (i, row) in rows.iter().enumerate().take(n) {
+            let next = start + i + 1;
+            if next >= self.prompt.len() {
+                break;
+            }
+            let scored = token_logprob(row, self.prompt[next], top_n)?;
+            self.prompt_logprobs.push(Some(scored));
+        }
+        Ok(())
+    }
+
+    /// Appends a sampled token, emits its text, and finishes on a stop token, a stop string or
+    /// `max_tokens`.
+    fn push_token(&mut self, sampled: TokenLogprob) {
+        let token = sampled.token;
+        self.generated.push(token);
+        let logprob = self.params.logprobs.is_some().then_some(sampled);
+        if self.stop_ids.contains(&token) {
+            self.send(Event::Token(TokenEvent {
+                token,
+                text: String::new(),
+                logprob,
+            }));
+            self.finish(FinishReason::Stop, None);
+            return;
+        }
+        let delta = self.decoder.step(token).ok().flatten().unwrap_or_default();
+        let outcome = self.stops.push(&delta);
+        self.send(Event::Token(TokenEvent {
+            token,
+            text: outcome.text,
+            logprob,
+        }));
+        if outcome.stop.is_some() {
+            self.finish(FinishReason::Stop, outcome.stop);
+        } else if self.generated.len() >= self.params.max_tokens as usize {
+            self.finish(FinishReason::Length, None);
+        }
+    }
+
+    /// Sends the final event; the scheduler frees the sequence at the end of the step.
+    pub fn finish(&mut self, reason: FinishReason, stop: Option<String>) {
+        if self.done {
+            return;
+        }
+        let text = if stop.is_some() {
+            String::new()
+        } else {
+            let tail = self.decoder.flush().ok().flatten().unwrap_or_default();
+            let mut held = self.stops.push(&tail).text;
+            held.push_str(&self.stops.finish());
+            held
+        };
+        let queue_time = self
+            .scheduled
+            .map_or(Duration::ZERO, |at| at.duration_since(self.arrived));
+        self.send(Event::Finished(FinishEvent {
+            reason,
+            text,
+            stop,
+            usage: Usage {
+                prompt_tokens: self.prompt.len(),
+                completion_tokens: self.generated.len(),
+            },
+            queue_time,
+        }));
+        self.done = true;
+    }
+
+    /// Fails the sequence with an error event.
+    pub fn fail(&mut self, message: String) {
+        if !self.done {
+            self.send(Event::Error(message));
+            self.done = true;
+        }
+    }
+
+    fn send(&mut self, event: Event) {
+        if self.events.send(event).is_err() {
+            self.done = true;
+        }
+    }
+}
