@@ -31,6 +31,9 @@ pub enum BenchCommand {
     /// one host), imbalance before and after, and the cost model's simulated MoE makespan with
     /// each balancer versus no balancing.
     Ep(EpArgs),
+    /// Latency the HTTP layer adds over a direct engine call (short prompt, `max_tokens: 1`,
+    /// concurrent clients of both kinds against one engine), and requests/s.
+    HttpOverhead(crate::overhead_cmd::OverheadArgs),
 }
 
 /// `rackfill bench ep`.
@@ -181,6 +184,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Balance(args) => balance(args),
         BenchCommand::Forward(args) => forward(args),
         BenchCommand::Ep(args) => ep(args),
+        BenchCommand::HttpOverhead(args) => crate::overhead_cmd::run(args),
     }
 }
 

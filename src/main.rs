@@ -1,7 +1,9 @@
 //! The `rackfill` command line.
 
 mod bench_cmd;
+mod overhead_cmd;
 mod plan_cmd;
+mod serve_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -27,6 +29,8 @@ enum Command {
     /// Benchmarks (balancer quality and solve time).
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Serve the OpenAI-compatible API (the built-in model when --model is omitted).
+    Serve(serve_cmd::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +38,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
+        Command::Serve(args) => serve_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,2 +1,447 @@
 //! rackfill-server: the OpenAI-compatible HTTP API (axum), request validation, admission and
-//! Prometheus metrics, talking to the engine through a backend trait. Nothing is implemented yet.
+//! Prometheus metrics, talking to the engine through a narrow [`Backend`] trait.
+//!
+//! # Routes
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`) |
+//! | `POST /v1/chat/completions` | system/user/assistant messages through the model's chat template; `logprobs` + `top_logprobs`, `stream` |
+//! | `GET /v1/models` | the served model |
+//! | `GET /health` | 200 `{"status":"ok"}`, 503 when the engine is down or the server is draining |
+//! | `GET /metrics` | Prometheus text: HTTP, latency (vLLM buckets) and the engine's balancing metrics |
+//! | `GET /version` | `{"name":"rackfill","version":...}` |
+//!
+//! Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}` (see
+//! [`ApiError`]): 400 malformed JSON / wrong type / out of range (`param` names the field) and
+//! context overflow (both numbers in the message), 401 bad bearer token on `/v1/*`, 404 unknown
+//! model or route, 413 body over [`ServerConfig::max_body_bytes`], 429 admission or engine queue
+//! full, 503 engine stopped or server draining, 500 the engine failed an accepted request.
+//! Every response carries `x-request-id` (the client's, when it sent a sane one).
+//!
+//! # Library use
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use rackfill_engine::EngineConfig;
+//! use rackfill_models::ModelBundle;
+//! use rackfill_server::{AppState, ServerConfig};
+//!
+//! # async fn demo() -> anyhow::Result<()> {
+//! let bundle = ModelBundle::load(None)?; // the built-in model
+//! let state = AppState::launch(bundle, EngineConfig::default(), ServerConfig::default())?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! // `serve` returns once `shutdown` resolved and in-flight requests drained (or were
+//! // cancelled after `shutdown_timeout`); it then shuts the engine down.
+//! rackfill_server::serve(listener, state, async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Pieces: [`AppState::launch`] (bundle + engine config -> engine thread -> state),
+//! [`AppState::from_engine`] (an already spawned [`EngineHandle`] plus the bundle's
+//! [`ModelMeta`]), [`AppState::new`] (any [`Backend`]); [`router`] gives the `axum::Router`
+//! (for in-process use without a socket), [`serve`] runs it on a listener with graceful
+//! shutdown.
+
+mod backend;
+mod chat;
+mod completions;
+mod generate;
+pub mod metrics;
+mod validation;
+
+use std::future::{Future, IntoFuture};
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ::metrics::{counter, gauge, histogram};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
+use rackfill_models::ModelBundle;
+use serde_json::json;
+use subtle::ConstantTimeEq;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
+
+pub use backend::{Backend, EngineBackend, ModelInfo, ModelMeta};
+pub use completions::{MAX_N, MAX_SEQUENCES_PER_REQUEST};
+pub use validation::ApiError;
+
+/// The request-id header, echoed or generated on every response.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// HTTP-side settings (the engine has its own [`EngineConfig`]).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Bearer token required on `/v1/*`; `None` disables auth.
+    pub api_key: Option<String>,
+    /// Generation requests handled at once; more are refused with 429 (default 256).
+    pub max_concurrent_requests: usize,
+    /// Largest accepted request body; larger ones get 413 (default 4 MiB).
+    pub max_body_bytes: usize,
+    /// How long [`serve`] lets in-flight requests finish after the shutdown signal before
+    /// cancelling them (default 30 s).
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            max_concurrent_requests: 256,
+            max_body_bytes: 4 << 20,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    config: ServerConfig,
+    admission: Arc<Semaphore>,
+    metrics: Option<PrometheusHandle>,
+    draining: AtomicBool,
+    abort: watch::Sender<bool>,
+}
+
+/// Everything the handlers share; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+impl AppState {
+    /// Serves `backend` with `config`. Installs the process-wide Prometheus recorder on first
+    /// use (see [`metrics::install`]).
+    pub fn new(backend: Arc<dyn Backend>, config: ServerConfig) -> Self {
+        let (abort, _) = watch::channel(false);
+        Self {
+            inner: Arc::new(Inner {
+                admission: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
+                backend,
+                config,
+                metrics: metrics::install(),
+                draining: AtomicBool::new(false),
+                abort,
+            }),
+        }
+    }
+
+    /// Serves a spawned engine; `meta` is the bundle's name, chat template and generation
+    /// defaults.
+    pub fn from_engine(engine: EngineHandle, meta: ModelMeta, config: ServerConfig) -> Self {
+        Self::new(Arc::new(EngineBackend::new(engine, meta)), config)
+    }
+
+    /// Spawns the engine on `bundle` with `engine` settings and serves it.
+    pub fn launch(
+        bundle: ModelBundle,
+        engine: EngineConfig,
+        config: ServerConfig,
+    ) -> Result<Self, EngineError> {
+        let ModelBundle {
+            name,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+            stop_token_ids,
+            ..
+        } = bundle;
+        let handle =
+            EngineHandle::spawn(Arc::new(model), Arc::new(tokenizer), stop_token_ids, engine)?;
+        let meta = ModelMeta {
+            name,
+            chat_template,
+            generation,
+        };
+        Ok(Self::from_engine(handle, meta, config))
+    }
+
+    /// The backend requests go to.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// The HTTP settings.
+    pub fn config(&self) -> &ServerConfig {
+        &self.inner.config
+    }
+
+    /// Generation requests being handled now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.config.max_concurrent_requests.max(1) - self.inner.admission.available_permits()
+    }
+
+    /// Whether the server stopped taking new generation requests (shutdown began).
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Acquire)
+    }
+
+    /// Refuses new generation requests from now on (503) and fails `/health`.
+    pub fn begin_drain(&self) {
+        self.inner.draining.store(true, Ordering::Release);
+    }
+
+    /// Cancels every in-flight generation request (each gets a 503 or a final error event).
+    pub fn abort_in_flight(&self) {
+        self.inner.abort.send_replace(true);
+    }
+
+    pub(crate) fn abort_receiver(&self) -> watch::Receiver<bool> {
+        self.inner.abort.subscribe()
+    }
+
+    pub(crate) fn check_draining(&self) -> Result<(), ApiError> {
+        if self.is_draining() {
+            return Err(ApiError::Unavailable("the server is shutting down".into()));
+        }
+        Ok(())
+    }
+
+    /// One admission permit, held until the response (or its stream) ends.
+    pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        Arc::clone(&self.inner.admission)
+            .try_acquire_owned()
+            .map_err(|_| {
+                counter!(metrics::REJECTED).increment(1);
+                ApiError::TooManyRequests(format!(
+                    "the server is handling its limit of {} concurrent requests; retry later",
+                    self.inner.config.max_concurrent_requests
+                ))
+            })
+    }
+
+    /// The body, or 413 / 400 for a body that could not be read.
+    pub(crate) fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+        body.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge(self.inner.config.max_body_bytes)
+            } else {
+                ApiError::InvalidRequest {
+                    message: format!("cannot read the request body: {rejection}"),
+                    param: None,
+                    code: None,
+                }
+            }
+        })
+    }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// 32 random hex digits.
+pub(crate) fn random_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// The full API as an `axum::Router` (auth on `/v1/*`, body limit, request ids, tracing spans
+/// and HTTP metrics included).
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/version", get(version))
+        .merge(v1)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
+        .layer(middleware::from_fn(observe))
+        .with_state(state)
+}
+
+/// Serves `router(state)` on `listener` until `shutdown` resolves, then: stops accepting,
+/// refuses new generation requests (503), lets in-flight ones finish for up to
+/// `shutdown_timeout`, cancels whatever is left, and finally shuts the backend down (blocking
+/// work, done off the runtime). Returns once all of that is done.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let (signalled_tx, mut signalled) = watch::channel(false);
+    let drain_state = state.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!(
+            in_flight = drain_state.in_flight(),
+            "shutdown requested: draining in-flight requests"
+        );
+        drain_state.begin_drain();
+        signalled_tx.send_replace(true);
+    };
+    let server = axum::serve(listener, router(state.clone()))
+        .with_graceful_shutdown(signal)
+        .into_future();
+    tokio::pin!(server);
+    let timeout = state.config().shutdown_timeout;
+    let drain_deadline = async {
+        while !*signalled.borrow_and_update() {
+            if signalled.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        tokio::time::sleep(timeout).await;
+    };
+    let finished = tokio::select! {
+        result = &mut server => Some(result),
+        () = drain_deadline => None,
+    };
+    let result = match finished {
+        Some(result) => result,
+        None => {
+            tracing::warn!(
+                in_flight = state.in_flight(),
+                "shutdown timeout reached: cancelling in-flight requests"
+            );
+            state.abort_in_flight();
+            // Aborted requests send their error and close; give them a moment.
+            match tokio::time::timeout(Duration::from_secs(2), &mut server).await {
+                Ok(result) => result,
+                Err(_) => Ok(()),
+            }
+        }
+    };
+    let backend = Arc::clone(state.backend());
+    let _ = tokio::task::spawn_blocking(move || backend.shutdown()).await;
+    tracing::info!("server stopped");
+    result
+}
+
+/// Request id, tracing span and HTTP metrics around every request.
+async fn observe(mut request: Request, next: Next) -> Response {
+    let request_id = request
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(random_id);
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = request.method().as_str().to_string();
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        request.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    let span = tracing::info_span!("request", request_id = %request_id, %method, %route);
+    let start = Instant::now();
+    gauge!(metrics::HTTP_IN_FLIGHT).increment(1.0);
+    let mut response = next.run(request).instrument(span.clone()).await;
+    gauge!(metrics::HTTP_IN_FLIGHT).decrement(1.0);
+    let elapsed = start.elapsed();
+    let status = response.status();
+    counter!(metrics::HTTP_REQUESTS, "method" => method.clone(), "route" => route.clone(),
+        "status" => status.as_u16().to_string())
+    .increment(1);
+    histogram!(metrics::HTTP_DURATION, "method" => method, "route" => route)
+        .record(elapsed.as_secs_f64());
+    span.in_scope(|| {
+        tracing::info!(
+            status = status.as_u16(),
+            elapsed_ms = elapsed.as_secs_f64() * 1e3,
+            "response"
+        )
+    });
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+/// Bearer auth on `/v1/*` when an API key is configured; the comparison is constant-time.
+async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.config().api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
+        let ok = given.is_some_and(|token| bool::from(token.as_bytes().ct_eq(key.as_bytes())));
+        if !ok {
+            let message = if given.is_some() {
+                "invalid API key"
+            } else {
+                "missing API key: send `Authorization: Bearer <key>`"
+            };
+            return ApiError::Unauthorized(message.into()).into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.is_draining() {
+        return ApiError::Unavailable("the server is shutting down".into()).into_response();
+    }
+    if !state.backend().is_healthy() {
+        return ApiError::Unavailable("the engine is not running".into()).into_response();
+    }
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+async fn version() -> Response {
+    Json(json!({ "name": "rackfill", "version": env!("CARGO_PKG_VERSION") })).into_response()
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let text = state
+        .inner
+        .metrics
+        .as_ref()
+        .map(PrometheusHandle::render)
+        .unwrap_or_default();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    let info = state.backend().info();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": info.name,
+            "object": "model",
+            "created": info.created,
+            "owned_by": "rackfill",
+            "root": info.name,
+            "parent": null,
+            "max_model_len": info.max_context,
+        }],
+    }))
+    .into_response()
+}
+
+async fn not_found(request: Request) -> Response {
+    ApiError::RouteNotFound(format!("{} {}", request.method(), request.uri().path()))
+        .into_response()
+}

@@ -1,0 +1,349 @@
+//! What completions and chat share: submitting a request's sequences, reading their events (all
+//! of them for a JSON body, or as SSE chunks), cancellation on disconnect or shutdown, and the
+//! per-request latency metrics.
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::future::pending;
+use std::time::Instant;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, StreamExt};
+use metrics::{counter, histogram};
+use rackfill_engine::{
+    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, TokenEvent, TokenLogprob,
+};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tracing::Instrument;
+
+use crate::metrics as m;
+use crate::validation::ApiError;
+use crate::AppState;
+
+/// One submitted sequence: choice `index` of the response.
+pub(crate) struct Seq {
+    pub index: usize,
+    pub stream: RequestStream,
+}
+
+/// Submits every `(index, request)`; on the first refusal the already-submitted sequences are
+/// dropped (cancelled) and the refusal is returned, so a request is admitted whole or not at all.
+pub(crate) fn submit_all(
+    state: &AppState,
+    requests: Vec<(usize, GenerateRequest)>,
+    prompt_param: &str,
+) -> Result<Vec<Seq>, ApiError> {
+    let backend = state.backend();
+    let mut seqs = Vec::with_capacity(requests.len());
+    for (index, request) in requests {
+        let stream = backend
+            .submit(request)
+            .map_err(|e| ApiError::from_engine(e, prompt_param))?;
+        seqs.push(Seq { index, stream });
+    }
+    Ok(seqs)
+}
+
+/// Latency bookkeeping of one generation request.
+pub(crate) struct Timing {
+    start: Instant,
+    first_output: bool,
+}
+
+impl Timing {
+    pub fn start() -> Self {
+        Self {
+            start: Instant::now(),
+            first_output: false,
+        }
+    }
+
+    /// Any output (token, prompt logprobs, or the end): records TTFT the first time.
+    fn output(&mut self) {
+        if !self.first_output {
+            self.first_output = true;
+            histogram!(m::TTFT).record(self.start.elapsed().as_secs_f64());
+        }
+    }
+
+    fn finished(&mut self, finish: &FinishEvent) {
+        self.output();
+        histogram!(m::QUEUE_TIME).record(finish.queue_time.as_secs_f64());
+        counter!(m::REQUEST_SUCCESS, "finished_reason" => finish_reason(finish.reason))
+            .increment(1);
+        counter!(m::GENERATION_TOKENS).increment(finish.usage.completion_tokens as u64);
+    }
+
+    fn failed(&self, reason: &'static str) {
+        counter!(m::REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
+    }
+
+    fn done(&self) {
+        histogram!(m::E2E).record(self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// OpenAI's `finish_reason`.
+pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+/// Resolves once the server aborts in-flight requests (drain timeout).
+pub(crate) async fn aborted(mut abort: watch::Receiver<bool>) {
+    loop {
+        if *abort.borrow_and_update() {
+            return;
+        }
+        if abort.changed().await.is_err() {
+            pending::<()>().await;
+        }
+    }
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::Unavailable("the server is shutting down; the request was cancelled".into())
+}
+
+fn engine_gone() -> ApiError {
+    ApiError::Unavailable("the engine stopped before the request finished".into())
+}
+
+/// Everything one sequence produced.
+#[derive(Debug)]
+pub(crate) struct Output {
+    pub tokens: Vec<u32>,
+    /// Per generated token, when logprobs were requested.
+    pub logprobs: Vec<Option<TokenLogprob>>,
+    pub text: String,
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    pub finish: FinishEvent,
+}
+
+/// Reads every sequence to its end; outputs are in `seqs` order.
+pub(crate) async fn collect_all(
+    state: &AppState,
+    seqs: Vec<Seq>,
+    timing: &mut Timing,
+) -> Result<Vec<Output>, ApiError> {
+    let abort = aborted(state.abort_receiver());
+    tokio::pin!(abort);
+    let mut outputs = Vec::with_capacity(seqs.len());
+    // Holding every stream until the end keeps the not-yet-read sequences alive.
+    let mut seqs = seqs;
+    for seq in &mut seqs {
+        let mut out = Output {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            text: String::new(),
+            prompt_logprobs: None,
+            finish: FinishEvent {
+                reason: FinishReason::Cancelled,
+                text: String::new(),
+                stop: None,
+                usage: Default::default(),
+                queue_time: Default::default(),
+            },
+        };
+        loop {
+            let event = tokio::select! {
+                biased;
+                event = seq.stream.events.recv() => event,
+                () = &mut abort => {
+                    timing.failed("abort");
+                    return Err(shutting_down());
+                }
+            };
+            match event {
+                Some(Event::PromptLogprobs(lp)) => {
+                    timing.output();
+                    out.prompt_logprobs = Some(lp);
+                }
+                Some(Event::Token(TokenEvent {
+                    token,
+                    text,
+                    logprob,
+                })) => {
+                    timing.output();
+                    out.tokens.push(token);
+                    out.text.push_str(&text);
+                    out.logprobs.push(logprob);
+                }
+                Some(Event::Finished(finish)) => {
+                    timing.finished(&finish);
+                    out.text.push_str(&finish.text);
+                    out.finish = finish;
+                    break;
+                }
+                Some(Event::Error(message)) => {
+                    timing.failed("error");
+                    return Err(ApiError::Internal(message));
+                }
+                None => {
+                    timing.failed("error");
+                    return Err(engine_gone());
+                }
+            }
+        }
+        outputs.push(out);
+    }
+    timing.done();
+    Ok(outputs)
+}
+
+/// Turns engine events into the JSON chunks of one API's stream.
+pub(crate) trait ChunkFormat: Send + 'static {
+    /// Chunks sent before any event of choice `index`.
+    fn start(&mut self, index: usize) -> Vec<Value>;
+    /// Chunks for the prompt logprobs of choice `index`.
+    fn prompt_logprobs(&mut self, index: usize, logprobs: Vec<Option<TokenLogprob>>) -> Vec<Value>;
+    /// The chunk of one generated token, if it shows anything.
+    fn token(&mut self, index: usize, token: TokenEvent) -> Option<Value>;
+    /// The last chunk of choice `index`.
+    fn finish(&mut self, index: usize, finish: &FinishEvent) -> Value;
+    /// The closing usage chunk (`choices: []`).
+    fn usage(&mut self, prompt_tokens: usize, completion_tokens: usize) -> Value;
+}
+
+/// `usage` in OpenAI's shape.
+pub(crate) fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+fn sse_json(value: &Value) -> SseEvent {
+    SseEvent::default().data(value.to_string())
+}
+
+/// Streams `seqs` as SSE (`data: {chunk}` ... `data: [DONE]`). A task reads the engine and
+/// writes chunks into a small channel the response body drains; when the client goes away the
+/// channel closes, the task ends and drops the sequences, which cancels them in the engine.
+/// Errors after the stream started are sent as a final `data: {"error": ...}` event.
+pub(crate) fn stream_response<F: ChunkFormat>(
+    state: &AppState,
+    seqs: Vec<Seq>,
+    mut format: F,
+    include_usage: bool,
+    prompt_tokens: usize,
+    permit: OwnedSemaphorePermit,
+    mut timing: Timing,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<SseEvent>(64);
+    let abort = state.abort_receiver();
+    let task = async move {
+        let _permit = permit;
+        let total = seqs.len();
+        let mut started = Vec::new();
+        for seq in &seqs {
+            started.extend(format.start(seq.index));
+        }
+        for chunk in &started {
+            if tx.send(sse_json(chunk)).await.is_err() {
+                return;
+            }
+        }
+        let mut merged = stream::select_all(seqs.into_iter().map(|seq| {
+            stream::unfold(Some(seq), |state| async move {
+                let mut seq = state?;
+                match seq.stream.events.recv().await {
+                    Some(event) => Some(((seq.index, Some(event)), Some(seq))),
+                    None => Some(((seq.index, None), None)),
+                }
+            })
+            .boxed()
+        }));
+        let abort = aborted(abort);
+        tokio::pin!(abort);
+        let mut finished = HashSet::new();
+        let mut completion_tokens = 0;
+        let mut failure = None;
+        while finished.len() < total {
+            let item = tokio::select! {
+                biased;
+                () = tx.closed() => {
+                    timing.failed("abort");
+                    tracing::info!("client disconnected; request cancelled");
+                    return;
+                }
+                () = &mut abort => {
+                    failure = Some(shutting_down());
+                    timing.failed("abort");
+                    break;
+                }
+                item = merged.next() => item,
+            };
+            let chunks = match item {
+                Some((index, Some(Event::PromptLogprobs(lp)))) => {
+                    timing.output();
+                    format.prompt_logprobs(index, lp)
+                }
+                Some((index, Some(Event::Token(token)))) => {
+                    timing.output();
+                    format.token(index, token).into_iter().collect()
+                }
+                Some((index, Some(Event::Finished(finish)))) => {
+                    timing.finished(&finish);
+                    finished.insert(index);
+                    completion_tokens += finish.usage.completion_tokens;
+                    vec![format.finish(index, &finish)]
+                }
+                Some((_, Some(Event::Error(message)))) => {
+                    timing.failed("error");
+                    failure = Some(ApiError::Internal(message));
+                    break;
+                }
+                Some((index, None)) => {
+                    if finished.contains(&index) {
+                        continue;
+                    }
+                    timing.failed("error");
+                    failure = Some(engine_gone());
+                    break;
+                }
+                None => {
+                    timing.failed("error");
+                    failure = Some(engine_gone());
+                    break;
+                }
+            };
+            for chunk in &chunks {
+                if tx.send(sse_json(chunk)).await.is_err() {
+                    timing.failed("abort");
+                    return;
+                }
+            }
+        }
+        // The remaining sequences (on failure) are cancelled here, before the last events.
+        drop(merged);
+        timing.done();
+        let last = match failure {
+            Some(err) => {
+                tracing::warn!(%err, "stream failed after it started");
+                Some(err.body())
+            }
+            None if include_usage => Some(format.usage(prompt_tokens, completion_tokens)),
+            None => None,
+        };
+        if let Some(last) = last {
+            if tx.send(sse_json(&last)).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+    };
+    tokio::spawn(task.instrument(tracing::Span::current()));
+    let body = stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|event| (Ok::<_, Infallible>(event), rx))
+    });
+    Sse::new(body).into_response()
+}

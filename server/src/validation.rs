@@ -1,0 +1,373 @@
+//! Everything that can be wrong with a request, as one typed error mapped to OpenAI's error
+//! envelope `{"error": {"message", "type", "param", "code"}}`, plus the helpers that turn raw
+//! JSON into typed requests and name the offending field (`param`) when they cannot.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use rackfill_engine::EngineError;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+/// A request that cannot be served, with the HTTP status and OpenAI error fields it maps to.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed JSON, a field of the wrong type or out of range (400). `param` names the field.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+        code: Option<&'static str>,
+    },
+    /// Prompt plus `max_tokens` beyond what the model or the KV budget can hold (400); the
+    /// message carries both numbers.
+    #[error("{message}")]
+    ContextLength { message: String, param: String },
+    /// Missing or wrong bearer token (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The request names a model this server does not serve (404).
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
+    /// No such route (404).
+    #[error("no route for {0}")]
+    RouteNotFound(String),
+    /// The body is larger than `--max-body-bytes` (413).
+    #[error("the request body exceeds the limit of {0} bytes")]
+    PayloadTooLarge(usize),
+    /// The admission limit or the engine's queue is full (429).
+    #[error("{0}")]
+    TooManyRequests(String),
+    /// The engine is not running or the server is shutting down (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The engine failed a request it had accepted (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+            code: Some("invalid_value"),
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidRequest { .. } | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidRequest { .. }
+            | Self::ContextLength { .. }
+            | Self::ModelNotFound(_)
+            | Self::RouteNotFound(_)
+            | Self::PayloadTooLarge(_) => "invalid_request_error",
+            Self::Unauthorized(_) => "authentication_error",
+            Self::TooManyRequests(_) => "rate_limit_error",
+            Self::Unavailable(_) => "service_unavailable_error",
+            Self::Internal(_) => "server_error",
+        }
+    }
+
+    /// OpenAI's `param`.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Self::InvalidRequest { param, .. } => param.as_deref(),
+            Self::ContextLength { param, .. } => Some(param),
+            Self::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// OpenAI's `code`.
+    pub fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::InvalidRequest { code, .. } => *code,
+            Self::ContextLength { .. } => Some("context_length_exceeded"),
+            Self::Unauthorized(_) => Some("invalid_api_key"),
+            Self::ModelNotFound(_) => Some("model_not_found"),
+            Self::RouteNotFound(_) => Some("not_found"),
+            Self::PayloadTooLarge(_) => Some("payload_too_large"),
+            Self::TooManyRequests(_) => Some("rate_limit_exceeded"),
+            Self::Unavailable(_) => Some("service_unavailable"),
+            Self::Internal(_) => Some("internal_error"),
+        }
+    }
+
+    /// The error envelope, as sent in a body or as a final SSE event.
+    pub fn body(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.kind(),
+                "param": self.param(),
+                "code": self.code(),
+            }
+        })
+    }
+
+    /// Maps an engine submission error; `prompt_param` is the field the prompt came from
+    /// (`prompt` or `messages`).
+    pub fn from_engine(err: EngineError, prompt_param: &str) -> Self {
+        match err {
+            EngineError::Sampling(e) => match e.param() {
+                Some(param) => Self::invalid(param, e.to_string()),
+                None => Self::InvalidRequest {
+                    message: e.to_string(),
+                    param: None,
+                    code: None,
+                },
+            },
+            EngineError::InvalidRequest(message) => Self::invalid(prompt_param, message),
+            EngineError::Model(e) => Self::invalid(prompt_param, e.to_string()),
+            EngineError::TooLong(message) => Self::ContextLength {
+                message,
+                param: prompt_param.into(),
+            },
+            EngineError::QueueFull(_) => Self::TooManyRequests(err.to_string()),
+            EngineError::Unavailable => Self::Unavailable(err.to_string()),
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if matches!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+/// Parses a JSON body into `T`, naming the field at fault: syntax errors give no `param`, a
+/// wrong type gives its path (`temperature`, `messages[0].content`), a missing field its name.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some_and(|&b| b != b'{') {
+        // serde would accept a struct written as an array; OpenAI bodies are objects.
+        serde_json::from_slice::<serde::de::IgnoredAny>(body).map_err(|e| json_error(".", &e))?;
+        return Err(ApiError::InvalidRequest {
+            message: "the request body must be a JSON object".into(),
+            param: None,
+            code: Some("invalid_type"),
+        });
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let parsed: Result<T, _> = serde_path_to_error::deserialize(&mut de);
+    let value = match parsed {
+        Ok(value) => value,
+        Err(err) => {
+            let path = err.path().to_string();
+            let inner = err.into_inner();
+            return Err(json_error(&path, &inner));
+        }
+    };
+    de.end().map_err(|e| json_error(".", &e))?;
+    Ok(value)
+}
+
+fn json_error(path: &str, err: &serde_json::Error) -> ApiError {
+    use serde_json::error::Category;
+    match err.classify() {
+        Category::Syntax | Category::Eof | Category::Io => ApiError::InvalidRequest {
+            message: format!("the request body is not valid JSON: {err}"),
+            param: None,
+            code: Some("invalid_json"),
+        },
+        Category::Data => {
+            let text = err.to_string();
+            // serde reports a missing field at the enclosing object's path.
+            let missing = text
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.split('`').next());
+            let param = match (missing, path) {
+                (Some(field), "." | "") => Some(field.to_string()),
+                (Some(field), parent) => Some(format!("{parent}.{field}")),
+                (None, "." | "") => None,
+                (None, path) => Some(path.to_string()),
+            };
+            let message = match &param {
+                Some(p) if missing.is_none() => format!("invalid `{p}`: {text}"),
+                _ => text,
+            };
+            ApiError::InvalidRequest {
+                message,
+                param,
+                code: Some("invalid_type"),
+            }
+        }
+    }
+}
+
+/// `stop`: a string, an array of strings, or null.
+pub fn stop_strings(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(ApiError::invalid(
+                    format!("stop[{i}]"),
+                    "stop must be a string or an array of strings",
+                )),
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            "stop",
+            "stop must be a string or an array of strings",
+        )),
+    }
+}
+
+/// An integer field that must lie in `[min, max]`.
+pub fn int_in(param: &str, value: i64, min: i64, max: i64) -> Result<i64, ApiError> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else if max == i64::MAX {
+        Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be at least {min}, got {value}"),
+        ))
+    } else {
+        Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be in [{min}, {max}], got {value}"),
+        ))
+    }
+}
+
+/// Penalties and biases rackfill does not implement: accepted only at their neutral values, so
+/// that a client relying on them learns it at once.
+pub fn unsupported_zero(param: &str, value: Option<f64>) -> Result<(), ApiError> {
+    match value {
+        Some(v) if v != 0.0 => Err(ApiError::invalid(
+            param,
+            format!("`{param}` is not supported (only 0 is accepted), got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The requested model must be the served one (an absent `model` means the served one).
+pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match requested {
+        None => Ok(()),
+        Some(name) if name == served => Ok(()),
+        Some(name) => Err(ApiError::ModelNotFound(name.chars().take(256).collect())),
+    }
+}
+
+/// Context-length check done before anything is submitted, so a batch fails whole.
+pub fn check_context(
+    prompt_len: usize,
+    max_tokens: usize,
+    limit: usize,
+    param: &str,
+) -> Result<(), ApiError> {
+    if prompt_len.saturating_add(max_tokens) > limit {
+        return Err(ApiError::ContextLength {
+            message: format!(
+                "this model's maximum context length is {limit} tokens, but {prompt_len} prompt \
+                 tokens plus max_tokens {max_tokens} were requested ({} in total)",
+                prompt_len.saturating_add(max_tokens)
+            ),
+            param: param.into(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Probe {
+        a: f64,
+        #[serde(default)]
+        b: Option<Vec<Inner>>,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Inner {
+        c: String,
+    }
+
+    #[test]
+    fn json_errors_name_the_field() {
+        let err = parse_json::<Probe>(br#"{"a": "x"}"#).unwrap_err();
+        assert_eq!(err.param(), Some("a"));
+        let err = parse_json::<Probe>(br#"{"a": 1, "b": [{"c": 3}]}"#).unwrap_err();
+        assert_eq!(err.param(), Some("b[0].c"));
+        let err = parse_json::<Probe>(br#"{}"#).unwrap_err();
+        assert_eq!(err.param(), Some("a"));
+        let err = parse_json::<Probe>(br#"{"a": 1, "b": [{}]}"#).unwrap_err();
+        assert_eq!(err.param(), Some("b[0].c"));
+        let err = parse_json::<Probe>(br#"{"a": "#).unwrap_err();
+        assert_eq!(err.param(), None);
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        let err = parse_json::<Probe>(br#"{"a": 1} x"#).unwrap_err();
+        assert_eq!(err.code(), Some("invalid_json"));
+        assert!(parse_json::<Probe>(br#"{"a": 1, "zzz": 2}"#).is_ok());
+    }
+
+    #[test]
+    fn envelope_shape() {
+        let body = ApiError::invalid("top_p", "bad").body();
+        assert_eq!(body["error"]["param"], "top_p");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["message"], "bad");
+        let body = ApiError::TooManyRequests("full".into()).body();
+        assert!(body["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn stop_forms() {
+        assert_eq!(stop_strings(None).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            stop_strings(Some(&json!("x"))).unwrap(),
+            vec!["x".to_string()]
+        );
+        assert_eq!(stop_strings(Some(&json!(["a", "b"]))).unwrap().len(), 2);
+        assert_eq!(
+            stop_strings(Some(&json!(["a", 1]))).unwrap_err().param(),
+            Some("stop[1]")
+        );
+        assert_eq!(
+            stop_strings(Some(&json!(3))).unwrap_err().param(),
+            Some("stop")
+        );
+    }
+}

@@ -1,0 +1,1254 @@
+//! The OpenAI API end to end: a real server on an ephemeral port serving the built-in model
+//! (EP 2), a real HTTP client, streams parsed as SSE.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{json_chunks, read_sse, TestServer};
+use rackfill_engine::{Event, GenerateRequest, SamplingParams};
+use rackfill_models::{ChatMessage, BUILTIN_MODEL_NAME};
+use rackfill_server::ServerConfig;
+use serde_json::{json, Value};
+
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog";
+
+fn choice_texts(body: &Value) -> Vec<String> {
+    body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_string_batch_and_token_ids() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let ids = server.state.backend().tokenize(PROMPT, true).unwrap();
+
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"model": BUILTIN_MODEL_NAME, "prompt": PROMPT, "max_tokens": 6,
+                    "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["model"], BUILTIN_MODEL_NAME);
+    assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(body["choices"].as_array().unwrap().len(), 1);
+    assert_eq!(body["choices"][0]["index"], 0);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert!(body["choices"][0]["logprobs"].is_null());
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    assert_eq!(body["usage"]["total_tokens"], ids.len() + 6);
+    let greedy = choice_texts(&body)[0].clone();
+
+    // The same prompt as token ids gives the same greedy text; `model` may be omitted.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(choice_texts(&body), vec![greedy.clone()]);
+
+    // A batch of strings: one choice per prompt, in order.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [PROMPT, "Hello"], "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let texts = choice_texts(&body);
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts[0], greedy);
+    assert_eq!(body["choices"][1]["index"], 1);
+    let hello = server.state.backend().tokenize("Hello", true).unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len() + hello.len());
+    assert_eq!(body["usage"]["completion_tokens"], 12);
+
+    // A batch of token-id prompts.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [ids, hello], "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(choice_texts(&body)[0], greedy);
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_n_and_seed() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let request = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 2,
+                         "seed": 1234, "ignore_eos": true});
+    let (status, first) = server.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{first}");
+    let texts = choice_texts(&first);
+    assert_eq!(texts.len(), 2);
+    assert_eq!(first["choices"][0]["index"], 0);
+    assert_eq!(first["choices"][1]["index"], 1);
+    assert_eq!(first["usage"]["completion_tokens"], 16);
+    // Same seed, same samples.
+    let (_, second) = server.post("/v1/completions", &request).await;
+    assert_eq!(choice_texts(&second), texts);
+    server.shutdown().await.unwrap();
+}
+
+/// lm-eval-harness style scoring: `echo` + `logprobs` + `max_tokens: 0` returns the prompt with
+/// one logprob per prompt token, the first `null`, the rest equal to the engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_logprobs_scores_the_prompt() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let ids = server.state.backend().tokenize(PROMPT, true).unwrap();
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 1,
+                    "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["text"], PROMPT);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 0);
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    let lp = &choice["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    let token_logprobs = lp["token_logprobs"].as_array().unwrap();
+    let top = lp["top_logprobs"].as_array().unwrap();
+    assert_eq!(tokens.len(), ids.len());
+    assert_eq!(token_logprobs.len(), ids.len());
+    assert_eq!(top.len(), ids.len());
+    assert_eq!(lp["text_offset"].as_array().unwrap().len(), ids.len());
+    assert!(token_logprobs[0].is_null());
+    assert!(top[0].is_null());
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(tokens[i], server.state.backend().token_text(id));
+    }
+
+    // The engine's own prompt logprobs for the same ids.
+    let mut stream = server
+        .state
+        .backend()
+        .submit(GenerateRequest {
+            prompt: ids.clone(),
+            params: SamplingParams {
+                temperature: 0.0,
+                max_tokens: 0,
+                prompt_logprobs: Some(1),
+                ..SamplingParams::default()
+            },
+        })
+        .unwrap();
+    let mut engine = None;
+    while let Some(event) = stream.events.recv().await {
+        if let Event::PromptLogprobs(lp) = event {
+            engine = Some(lp);
+        }
+    }
+    let engine = engine.expect("prompt logprobs");
+    assert!(engine[0].is_none());
+    for i in 1..ids.len() {
+        let expected = engine[i].as_ref().unwrap();
+        let got = token_logprobs[i]
+            .as_f64()
+            .expect("a number after the first token");
+        assert_eq!(got as f32, expected.logprob, "position {i}");
+        assert!(got <= 0.0);
+        // The scored token is among the alternatives, with its own logprob.
+        let alternatives = top[i].as_object().unwrap();
+        let text = server.state.backend().token_text(ids[i]);
+        assert_eq!(
+            alternatives[&text].as_f64().unwrap() as f32,
+            expected.logprob
+        );
+    }
+
+    // Token-id prompts score the same.
+    let (status, by_ids) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{by_ids}");
+    assert_eq!(
+        by_ids["choices"][0]["logprobs"]["token_logprobs"],
+        lp["token_logprobs"]
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_template_stop_and_seed() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let messages = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]);
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": BUILTIN_MODEL_NAME, "messages": messages, "max_tokens": 12,
+                    "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let content = choice["message"]["content"].as_str().unwrap().to_string();
+
+    // The template was applied: the prompt is the rendered conversation's tokens.
+    let backend = server.state.backend();
+    let rendered = backend
+        .render_chat(&[
+            ChatMessage {
+                role: "system".into(),
+                content: "You are terse.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "Name a colour.".into(),
+            },
+        ])
+        .unwrap();
+    assert!(rendered.contains("Name a colour."));
+    let prompt = backend.tokenize(&rendered, false).unwrap();
+    let raw = backend
+        .tokenize("You are terse.Name a colour.", false)
+        .unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], prompt.len());
+    assert!(prompt.len() > raw.len());
+    assert_eq!(body["usage"]["completion_tokens"], 12);
+
+    // A stop string taken from the greedy output cuts it there.
+    let chars: Vec<char> = content.chars().collect();
+    let stop = (2..chars.len().saturating_sub(1))
+        .map(|i| chars[i..i + 2].iter().collect::<String>())
+        .find(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| panic!("greedy output too short for a stop test: {content:?}"));
+    {
+        let expected = &content[..content.find(&stop).unwrap()];
+        let (status, body) = server
+            .post(
+                "/v1/chat/completions",
+                &json!({"messages": messages, "max_tokens": 12, "temperature": 0,
+                        "ignore_eos": true, "stop": [stop]}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], expected);
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    }
+
+    // Same seed at temperature 1: same text; logprobs with alternatives.
+    let seeded = json!({"messages": messages, "max_completion_tokens": 10, "temperature": 1.0,
+                        "seed": 7, "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
+    let (status, a) = server.post("/v1/chat/completions", &seeded).await;
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = server.post("/v1/chat/completions", &seeded).await;
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
+    let lps = a["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lps.len(), 10);
+    for entry in lps {
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 3);
+        assert!(entry["bytes"].is_array());
+    }
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_completions_and_chat_with_usage() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let base = json!({"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": true});
+    let (_, plain) = server.post("/v1/completions", &base).await;
+    let expected = choice_texts(&plain)[0].clone();
+
+    let mut streamed = base.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    let chunks = json_chunks(&read_sse(response).await);
+    let (usage, body) = chunks.split_last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], 10);
+    assert_eq!(
+        usage["usage"]["prompt_tokens"],
+        plain["usage"]["prompt_tokens"]
+    );
+    let mut text = String::new();
+    for chunk in body {
+        assert_eq!(chunk["object"], "text_completion");
+        assert!(chunk["usage"].is_null());
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(text, expected);
+    assert_eq!(
+        body.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // Without include_usage there is no usage chunk, and no `usage` key.
+    let mut no_usage = base.clone();
+    no_usage["stream"] = json!(true);
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&no_usage)
+        .send()
+        .await
+        .unwrap();
+    let chunks = json_chunks(&read_sse(response).await);
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+    assert!(chunks
+        .iter()
+        .all(|c| c["choices"].as_array().unwrap().len() == 1));
+
+    // Chat: role first, then content deltas, finish_reason last, usage, [DONE].
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                      "temperature": 0, "ignore_eos": true});
+    let (_, plain) = server.post("/v1/chat/completions", &chat).await;
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let response = server
+        .client
+        .post(server.url("/v1/chat/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    let chunks = json_chunks(&read_sse(response).await);
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let (usage, body) = chunks.split_last().unwrap();
+    assert_eq!(usage["usage"], plain["usage"]);
+    let content: String = body
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, plain["choices"][0]["message"]["content"]);
+    assert_eq!(
+        body.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // Streamed scoring: the echoed prompt comes with its logprobs, the first null.
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(
+            &json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 2,
+                      "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let chunks = json_chunks(&read_sse(response).await);
+    assert_eq!(chunks[0]["choices"][0]["text"], PROMPT);
+    let lp = &chunks[0]["choices"][0]["logprobs"];
+    assert!(lp["token_logprobs"][0].is_null());
+    assert!(lp["token_logprobs"][1].is_number());
+    assert_eq!(
+        lp["tokens"].as_array().unwrap().len(),
+        server.state.backend().tokenize(PROMPT, true).unwrap().len()
+    );
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // n = 2 streams interleave both choices, each finishing once.
+    let mut two = base.clone();
+    two["stream"] = json!(true);
+    two["n"] = json!(2);
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&two)
+        .send()
+        .await
+        .unwrap();
+    let chunks = json_chunks(&read_sse(response).await);
+    for index in 0..2 {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == index)
+            .map(|c| c["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(text, expected, "choice {index}");
+        let finishes = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == index)
+            .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+            .count();
+        assert_eq!(finishes, 1);
+    }
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_version_metrics_and_request_ids() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let (status, models) = server.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], BUILTIN_MODEL_NAME);
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+
+    let (status, health) = server.get("/health").await;
+    assert_eq!(status, 200, "{health}");
+    let (status, version) = server.get("/version").await;
+    assert_eq!(status, 200);
+    assert!(version.contains(env!("CARGO_PKG_VERSION")));
+
+    // Request ids: echoed when sent, generated otherwise.
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .header("x-request-id", "abc-123")
+        .json(&json!({"prompt": PROMPT, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["x-request-id"], "abc-123");
+    let response = server
+        .client
+        .get(server.url("/health"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        response.headers()["x-request-id"].to_str().unwrap().len(),
+        32
+    );
+
+    let (status, metrics) = server.get("/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        "rackfill:moe_imbalance_before",
+        "rackfill:moe_imbalance_after_bucket",
+        "rackfill:http_requests_total",
+        "rackfill:http_request_duration_seconds_bucket",
+        "rackfill:time_to_first_token_seconds_bucket",
+        "rackfill:e2e_request_latency_seconds_bucket",
+        "rackfill:request_queue_time_seconds_bucket",
+        "rackfill:prompt_tokens_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    assert!(metrics.contains("route=\"/v1/completions\""), "{metrics}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_on_v1() {
+    let server = TestServer::start(ServerConfig {
+        api_key: Some("sekret".into()),
+        ..ServerConfig::default()
+    })
+    .await;
+    let body = json!({"prompt": PROMPT, "max_tokens": 1});
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("Bearer sekre"),
+        Some("sekret"),
+    ] {
+        let mut request = server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&body);
+        if let Some(auth) = auth {
+            request = request.header("authorization", auth);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status().as_u16(), 401, "{auth:?}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "authentication_error");
+        assert_eq!(body["error"]["code"], "invalid_api_key");
+    }
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let response = server
+        .client
+        .get(server.url("/v1/models"))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    // Health and metrics stay open for probes and scrapers.
+    assert_eq!(server.get("/health").await.0, 200);
+    assert_eq!(server.get("/metrics").await.0, 200);
+    assert_eq!(server.get("/v1/models").await.0, 401);
+    server.shutdown().await.unwrap();
+}
+
+/// One bad input: name, route, raw body, expected status, `param` and `code`.
+type Case = (
+    &'static str,
+    &'static str,
+    Vec<u8>,
+    u16,
+    Option<&'static str>,
+    Option<&'static str>,
+);
+
+/// Every bad input, its exact status, `param` and `code`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_table() {
+    let server = TestServer::start(ServerConfig {
+        max_body_bytes: 16 * 1024,
+        ..ServerConfig::default()
+    })
+    .await;
+    const C: &str = "/v1/completions";
+    const CHAT: &str = "/v1/chat/completions";
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let long_prompt: Vec<u32> = (0..100).map(|i| 10 + i).collect();
+    let cases: Vec<Case> = vec![
+        (
+            "malformed json",
+            C,
+            b"{\"prompt\": ".to_vec(),
+            400,
+            None,
+            Some("invalid_json"),
+        ),
+        (
+            "trailing garbage",
+            C,
+            b"{\"prompt\": \"x\"} x".to_vec(),
+            400,
+            None,
+            Some("invalid_json"),
+        ),
+        (
+            "not an object",
+            C,
+            b"[1, 2]".to_vec(),
+            400,
+            None,
+            Some("invalid_type"),
+        ),
+        ("empty body", C, Vec::new(), 400, None, Some("invalid_json")),
+        (
+            "missing prompt",
+            C,
+            b"{}".to_vec(),
+            400,
+            Some("prompt"),
+            Some("invalid_type"),
+        ),
+        (
+            "temperature type",
+            C,
+            body(json!({"prompt": "x", "temperature": "hot"})),
+            400,
+            Some("temperature"),
+            Some("invalid_type"),
+        ),
+        (
+            "max_tokens type",
+            C,
+            body(json!({"prompt": "x", "max_tokens": "ten"})),
+            400,
+            Some("max_tokens"),
+            Some("invalid_type"),
+        ),
+        (
+            "max_tokens float",
+            C,
+            body(json!({"prompt": "x", "max_tokens": 1.5})),
+            400,
+            Some("max_tokens"),
+            Some("invalid_type"),
+        ),
+        (
+            "stream type",
+            C,
+            body(json!({"prompt": "x", "stream": "yes"})),
+            400,
+            Some("stream"),
+            Some("invalid_type"),
+        ),
+        (
+            "include_usage type",
+            C,
+            body(json!({"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})),
+            400,
+            Some("stream_options.include_usage"),
+            Some("invalid_type"),
+        ),
+        (
+            "negative max_tokens",
+            C,
+            body(json!({"prompt": "x", "max_tokens": -1})),
+            400,
+            Some("max_tokens"),
+            Some("invalid_value"),
+        ),
+        (
+            "temperature 3",
+            C,
+            body(json!({"prompt": "x", "temperature": 3})),
+            400,
+            Some("temperature"),
+            Some("invalid_value"),
+        ),
+        (
+            "negative temperature",
+            C,
+            body(json!({"prompt": "x", "temperature": -0.5})),
+            400,
+            Some("temperature"),
+            Some("invalid_value"),
+        ),
+        (
+            "top_p 0",
+            C,
+            body(json!({"prompt": "x", "top_p": 0})),
+            400,
+            Some("top_p"),
+            Some("invalid_value"),
+        ),
+        (
+            "top_p 1.5",
+            C,
+            body(json!({"prompt": "x", "top_p": 1.5})),
+            400,
+            Some("top_p"),
+            Some("invalid_value"),
+        ),
+        (
+            "top_k -2",
+            C,
+            body(json!({"prompt": "x", "top_k": -2})),
+            400,
+            Some("top_k"),
+            Some("invalid_value"),
+        ),
+        (
+            "n 0",
+            C,
+            body(json!({"prompt": "x", "n": 0})),
+            400,
+            Some("n"),
+            Some("invalid_value"),
+        ),
+        (
+            "n too large",
+            C,
+            body(json!({"prompt": "x", "n": 1000})),
+            400,
+            Some("n"),
+            Some("invalid_value"),
+        ),
+        (
+            "logprobs 21",
+            C,
+            body(json!({"prompt": "x", "logprobs": 21})),
+            400,
+            Some("logprobs"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt number",
+            C,
+            body(json!({"prompt": 5})),
+            400,
+            Some("prompt"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt null",
+            C,
+            body(json!({"prompt": null})),
+            400,
+            Some("prompt"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt empty list",
+            C,
+            body(json!({"prompt": []})),
+            400,
+            Some("prompt"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt empty string",
+            C,
+            body(json!({"prompt": ""})),
+            400,
+            Some("prompt[0]"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt negative id",
+            C,
+            body(json!({"prompt": [1, -1]})),
+            400,
+            Some("prompt[1]"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt mixed list",
+            C,
+            body(json!({"prompt": ["a", 1]})),
+            400,
+            Some("prompt[1]"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt id outside vocab",
+            C,
+            body(json!({"prompt": [1, 99999999]})),
+            400,
+            Some("prompt"),
+            Some("invalid_value"),
+        ),
+        (
+            "prompt empty id list",
+            C,
+            body(json!({"prompt": [[1, 2], []]})),
+            400,
+            Some("prompt[1]"),
+            Some("invalid_value"),
+        ),
+        (
+            "stop number",
+            C,
+            body(json!({"prompt": "x", "stop": 5})),
+            400,
+            Some("stop"),
+            Some("invalid_value"),
+        ),
+        (
+            "five stops",
+            C,
+            body(json!({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})),
+            400,
+            Some("stop"),
+            Some("invalid_value"),
+        ),
+        (
+            "empty stop",
+            C,
+            body(json!({"prompt": "x", "stop": [""]})),
+            400,
+            Some("stop"),
+            Some("invalid_value"),
+        ),
+        (
+            "stream_options without stream",
+            C,
+            body(json!({"prompt": "x", "stream_options": {"include_usage": true}})),
+            400,
+            Some("stream_options"),
+            Some("invalid_value"),
+        ),
+        (
+            "presence_penalty",
+            C,
+            body(json!({"prompt": "x", "presence_penalty": 1})),
+            400,
+            Some("presence_penalty"),
+            Some("invalid_value"),
+        ),
+        (
+            "best_of",
+            C,
+            body(json!({"prompt": "x", "best_of": 3})),
+            400,
+            Some("best_of"),
+            Some("invalid_value"),
+        ),
+        (
+            "unknown model",
+            C,
+            body(json!({"prompt": "x", "model": "gpt-9"})),
+            404,
+            Some("model"),
+            Some("model_not_found"),
+        ),
+        (
+            "too long",
+            C,
+            body(json!({"prompt": long_prompt, "max_tokens": 5000})),
+            400,
+            Some("prompt"),
+            Some("context_length_exceeded"),
+        ),
+        (
+            "body too big",
+            C,
+            body(json!({"prompt": "x".repeat(64 * 1024)})),
+            413,
+            None,
+            Some("payload_too_large"),
+        ),
+        (
+            "chat missing messages",
+            CHAT,
+            body(json!({"model": BUILTIN_MODEL_NAME})),
+            400,
+            Some("messages"),
+            Some("invalid_type"),
+        ),
+        (
+            "chat empty messages",
+            CHAT,
+            body(json!({"messages": []})),
+            400,
+            Some("messages"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat messages type",
+            CHAT,
+            body(json!({"messages": "hi"})),
+            400,
+            Some("messages"),
+            Some("invalid_type"),
+        ),
+        (
+            "chat missing role",
+            CHAT,
+            body(json!({"messages": [{"content": "hi"}]})),
+            400,
+            Some("messages[0].role"),
+            Some("invalid_type"),
+        ),
+        (
+            "chat bad role",
+            CHAT,
+            body(json!({"messages": [{"role": "wizard", "content": "hi"}]})),
+            400,
+            Some("messages[0].role"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat content number",
+            CHAT,
+            body(json!({"messages": [{"role": "user", "content": 5}]})),
+            400,
+            Some("messages[0].content"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat image part",
+            CHAT,
+            body(
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            ),
+            400,
+            Some("messages[0].content[0]"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat top_logprobs without logprobs",
+            CHAT,
+            body(json!({"messages": user, "top_logprobs": 2})),
+            400,
+            Some("top_logprobs"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat top_logprobs 21",
+            CHAT,
+            body(json!({"messages": user, "logprobs": true, "top_logprobs": 21})),
+            400,
+            Some("top_logprobs"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat logprobs type",
+            CHAT,
+            body(json!({"messages": user, "logprobs": 3})),
+            400,
+            Some("logprobs"),
+            Some("invalid_type"),
+        ),
+        (
+            "chat negative max_completion_tokens",
+            CHAT,
+            body(json!({"messages": user, "max_completion_tokens": -5})),
+            400,
+            Some("max_completion_tokens"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat temperature 3",
+            CHAT,
+            body(json!({"messages": user, "temperature": 3})),
+            400,
+            Some("temperature"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat tools",
+            CHAT,
+            body(json!({"messages": user, "tools": [{"type": "function"}]})),
+            400,
+            Some("tools"),
+            Some("invalid_value"),
+        ),
+        (
+            "chat unknown model",
+            CHAT,
+            body(json!({"messages": user, "model": "nope"})),
+            404,
+            Some("model"),
+            Some("model_not_found"),
+        ),
+        (
+            "chat too long",
+            CHAT,
+            body(json!({"messages": user, "max_tokens": 4096})),
+            400,
+            Some("messages"),
+            Some("context_length_exceeded"),
+        ),
+        (
+            "chat body too big",
+            CHAT,
+            body(json!({"messages": [{"role": "user", "content": "y".repeat(64 * 1024)}]})),
+            413,
+            None,
+            Some("payload_too_large"),
+        ),
+    ];
+    for (name, route, raw, status, param, code) in cases {
+        let (got, body) = server.post_raw(route, raw).await;
+        assert_eq!(got, status, "{name}: {body}");
+        let error = &body["error"];
+        assert!(error.is_object(), "{name}: no error envelope: {body}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{name}"
+        );
+        assert!(error["type"].is_string(), "{name}");
+        assert_eq!(error["param"].as_str(), param, "{name}: {body}");
+        assert_eq!(error["code"].as_str(), code, "{name}: {body}");
+    }
+
+    // The context-length message names both numbers.
+    let (_, body) = server
+        .post(C, &json!({"prompt": long_prompt, "max_tokens": 5000}))
+        .await;
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("4096") && message.contains("100") && message.contains("5000"),
+        "{message}"
+    );
+
+    // Unknown routes and methods.
+    let (status, text) = server.get("/v1/nope").await;
+    assert_eq!(status, 404);
+    assert!(text.contains("\"error\""));
+    let response = server.client.get(server.url(C)).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 405);
+
+    // The server still serves after all of that.
+    let (status, _) = server
+        .post(C, &json!({"prompt": "x", "max_tokens": 1}))
+        .await;
+    assert_eq!(status, 200);
+    server.shutdown().await.unwrap();
+}
+
+fn body(value: Value) -> Vec<u8> {
+    serde_json::to_vec(&value).unwrap()
+}
+
+/// Odd bodies never crash the server or produce a 5xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_panics_on_odd_inputs() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let values = [
+        json!(null),
+        json!(true),
+        json!(-1),
+        json!(1e300),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(""),
+        json!("\u{0}\u{ffff}"),
+        json!([]),
+        json!([[]]),
+        json!([null]),
+        json!({}),
+        json!({"a": [1, {"b": null}]}),
+        json!(0.5),
+        json!(4294967296u64),
+    ];
+    let fields = [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "echo",
+        "user",
+        "best_of",
+        "logit_bias",
+        "suffix",
+        "stop_token_ids",
+        "ignore_eos",
+        "messages",
+        "top_logprobs",
+        "max_completion_tokens",
+        "model",
+    ];
+    let mut checked = 0;
+    for route in ["/v1/completions", "/v1/chat/completions"] {
+        for field in fields {
+            for value in &values {
+                let mut request = if route == "/v1/completions" {
+                    json!({"prompt": "hi", "max_tokens": 1})
+                } else {
+                    json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                           "max_completion_tokens": 1})
+                };
+                request[field] = value.clone();
+                // Keep generations short whatever the field: a null cap means "up to the
+                // context length".
+                if field == "max_completion_tokens" && value.is_null() {
+                    continue;
+                }
+                if request.get("stream") == Some(&json!(true)) {
+                    continue;
+                }
+                let (status, body) = server.post(route, &request).await;
+                assert!(
+                    status == 200 || (400..500).contains(&status),
+                    "{route} {field}={value}: {status} {body}"
+                );
+                if status != 200 {
+                    assert!(body["error"]["message"].is_string(), "{body}");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 500);
+    let (status, _) = server.get("/health").await;
+    assert_eq!(status, 200);
+    server.shutdown().await.unwrap();
+}
+
+/// Beyond `max_concurrent_requests` requests get 429; the admitted ones all complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_limit_gives_429_and_loses_nothing() {
+    use futures_util::StreamExt;
+    let server = TestServer::start(ServerConfig {
+        max_concurrent_requests: 2,
+        ..ServerConfig::default()
+    })
+    .await;
+    let request = json!({"prompt": PROMPT, "max_tokens": 48, "temperature": 0,
+                         "ignore_eos": true, "stream": true});
+    // Two admitted streams, each holding its permit until it ends.
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let response = server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&request)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        streams.push(response);
+    }
+    assert_eq!(server.state.in_flight(), 2);
+    for _ in 0..3 {
+        let (status, body) = server
+            .post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}))
+            .await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+    }
+    // Both admitted requests deliver every token.
+    for response in streams {
+        let mut parser = common::SseParser::default();
+        let mut events = Vec::new();
+        let mut bytes = response.bytes_stream();
+        while let Some(chunk) = bytes.next().await {
+            events.extend(parser.feed(&chunk.unwrap()));
+        }
+        let chunks = json_chunks(&events);
+        let text: String = chunks
+            .iter()
+            .map(|c| c["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        assert!(!text.is_empty());
+        assert_eq!(
+            chunks.last().unwrap()["choices"][0]["finish_reason"],
+            "length"
+        );
+    }
+    wait_until(|| server.state.in_flight() == 0).await;
+    let (status, _) = server
+        .post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}))
+        .await;
+    assert_eq!(status, 200);
+    server.shutdown().await.unwrap();
+}
+
+async fn wait_until(mut condition: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not reached in 10 s");
+}
+
+/// A client that goes away mid-stream cancels its request (its admission permit is released
+/// long before `max_tokens` could have been generated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels() {
+    use futures_util::StreamExt;
+    let server = TestServer::start(ServerConfig::default()).await;
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(
+            &json!({"prompt": PROMPT, "max_tokens": 3900, "ignore_eos": true,
+                      "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut bytes = response.bytes_stream();
+    let first = bytes.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    assert_eq!(server.state.in_flight(), 1);
+    drop(bytes);
+    wait_until(|| server.state.in_flight() == 0).await;
+    server.shutdown().await.unwrap();
+}
+
+/// Shutdown lets an in-flight stream finish, then refuses new connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_drains_in_flight() {
+    let mut server = TestServer::start(ServerConfig::default()).await;
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(
+            &json!({"prompt": PROMPT, "max_tokens": 40, "ignore_eos": true,
+                      "temperature": 0, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    server.trigger_shutdown();
+    wait_until(|| server.state.is_draining()).await;
+    let chunks = json_chunks(&read_sse(response).await);
+    let finished = chunks.last().unwrap();
+    assert_eq!(finished["choices"][0]["finish_reason"], "length");
+    let addr = server.addr;
+    let state = server.state.clone();
+    server.join().await.unwrap();
+    assert!(!state.backend().is_healthy(), "the engine was shut down");
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+/// Past `shutdown_timeout`, in-flight streams are cancelled with a final error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_timeout_cancels_stragglers() {
+    let mut server = TestServer::start(ServerConfig {
+        shutdown_timeout: Duration::from_millis(200),
+        ..ServerConfig::default()
+    })
+    .await;
+    let response = server
+        .client
+        .post(server.url("/v1/chat/completions"))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3900,
+                      "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    server.trigger_shutdown();
+    let events = read_sse(response).await;
+    let chunks = json_chunks(&events);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["error"]["code"], "service_unavailable", "{last}");
+    server.join().await.unwrap();
+}
+
+/// A stopped engine: `/health` and generation requests answer 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_engine_gives_503() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let backend = std::sync::Arc::clone(server.state.backend());
+    tokio::task::spawn_blocking(move || backend.shutdown())
+        .await
+        .unwrap();
+    let (status, body) = server.get("/health").await;
+    assert_eq!(status, 503, "{body}");
+    for (route, request) in [
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 1})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+        ),
+    ] {
+        let (status, body) = server.post(route, &request).await;
+        assert_eq!(status, 503, "{route}: {body}");
+        assert_eq!(body["error"]["code"], "service_unavailable");
+    }
+    server.shutdown().await.unwrap();
+}

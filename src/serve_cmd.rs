@@ -1,0 +1,262 @@
+//! `rackfill serve`: the OpenAI-compatible server on one model (the built-in one by default,
+//! offline). SIGINT / SIGTERM drain in-flight requests (up to `--shutdown-timeout` seconds), stop
+//! the engine and exit 0.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use rackfill_balancer::Algo;
+use rackfill_engine::{EngineConfig, EpConfig, SchedulerConfig};
+use rackfill_models::ModelBundle;
+use rackfill_server::{AppState, ServerConfig};
+
+/// Arguments of `rackfill serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory or hub id (`org/name[@revision]`, from the local hub cache); the
+    /// built-in tiny MoE model when omitted.
+    #[arg(long)]
+    model: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Expert-parallel ranks `R`.
+    #[arg(long, default_value_t = 8)]
+    ep_size: usize,
+    /// Redundant expert slots per rank.
+    #[arg(long, default_value_t = 2)]
+    redundant_slots: usize,
+    /// Balancer: quota, eplb-exact, eplb-history, greedy-move or none.
+    #[arg(long, default_value = "quota")]
+    balancer: String,
+    /// Prefill tokens per rank and step.
+    #[arg(long, default_value_t = 4096)]
+    chunk_tokens: usize,
+    /// KV-cache tokens per rank (also the longest prompt plus max_tokens one request may ask).
+    #[arg(long, default_value_t = 65_536)]
+    kv_tokens_per_rank: usize,
+    /// Generation requests handled at once; more get 429.
+    #[arg(long, default_value_t = 256)]
+    max_concurrent_requests: usize,
+    /// Sequences waiting for the engine beyond which submissions get 429.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
+    /// Largest request body in bytes; larger get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Bearer token required on /v1/* (default: the RACKFILL_API_KEY environment variable).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Record every step's per-layer expert load matrices to this file.
+    #[arg(long)]
+    record_routing: Option<PathBuf>,
+    /// The model name clients use (default: the --model argument, or the built-in name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+/// Engine and server settings from the flags, checked before anything is loaded.
+fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
+    let balancer: Algo = args.balancer.parse().map_err(anyhow::Error::msg)?;
+    if args.ep_size == 0 {
+        bail!("--ep-size must be at least 1");
+    }
+    if args.chunk_tokens == 0 {
+        bail!("--chunk-tokens must be at least 1");
+    }
+    if args.kv_tokens_per_rank == 0 {
+        bail!("--kv-tokens-per-rank must be at least 1");
+    }
+    if args.max_concurrent_requests == 0 {
+        bail!("--max-concurrent-requests must be at least 1");
+    }
+    if args.max_waiting == 0 {
+        bail!("--max-waiting must be at least 1");
+    }
+    if args.max_body_bytes == 0 {
+        bail!("--max-body-bytes must be at least 1");
+    }
+    if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
+        bail!(
+            "--shutdown-timeout must be a non-negative number of seconds, got {}",
+            args.shutdown_timeout
+        );
+    }
+    if args.served_model_name.as_deref() == Some("") {
+        bail!("--served-model-name must not be empty");
+    }
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("RACKFILL_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let engine = EngineConfig {
+        ep: EpConfig {
+            ep_size: args.ep_size,
+            redundant_slots: args.redundant_slots,
+            balancer,
+            ..EpConfig::default()
+        },
+        scheduler: SchedulerConfig {
+            chunk_tokens: args.chunk_tokens,
+            kv_tokens_per_rank: args.kv_tokens_per_rank,
+        },
+        max_waiting: args.max_waiting,
+        record_routing: args.record_routing.clone(),
+    };
+    let server = ServerConfig {
+        api_key,
+        max_concurrent_requests: args.max_concurrent_requests,
+        max_body_bytes: args.max_body_bytes,
+        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+    };
+    Ok((engine, server))
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received"),
+        () = term => tracing::info!("SIGTERM received"),
+    }
+}
+
+/// Runs the server until SIGINT / SIGTERM.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let (engine_config, server_config) = configs(&args)?;
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("rackfill-http")
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        // Bind first: a taken port fails fast, before the model loads.
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let local: SocketAddr = listener.local_addr().context("listener address")?;
+        let spec = args.model.clone();
+        let mut bundle = tokio::task::spawn_blocking(move || ModelBundle::load(spec.as_deref()))
+            .await
+            .context("model loading panicked")?
+            .with_context(|| {
+                format!(
+                    "cannot load model {}",
+                    args.model.as_deref().unwrap_or("<built-in>")
+                )
+            })?;
+        if let Some(name) = &args.served_model_name {
+            bundle.name = name.clone();
+        }
+        let name = bundle.name.clone();
+        let ep = engine_config.ep;
+        let state = AppState::launch(bundle, engine_config, server_config)
+            .context("cannot start the engine")?;
+        tracing::info!(
+            model = %name,
+            ep_size = ep.ep_size,
+            redundant_slots = ep.redundant_slots,
+            balancer = %ep.balancer.name(),
+            auth = state.config().api_key.is_some(),
+            "rackfill listening on http://{local}"
+        );
+        rackfill_server::serve(listener, state, shutdown_signal())
+            .await
+            .context("server failed")
+    })?;
+    // Connection tasks that outlived the drain are dropped here.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn parse(flags: &[&str]) -> Result<(EngineConfig, ServerConfig)> {
+        let mut argv = vec!["serve"];
+        argv.extend_from_slice(flags);
+        let wrapper = Wrapper::try_parse_from(argv)?;
+        configs(&wrapper.args)
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let (engine, server) = parse(&[]).unwrap();
+        assert_eq!(engine.ep.ep_size, 8);
+        assert_eq!(engine.ep.redundant_slots, 2);
+        assert_eq!(engine.ep.balancer, Algo::Quota);
+        assert_eq!(server.max_concurrent_requests, 256);
+        let (engine, server) = parse(&[
+            "--ep-size",
+            "4",
+            "--balancer",
+            "eplb-history",
+            "--api-key",
+            "k",
+            "--shutdown-timeout",
+            "2.5",
+        ])
+        .unwrap();
+        assert_eq!(engine.ep.ep_size, 4);
+        assert_eq!(engine.ep.balancer.name(), "eplb-history");
+        assert_eq!(server.api_key.as_deref(), Some("k"));
+        assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
+    }
+
+    #[test]
+    fn bad_flags_are_one_line_errors() {
+        for flags in [
+            &["--balancer", "nope"][..],
+            &["--ep-size", "0"],
+            &["--max-concurrent-requests", "0"],
+            &["--shutdown-timeout=-1"],
+            &["--served-model-name", ""],
+        ] {
+            let err = parse(flags).unwrap_err().to_string();
+            assert!(!err.contains('\n'), "{flags:?}: {err}");
+        }
+        assert!(parse(&["--port", "70000"]).is_err());
+    }
+}
