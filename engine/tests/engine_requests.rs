@@ -190,25 +190,24 @@ fn stop_strings_and_seeded_sampling() {
     let engine = spawn(2, Algo::Quota, 16, 4096);
     let prompt = prompts().remove(1);
     let free = run_all(&engine, std::slice::from_ref(&prompt), &greedy(12)).remove(0);
-    // Stop on a piece of the greedy continuation: the text ends right before it.
-    let cut = free
+    // Stop on a piece of the greedy continuation (two characters from the first non-space one
+    // at or after the middle): the text must end right before its first occurrence.
+    let middle = free.text.len() / 2;
+    let start = free
         .text
         .char_indices()
-        .nth(free.text.chars().count() / 2)
-        .unwrap()
+        .find(|&(i, c)| i >= middle && !c.is_whitespace())
+        .expect("the greedy continuation has visible text")
         .0;
-    let stop: String = free.text[cut..].chars().take(2).collect();
-    if !stop.trim().is_empty() {
-        let params = SamplingParams {
-            stop: vec![stop.clone()],
-            ..greedy(12)
-        };
-        let out = run_all(&engine, std::slice::from_ref(&prompt), &params).remove(0);
-        assert_eq!(out.reason, Some(FinishReason::Stop));
-        assert_eq!(out.stop.as_deref(), Some(stop.as_str()));
-        assert!(!out.text.contains(&stop));
-        assert!(free.text.starts_with(&out.text));
-    }
+    let stop: String = free.text[start..].chars().take(2).collect();
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        ..greedy(12)
+    };
+    let out = run_all(&engine, std::slice::from_ref(&prompt), &params).remove(0);
+    assert_eq!(out.reason, Some(FinishReason::Stop));
+    assert_eq!(out.stop.as_deref(), Some(stop.as_str()));
+    assert_eq!(out.text, free.text[..free.text.find(&stop).unwrap()]);
     let seeded = SamplingParams {
         temperature: 1.0,
         seed: Some(7),

@@ -12,7 +12,7 @@ use rackfill_models::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::completions::{CommonParams, StreamOptions};
+use crate::completions::{common_params, CommonParams, StreamOptions};
 use crate::generate::{self, finish_reason, usage_json, ChunkFormat, Timing};
 use crate::metrics as m;
 use crate::validation::{self as v, ApiError};
@@ -151,21 +151,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let info = state.backend().info().clone();
     v::check_model(request.model.as_deref(), &info.name)?;
     let chat = messages(&request.messages)?;
-    let common = CommonParams {
-        temperature: request.temperature,
-        top_p: request.top_p,
-        top_k: request.top_k,
-        n: request.n,
-        stop: request.stop.as_ref(),
-        stop_token_ids: request.stop_token_ids.as_deref(),
-        seed: request.seed,
-        ignore_eos: request.ignore_eos,
-        presence_penalty: request.presence_penalty,
-        frequency_penalty: request.frequency_penalty,
-        logit_bias: request.logit_bias.as_ref(),
-        stream: request.stream,
-        stream_options: request.stream_options.as_ref(),
-    };
+    let common = common_params!(request);
     let mut resolved = common.resolve(&state)?;
     if request.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));

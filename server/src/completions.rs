@@ -75,6 +75,29 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// Borrows the sampling fields that completion and chat requests share (they have the same
+/// names in both request types) as [`CommonParams`].
+macro_rules! common_params {
+    ($request:expr) => {
+        CommonParams {
+            temperature: $request.temperature,
+            top_p: $request.top_p,
+            top_k: $request.top_k,
+            n: $request.n,
+            stop: $request.stop.as_ref(),
+            stop_token_ids: $request.stop_token_ids.as_deref(),
+            seed: $request.seed,
+            ignore_eos: $request.ignore_eos,
+            presence_penalty: $request.presence_penalty,
+            frequency_penalty: $request.frequency_penalty,
+            logit_bias: $request.logit_bias.as_ref(),
+            stream: $request.stream,
+            stream_options: $request.stream_options.as_ref(),
+        }
+    };
+}
+pub(crate) use common_params;
+
 /// Sampling fields shared by completions and chat, already read from the request.
 pub(crate) struct CommonParams<'a> {
     pub temperature: Option<f64>,
@@ -289,21 +312,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let info = state.backend().info().clone();
     v::check_model(request.model.as_deref(), &info.name)?;
     let inputs = parse_prompt(&request.prompt)?;
-    let common = CommonParams {
-        temperature: request.temperature,
-        top_p: request.top_p,
-        top_k: request.top_k,
-        n: request.n,
-        stop: request.stop.as_ref(),
-        stop_token_ids: request.stop_token_ids.as_deref(),
-        seed: request.seed,
-        ignore_eos: request.ignore_eos,
-        presence_penalty: request.presence_penalty,
-        frequency_penalty: request.frequency_penalty,
-        logit_bias: request.logit_bias.as_ref(),
-        stream: request.stream,
-        stream_options: request.stream_options.as_ref(),
-    };
+    let common = common_params!(request);
     let mut resolved = common.resolve(&state)?;
     if let Some(best_of) = request.best_of {
         if best_of != resolved.n as i64 {

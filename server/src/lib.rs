@@ -266,6 +266,10 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            reject_oversized,
+        ))
         .layer(middleware::from_fn(observe))
         .with_state(state)
 }
@@ -371,6 +375,32 @@ async fn observe(mut request: Request, next: Next) -> Response {
 }
 
 /// Bearer auth on `/v1/*` when an API key is configured; the comparison is constant-time.
+/// Bodies declared larger than the limit are read and discarded, up to this many bytes, before
+/// the 413 goes out. A server that answers while the client is still sending, then closes,
+/// resets the connection, and the client sees a broken pipe instead of the 413.
+const DRAIN_OVERSIZED_UP_TO: u64 = 64 << 20;
+
+/// 413 for a body whose `Content-Length` exceeds the limit, after draining it (see
+/// [`DRAIN_OVERSIZED_UP_TO`]); bodies without a length are capped by `DefaultBodyLimit`.
+async fn reject_oversized(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let limit = state.config().max_body_bytes;
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(len) if len > limit as u64 => {
+            if len <= DRAIN_OVERSIZED_UP_TO {
+                let mut body = request.into_body().into_data_stream();
+                while let Some(Ok(_)) = futures_util::StreamExt::next(&mut body).await {}
+            }
+            ApiError::PayloadTooLarge(limit).into_response()
+        }
+        _ => next.run(request).await,
+    }
+}
+
 async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config().api_key {
         let given = request
