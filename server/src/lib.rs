@@ -65,6 +65,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
@@ -294,6 +295,13 @@ pub async fn serve(
         drain_state.begin_drain();
         signalled_tx.send_replace(true);
     };
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
+    // back until the client acknowledges the previous (tens of milliseconds with delayed ACKs).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::warn!(%err, "cannot set TCP_NODELAY");
+        }
+    });
     let server = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(signal)
         .into_future();
