@@ -1,18 +1,13 @@
 //! `rackfill bench ...`: benchmark subcommands.
 //!
-//! `rackfill bench balance --synthetic` replays the synthetic grid of
-//! [`rackfill_bench::synthetic::default_grid`] (restricted to `--shapes` and `--tokens`) through
-//! every balancer, prints one markdown table per group to stdout, progress to stderr, and optionally
-//! writes the full report as JSON. Any plan that fails validation makes the command exit non-zero
-//! (after printing and writing the report).
+//! `balance` lives in [`crate::balance_cmd`]; the other subcommands are here or in their own
+//! modules (`serve_bench_cmd`, `overhead_cmd`).
 
+use crate::balance_cmd::BalanceArgs;
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
-use rackfill_balancer::Settings;
-use rackfill_bench::balance::{run_balance, BalanceRun};
 use rackfill_bench::ep::{run_ep, EpCase};
 use rackfill_bench::forward::{run_forward, synthetic_bench_model};
-use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
 use rackfill_models::ModelBundle;
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -20,7 +15,8 @@ use std::path::PathBuf;
 /// Benchmarks.
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCommand {
-    /// Replay routing loads through every balancer (none, quota, eplb-exact, eplb-history,
+    /// Replay routing loads (a `--record-routing` trace, a synthetic multi-layer trace or the
+    /// synthetic grid) through every balancer (none, quota, eplb-exact, eplb-history,
     /// greedy-move) and report imbalance, optimality gap, replicas, fan-out, in-flight ratio and
     /// solve time.
     Balance(BalanceArgs),
@@ -34,6 +30,10 @@ pub enum BenchCommand {
     /// Latency the HTTP layer adds over a direct engine call (short prompt, `max_tokens: 1`,
     /// concurrent clients of both kinds against one engine), and requests/s.
     HttpOverhead(crate::overhead_cmd::OverheadArgs),
+    /// Load-test any OpenAI-compatible endpoint (random, ShareGPT or timestamped trace
+    /// requests; Poisson/gamma arrivals or trace replay; rate sweeps) and report TTFT, TPOT,
+    /// ITL, end-to-end latency and throughput under vLLM's field names.
+    Serve(crate::serve_bench_cmd::ServeBenchArgs),
 }
 
 /// `rackfill bench ep`.
@@ -107,84 +107,21 @@ pub struct ForwardArgs {
     pub json: Option<PathBuf>,
 }
 
-/// `rackfill bench balance`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct BalanceArgs {
-    /// Generate synthetic routing loads (Zipf/lognormal popularity; stationary, drifting and
-    /// switching hot sets). Required for now: recorded-trace replay is not supported yet.
-    #[arg(long)]
-    pub synthetic: bool,
-
-    /// Steps (load matrices, one MoE layer each) per suite.
-    #[arg(long, default_value_t = 20, value_parser = parse_steps)]
-    pub steps: usize,
-
-    /// Master seed; the same seed gives the same loads.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-
-    /// EP shapes RANKS/EXPERTS/SLOTS, comma-separated
-    /// [default: 8/64/2,32/256/4,40/160/4,64/128/2,64/256/2,72/256/2]
-    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
-    pub shapes: Vec<Shape>,
-
-    /// Tokens per rank per step, comma-separated [default: 256,1024,4096,8192]
-    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
-    pub tokens: Vec<u64>,
-
-    /// Smallest quota a new replica must carry (quota planner) [default: the planner's default]
-    #[arg(long)]
-    pub u_min: Option<u64>,
-
-    /// Steps of past load eplb-history plans from [default: the planner's default]
-    #[arg(long, value_parser = parse_positive)]
-    pub history_window: Option<usize>,
-
-    /// eplb-history re-plans every this many steps [default: the planner's default]
-    #[arg(long, value_parser = parse_positive)]
-    pub rebalance_interval: Option<usize>,
-
-    /// Also write the full report (every group, every balancer) as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-}
-
-fn parse_shape(s: &str) -> Result<Shape, String> {
-    s.parse()
-}
-
-fn parse_tokens(s: &str) -> Result<u64, String> {
-    match s.trim().parse::<u64>() {
-        Ok(t) if (1..=1 << 20).contains(&t) => Ok(t),
-        _ => Err(format!(
-            "invalid token count '{s}': expected an integer in 1..=1048576"
-        )),
-    }
-}
-
-fn parse_positive(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("invalid value '{s}': expected a positive integer")),
     }
 }
 
-fn parse_steps(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if (1..=1_000_000).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "invalid step count '{s}': expected an integer in 1..=1000000"
-        )),
-    }
-}
-
 /// Runs a bench subcommand.
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
-        BenchCommand::Balance(args) => balance(args),
+        BenchCommand::Balance(args) => crate::balance_cmd::run(args),
         BenchCommand::Forward(args) => forward(args),
         BenchCommand::Ep(args) => ep(args),
         BenchCommand::HttpOverhead(args) => crate::overhead_cmd::run(args),
+        BenchCommand::Serve(args) => crate::serve_bench_cmd::run(args),
     }
 }
 
@@ -276,7 +213,7 @@ fn random_prompts(vocab: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<
 }
 
 /// Keeps the first occurrence of every value.
-fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
+pub(crate) fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
     let mut out: Vec<T> = Vec::with_capacity(values.len());
     for &v in values {
         if !out.contains(&v) {
@@ -284,72 +221,6 @@ fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
         }
     }
     out
-}
-
-fn balance(args: BalanceArgs) -> anyhow::Result<()> {
-    if !args.synthetic {
-        bail!("recorded routing traces are not supported yet; pass --synthetic");
-    }
-    let shapes = if args.shapes.is_empty() {
-        DEFAULT_SHAPES.to_vec()
-    } else {
-        dedup(&args.shapes)
-    };
-    let tokens = if args.tokens.is_empty() {
-        DEFAULT_TOKENS.to_vec()
-    } else {
-        dedup(&args.tokens)
-    };
-    let mut settings = Settings::default();
-    if let Some(u) = args.u_min {
-        settings.u_min = u;
-    }
-    if let Some(w) = args.history_window {
-        settings.history_window = w;
-    }
-    if let Some(i) = args.rebalance_interval {
-        settings.rebalance_interval = i;
-    }
-    let json_file = create_report_file(args.json.as_deref())?;
-
-    let suites = default_grid(&shapes, &tokens, args.steps);
-    let run = BalanceRun::new(suites, args.seed, settings);
-    eprintln!(
-        "bench balance: {} suites x {} steps x {} balancers (seed {})",
-        run.suites.len(),
-        args.steps,
-        run.algos.len(),
-        args.seed
-    );
-    let report = run_balance(&run, |p| {
-        let last_of_shape = run
-            .suites
-            .get(p.done)
-            .is_none_or(|next| next.shape() != p.suite.shape());
-        if last_of_shape {
-            eprintln!(
-                "  [{}/{}] shape {} done, {:.1} s",
-                p.done,
-                p.total,
-                p.suite.shape(),
-                p.elapsed.as_secs_f64()
-            );
-        }
-    })?;
-
-    let mut stdout = std::io::stdout().lock();
-    stdout.write_all(report.to_table().as_bytes())?;
-    stdout.flush()?;
-    if let (Some(file), Some(path)) = (json_file, &args.json) {
-        write_json(file, path, &report)?;
-    }
-    if report.validation_failures > 0 {
-        bail!(
-            "{} plans failed validation (see the report)",
-            report.validation_failures
-        );
-    }
-    Ok(())
 }
 
 fn forward(args: ForwardArgs) -> anyhow::Result<()> {
@@ -384,7 +255,9 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
 }
 
 /// Opens a report file up front, so an unwritable path fails before minutes of work.
-fn create_report_file(path: Option<&std::path::Path>) -> anyhow::Result<Option<std::fs::File>> {
+pub(crate) fn create_report_file(
+    path: Option<&std::path::Path>,
+) -> anyhow::Result<Option<std::fs::File>> {
     path.map(|path| {
         std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))
     })
@@ -392,7 +265,7 @@ fn create_report_file(path: Option<&std::path::Path>) -> anyhow::Result<Option<s
 }
 
 /// Writes a report as pretty JSON with a trailing newline.
-fn write_json(
+pub(crate) fn write_json(
     file: std::fs::File,
     path: &std::path::Path,
     report: &impl serde::Serialize,

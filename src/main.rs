@@ -1,9 +1,13 @@
 //! The `rackfill` command line.
 
+mod balance_cmd;
 mod bench_cmd;
+mod kernels_cmd;
 mod overhead_cmd;
 mod plan_cmd;
+mod serve_bench_cmd;
 mod serve_cmd;
+mod simulate_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -31,6 +35,11 @@ enum Command {
     Bench(bench_cmd::BenchCommand),
     /// Serve the OpenAI-compatible API (the built-in model when --model is omitted).
     Serve(serve_cmd::ServeArgs),
+    /// GPU data plane: compile-check the CUDA kernels, probe the GPU, GPU benchmarks.
+    #[command(subcommand)]
+    Kernels(kernels_cmd::KernelsCommand),
+    /// Rack-scale what-if: per-term step cost of balancers against the force-balanced ideal.
+    Simulate(simulate_cmd::SimulateArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +48,8 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
         Command::Serve(args) => serve_cmd::run(args),
+        Command::Kernels(cmd) => kernels_cmd::run(cmd),
+        Command::Simulate(args) => simulate_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -184,6 +184,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         let name = bundle.name.clone();
         let ep = engine_config.ep;
+        tracing::info!("data plane: {}", data_plane());
         let state = AppState::launch(bundle, engine_config, server_config)
             .context("cannot start the engine")?;
         tracing::info!(
@@ -201,6 +202,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // Connection tasks that outlived the drain are dropped here.
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// Where the engine's data plane runs, for the startup log. The probe never panics: on a host
+/// without libcuda (or a binary built without `cuda`) it says why the CPU is used.
+fn data_plane() -> String {
+    #[cfg(feature = "cuda")]
+    {
+        match rackfill_kernels::cuda::probe() {
+            Ok(gpu) => format!(
+                "running on CPU; GPU found ({gpu}) but the engine does not drive the GPU kernels \
+                 yet (rackfill kernels bench exercises them)"
+            ),
+            Err(why) => format!("running on CPU: {why}"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        "running on CPU (built without feature `cuda`)".to_string()
+    }
 }
 
 #[cfg(test)]

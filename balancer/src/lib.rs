@@ -33,7 +33,7 @@ mod reroute;
 pub use assignment::TokenAssignment;
 pub use layout::Layout;
 pub use load::{main_rank_loads, LoadMatrix};
-pub use plan::{Instance, Plan, PlanViolation};
+pub use plan::{Instance, Plan, PlanParts, PlanViolation};
 
 use std::fmt;
 use std::str::FromStr;

@@ -136,6 +136,43 @@ impl Plan {
         }
     }
 
+    /// Rebuilds a plan from its raw arrays, the form a device-side solver emits (the GPU quota
+    /// solver in rackfill-kernels), and checks every invariant against the layout and load
+    /// ([`Plan::validate`] with `u_min`): a corrupted or wrong device result is an error, never a
+    /// plan the engine would act on.
+    pub fn from_parts(
+        layout: &Layout,
+        load: &LoadMatrix,
+        u_min: u64,
+        parts: PlanParts,
+    ) -> Result<Self, PlanViolation> {
+        let experts = layout.experts();
+        let offsets_ok = |offsets: &[u32], len: usize| {
+            offsets.len() == experts + 1
+                && offsets[0] == 0
+                && offsets.windows(2).all(|w| w[0] <= w[1])
+                && offsets[experts] as usize == len
+        };
+        let n_slot = layout.slots_per_rank();
+        if !offsets_ok(&parts.instance_offsets, parts.instances.len())
+            || !offsets_ok(&parts.split_offsets, parts.split.len())
+            || parts.slots.len() != layout.ranks() * n_slot
+        {
+            return Err(PlanViolation::Shape);
+        }
+        let plan = Self {
+            ranks: layout.ranks(),
+            slots_per_rank: n_slot,
+            slots: parts.slots,
+            instance_offsets: parts.instance_offsets,
+            instances: parts.instances,
+            split_offsets: parts.split_offsets,
+            split: parts.split,
+        };
+        plan.validate(layout, load, u_min)?;
+        Ok(plan)
+    }
+
     /// Number of ranks the plan was made for.
     pub fn ranks(&self) -> usize {
         self.ranks
@@ -328,6 +365,22 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// The raw arrays of a [`Plan`], laid out as the plan stores them, for [`Plan::from_parts`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanParts {
+    /// Slot assignment `X`, `R x n_slot` row-major (see [`Plan::slots`]).
+    pub slots: Vec<Option<u32>>,
+    /// `E + 1` offsets into `instances`: expert `e` owns `instance_offsets[e]..[e + 1]`.
+    pub instance_offsets: Vec<u32>,
+    /// Every expert's instances, main first, then replicas by ascending rank.
+    pub instances: Vec<Instance>,
+    /// `E + 1` offsets into `split`: a replicated expert owns an `R x |H(e)|` block, any other
+    /// expert an empty one.
+    pub split_offsets: Vec<u32>,
+    /// Reroute split `Q`, one block per replicated expert (see [`Plan::split`]).
+    pub split: Vec<u64>,
 }
 
 /// A broken plan invariant, named precisely enough to debug the planner that produced it.

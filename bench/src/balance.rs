@@ -530,41 +530,5 @@ fn stats_table(rows: &[BalancerStats]) -> String {
             ]
         })
         .collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|c| {
-            cells
-                .iter()
-                .map(|row| row[c].len())
-                .chain([header[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    let line = |out: &mut String, row: &[&str]| {
-        out.push('|');
-        for (c, cell) in row.iter().enumerate() {
-            if c == 0 {
-                let _ = write!(out, " {cell:<w$} |", w = widths[c]);
-            } else {
-                let _ = write!(out, " {cell:>w$} |", w = widths[c]);
-            }
-        }
-        out.push('\n');
-    };
-    line(&mut out, &header);
-    out.push('|');
-    for (c, w) in widths.iter().enumerate() {
-        if c == 0 {
-            let _ = write!(out, ":{}|", "-".repeat(w + 1));
-        } else {
-            let _ = write!(out, "{}:|", "-".repeat(w + 1));
-        }
-    }
-    out.push('\n');
-    for row in &cells {
-        let row: Vec<&str> = row.iter().map(String::as_str).collect();
-        line(&mut out, &row);
-    }
-    out
+    crate::replay_report::markdown_table(&header, &cells)
 }

@@ -16,15 +16,23 @@
 //! Everything is a pure function of the [`Suite`] and the seed: the same pair always produces the
 //! same matrices, whatever the number of generator threads (every rank of every step draws from its
 //! own `StdRng` stream, seeded from the suite's master stream).
+//!
+//! [`multilayer`] builds on the same sampler for traces of many MoE layers per step (per-layer
+//! popularity, correlated neighbouring layers, drift and domain switches at random steps).
 
 use rackfill_balancer::{BalanceError, Layout, LoadMatrix};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
-use rand_distr::{Distribution, LogNormal, StandardNormal};
+use rand_distr::{Distribution, LogNormal};
 use serde::Serialize;
 use std::fmt;
 use std::str::FromStr;
+
+pub mod multilayer;
+mod sample;
+
+use sample::RankJob;
 
 /// Experts per token in every suite of the default grid (DeepSeek-V3, Qwen3-MoE, GLM-4.x all use 8).
 pub const TOP_K: usize = 8;
@@ -128,7 +136,24 @@ impl Family {
         }
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// The family's `experts` weights, hottest first (lognormal weights drawn from `rng`).
+    pub(crate) fn sorted_weights(
+        &self,
+        experts: usize,
+        rng: &mut StdRng,
+    ) -> Result<Vec<f64>, String> {
+        let mut weights: Vec<f64> = match *self {
+            Family::Zipf { s } => (1..=experts).map(|i| (i as f64).powf(-s)).collect(),
+            Family::LogNormal { sigma } => {
+                let dist = LogNormal::new(0.0, sigma).map_err(|err| err.to_string())?;
+                (0..experts).map(|_| dist.sample(rng)).collect()
+            }
+        };
+        weights.sort_by(|a, b| b.total_cmp(a));
+        Ok(weights)
+    }
+
+    pub(crate) fn check(&self) -> Result<(), String> {
         let (what, v) = match *self {
             Family::Zipf { s } => ("zipf exponent", s),
             Family::LogNormal { sigma } => ("lognormal sigma", sigma),
@@ -137,6 +162,27 @@ impl Family {
             return Err(format!("{what} must be in [0, 8], got {v}"));
         }
         Ok(())
+    }
+}
+
+impl FromStr for Family {
+    type Err = String;
+
+    /// Parses a [`Family::label`]: `zipf-S` or `lognormal-SIGMA`, e.g. `zipf-1.0`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad =
+            || format!("invalid family '{s}': expected zipf-S or lognormal-SIGMA, e.g. zipf-1.0");
+        let (kind, value) = s.trim().rsplit_once('-').ok_or_else(bad)?;
+        let v: f64 = value.parse().map_err(|_| bad())?;
+        let family = match kind {
+            "zipf" => Family::Zipf { s: v },
+            "lognormal" => Family::LogNormal { sigma: v },
+            _ => return Err(bad()),
+        };
+        family
+            .check()
+            .map_err(|why| format!("invalid family '{s}': {why}"))?;
+        Ok(family)
     }
 }
 
@@ -326,24 +372,16 @@ pub struct Generator {
     popularity: Vec<f64>,
 }
 
-/// Work (token-expert draws) below which a step is generated on the calling thread.
-const PARALLEL_DRAWS: u64 = 1 << 17;
-
 impl Generator {
     /// A generator for `suite` with the given seed, using all available cores for large steps.
     pub fn new(suite: &Suite, seed: u64) -> Result<Self, InvalidSuite> {
         suite.check()?;
         let mut master = StdRng::seed_from_u64(seed);
         let e = suite.experts;
-        let mut sorted_weights: Vec<f64> = match suite.family {
-            Family::Zipf { s } => (1..=e).map(|i| (i as f64).powf(-s)).collect(),
-            Family::LogNormal { sigma } => {
-                let dist = LogNormal::new(0.0, sigma)
-                    .map_err(|err| InvalidSuite(format!("suite '{}': {err}", suite.name)))?;
-                (0..e).map(|_| dist.sample(&mut master)).collect()
-            }
-        };
-        sorted_weights.sort_by(|a, b| b.total_cmp(a));
+        let sorted_weights = suite
+            .family
+            .sorted_weights(e, &mut master)
+            .map_err(|err| InvalidSuite(format!("suite '{}': {err}", suite.name)))?;
         let mut hot_order: Vec<u32> = (0..e as u32).collect();
         hot_order.shuffle(&mut master);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -386,26 +424,9 @@ impl Generator {
         if self.step == 0 {
             return;
         }
-        let e = self.suite.experts;
         match self.suite.pattern {
             Pattern::Stationary => {}
-            Pattern::Drifting => {
-                if e < 2 {
-                    return;
-                }
-                let swaps = (e / 16).max(1);
-                let reach = (e / 8).max(1);
-                for _ in 0..swaps {
-                    let i = self.master.gen_range(0..e);
-                    let d = self.master.gen_range(1..=reach);
-                    let j = if i + d < e {
-                        i + d
-                    } else {
-                        i.saturating_sub(d)
-                    };
-                    self.hot_order.swap(i, j);
-                }
-            }
+            Pattern::Drifting => drift(&mut self.hot_order, &mut self.master),
             Pattern::Switching { every } => {
                 if self.step % every == 0 {
                     self.hot_order.shuffle(&mut self.master);
@@ -421,33 +442,37 @@ impl Generator {
         }
         let (ranks, experts) = (self.suite.ranks, self.suite.experts);
         let rank_seeds: Vec<u64> = (0..ranks).map(|_| self.master.next_u64()).collect();
-        let mut counts = vec![0u64; ranks * experts];
-        let draws = ranks as u64 * self.suite.tokens_per_rank * self.suite.top_k as u64;
-        let threads = if draws < PARALLEL_DRAWS {
-            1
-        } else {
-            self.threads.min(ranks)
-        };
         let job = RankJob {
             popularity: &self.popularity,
             rank_sigma: self.suite.rank_sigma,
             tokens: self.suite.tokens_per_rank,
             top_k: self.suite.top_k,
         };
-        if threads <= 1 {
-            job.run(&rank_seeds, &mut counts);
-        } else {
-            let per = ranks.div_ceil(threads);
-            std::thread::scope(|scope| {
-                for (seeds, out) in rank_seeds.chunks(per).zip(counts.chunks_mut(per * experts)) {
-                    let job = &job;
-                    scope.spawn(move || job.run(seeds, out));
-                }
-            });
-        }
+        let counts = job.sample(&rank_seeds, self.threads);
         self.step += 1;
         LoadMatrix::from_flat(ranks, experts, counts)
             .expect("synthetic counts are bounded by ranks * tokens * top_k")
+    }
+}
+
+/// One step of [`Pattern::Drifting`]: `max(1, E / 16)` swaps of two popularity positions at most
+/// `max(1, E / 8)` apart.
+pub(crate) fn drift(hot_order: &mut [u32], rng: &mut StdRng) {
+    let e = hot_order.len();
+    if e < 2 {
+        return;
+    }
+    let swaps = (e / 16).max(1);
+    let reach = (e / 8).max(1);
+    for _ in 0..swaps {
+        let i = rng.gen_range(0..e);
+        let d = rng.gen_range(1..=reach);
+        let j = if i + d < e {
+            i + d
+        } else {
+            i.saturating_sub(d)
+        };
+        hot_order.swap(i, j);
     }
 }
 
@@ -466,168 +491,9 @@ impl Iterator for Generator {
 
 impl ExactSizeIterator for Generator {}
 
-/// Everything one rank needs to sample its row of one step.
-struct RankJob<'a> {
-    popularity: &'a [f64],
-    rank_sigma: f64,
-    tokens: u64,
-    top_k: usize,
-}
-
-impl RankJob<'_> {
-    /// Samples the rows of the ranks whose seeds are given into `out` (`seeds.len()` rows).
-    fn run(&self, seeds: &[u64], out: &mut [u64]) {
-        let e = self.popularity.len();
-        let mut scratch = Scratch::new(e, self.top_k);
-        for (&seed, row) in seeds.iter().zip(out.chunks_mut(e)) {
-            self.sample_row(seed, row, &mut scratch);
-        }
-    }
-
-    fn sample_row(&self, seed: u64, row: &mut [u64], s: &mut Scratch) {
-        let mut rng = StdRng::seed_from_u64(seed);
-        for (w, &p) in s.weights.iter_mut().zip(self.popularity) {
-            let z: f64 = StandardNormal.sample(&mut rng);
-            *w = p * (self.rank_sigma * z).exp();
-        }
-        s.build_alias();
-        let n = row.len() as u64;
-        // Rejections before falling back to the heaviest unpicked expert: only reachable when a
-        // handful of experts hold nearly all the mass.
-        let max_rejects = 64 * self.top_k;
-        for _ in 0..self.tokens {
-            let mut picked = 0;
-            let mut rejects = 0;
-            while picked < self.top_k {
-                let x = rng.next_u64();
-                let col = (((x >> 32) * n) >> 32) as usize;
-                let expert = if (x & 0xffff_ffff) < s.prob[col] {
-                    col
-                } else {
-                    s.alias[col] as usize
-                };
-                let (word, bit) = (expert >> 6, 1u64 << (expert & 63));
-                if s.seen[word] & bit == 0 {
-                    s.seen[word] |= bit;
-                    s.chosen[picked] = expert as u32;
-                    picked += 1;
-                } else {
-                    rejects += 1;
-                    if rejects > max_rejects {
-                        let expert = s.heaviest_unseen();
-                        s.seen[expert >> 6] |= 1 << (expert & 63);
-                        s.chosen[picked] = expert as u32;
-                        picked += 1;
-                        rejects = 0;
-                    }
-                }
-            }
-            for &expert in &s.chosen {
-                let expert = expert as usize;
-                row[expert] += 1;
-                s.seen[expert >> 6] &= !(1u64 << (expert & 63));
-            }
-        }
-    }
-}
-
-/// Per-thread buffers: rank weights, alias table, duplicate bitset.
-struct Scratch {
-    weights: Vec<f64>,
-    scaled: Vec<f64>,
-    /// Column `i` yields `i` when the low 32 random bits are below `prob[i]` (2^32 = always).
-    prob: Vec<u64>,
-    alias: Vec<u32>,
-    small: Vec<u32>,
-    large: Vec<u32>,
-    seen: Vec<u64>,
-    chosen: Vec<u32>,
-}
-
-impl Scratch {
-    fn new(experts: usize, top_k: usize) -> Self {
-        Self {
-            weights: vec![0.0; experts],
-            scaled: vec![0.0; experts],
-            prob: vec![0; experts],
-            alias: vec![0; experts],
-            small: Vec::with_capacity(experts),
-            large: Vec::with_capacity(experts),
-            seen: vec![0; experts.div_ceil(64)],
-            chosen: vec![0; top_k],
-        }
-    }
-
-    /// Vose's alias method over `weights` (uniform if they are degenerate).
-    fn build_alias(&mut self) {
-        const ONE: u64 = 1 << 32;
-        let n = self.weights.len();
-        let sum: f64 = self.weights.iter().sum();
-        let uniform = !(sum.is_finite() && sum > 0.0);
-        for (s, &w) in self.scaled.iter_mut().zip(&self.weights) {
-            *s = if uniform { 1.0 } else { w * n as f64 / sum };
-        }
-        self.small.clear();
-        self.large.clear();
-        for (i, &s) in self.scaled.iter().enumerate() {
-            if s < 1.0 {
-                self.small.push(i as u32);
-            } else {
-                self.large.push(i as u32);
-            }
-        }
-        while let (Some(&s), Some(&l)) = (self.small.last(), self.large.last()) {
-            self.small.pop();
-            let (s, l) = (s as usize, l as usize);
-            self.prob[s] = (self.scaled[s] * ONE as f64) as u64;
-            self.alias[s] = l as u32;
-            self.scaled[l] -= 1.0 - self.scaled[s];
-            if self.scaled[l] < 1.0 {
-                self.large.pop();
-                self.small.push(l as u32);
-            }
-        }
-        // Leftovers are 1 up to rounding.
-        for &i in self.small.iter().chain(&self.large) {
-            self.prob[i as usize] = ONE;
-            self.alias[i as usize] = i;
-        }
-    }
-
-    fn heaviest_unseen(&self) -> usize {
-        let mut best = None;
-        for (e, &w) in self.weights.iter().enumerate() {
-            if self.seen[e >> 6] & (1 << (e & 63)) != 0 {
-                continue;
-            }
-            if best.is_none_or(|(_, bw)| w > bw) {
-                best = Some((e, w));
-            }
-        }
-        best.expect("top_k <= experts leaves an unpicked expert").0
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn alias_table_reproduces_weights() {
-        let mut s = Scratch::new(4, 1);
-        s.weights.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
-        s.build_alias();
-        // Exact column masses: prob[i]/2^32 of column i plus the alias shares.
-        let mut mass = [0.0f64; 4];
-        for i in 0..4 {
-            let p = s.prob[i] as f64 / (1u64 << 32) as f64;
-            mass[i] += p / 4.0;
-            mass[s.alias[i] as usize] += (1.0 - p) / 4.0;
-        }
-        for (i, m) in mass.iter().enumerate() {
-            assert!((m - (i + 1) as f64 / 10.0).abs() < 1e-9, "{mass:?}");
-        }
-    }
 
     #[test]
     fn shapes_parse_and_reject() {

@@ -13,9 +13,14 @@
 //!   expert instance (one GEMM each), route the outputs back, scatter them by pair and combine with
 //!   the router weights in top-k order, so the result is bitwise identical to the dense path.
 //!
+//! - `cuda` (feature `cuda`): the same data plane on the GPU, CUDA C compiled at run time by NVRTC,
+//!   plus the quota solver on the device and grouped expert GEMMs with cuBLAS.
+//!
 //! Every entry point validates its input up front and reports problems as [`KernelError`]: a bad
 //! schedule or a malformed buffer is an error, never a panic or undefined behaviour.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod permute;
 pub mod replicate;
 

@@ -1,0 +1,334 @@
+//! Driving one run: the resolved target (endpoint, model, request settings), the warm-up
+//! request, and the dispatcher that sends every request at its scheduled time under the
+//! concurrency limit and the duration bound.
+//!
+//! The dispatcher only sleeps and spawns; each request runs in its own task on the multi-thread
+//! runtime, builds its body there (synthetic prompts are generated at send time, see
+//! [`Synthesis`]) and streams the response, so a slow request never delays the next send.
+
+use std::io::IsTerminal as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+use super::client::{Api, OpenAiClient, Outcome};
+use super::dataset::{Prompt, RequestSpec, Synthesis};
+use super::ServeBenchError;
+
+/// Where and how requests are sent.
+#[derive(Debug, Clone)]
+pub struct TargetConfig {
+    /// `http://host:port` (no `/v1`).
+    pub base_url: String,
+    /// `/v1/completions` or `/v1/chat/completions` (any path ending in either).
+    pub endpoint: String,
+    /// The `model` of every request; `None` takes the first id `GET /v1/models` lists.
+    pub model: Option<String>,
+    pub api_key: Option<String>,
+    /// Per-request limit, connection to end of stream.
+    pub request_timeout: Duration,
+    /// Sends `ignore_eos: true` so every request generates exactly `max_tokens` (vLLM and
+    /// rackfill honour it; it is left out otherwise, since OpenAI rejects unknown fields).
+    pub ignore_eos: bool,
+    pub temperature: f64,
+    /// How synthetic prompts are made.
+    pub synthesis: Synthesis,
+}
+
+/// A target ready for requests: endpoint checked, model resolved.
+#[derive(Debug, Clone)]
+pub struct Target {
+    client: OpenAiClient,
+    url: String,
+    api: Api,
+    model: String,
+    config: TargetConfig,
+}
+
+impl Target {
+    /// Checks the settings and resolves the model (asking the server when `config.model` is
+    /// `None`, which is also the reachability check).
+    pub async fn connect(config: TargetConfig) -> Result<Self, ServeBenchError> {
+        let api = Api::of_endpoint(&config.endpoint).ok_or_else(|| {
+            ServeBenchError::Config(format!(
+                "unsupported --endpoint '{}': expected /v1/completions or /v1/chat/completions",
+                config.endpoint
+            ))
+        })?;
+        if !config.endpoint.starts_with('/') {
+            return Err(ServeBenchError::Config(format!(
+                "--endpoint '{}' must start with '/'",
+                config.endpoint
+            )));
+        }
+        if !(config.temperature.is_finite() && config.temperature >= 0.0) {
+            return Err(ServeBenchError::Config(format!(
+                "--temperature must be a non-negative number, got {}",
+                config.temperature
+            )));
+        }
+        let client = OpenAiClient::new(
+            &config.base_url,
+            config.api_key.clone(),
+            config.request_timeout,
+        )?;
+        let model = match &config.model {
+            Some(model) => model.clone(),
+            None => client
+                .models()
+                .await?
+                .into_iter()
+                .next()
+                .map(|m| m.id)
+                .ok_or_else(|| {
+                    ServeBenchError::Config(format!(
+                        "{} lists no model; pass --model",
+                        client.url("/v1/models")
+                    ))
+                })?,
+        };
+        Ok(Self {
+            url: client.url(&config.endpoint),
+            client,
+            api,
+            model,
+            config,
+        })
+    }
+
+    /// The model every request names.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The API the endpoint speaks.
+    pub fn api(&self) -> Api {
+        self.api
+    }
+
+    /// The settings it was connected with.
+    pub fn config(&self) -> &TargetConfig {
+        &self.config
+    }
+
+    /// The JSON body of `spec`: streamed, with usage in the last chunk.
+    pub fn body(&self, spec: &RequestSpec) -> Vec<u8> {
+        let synthesis = &self.config.synthesis;
+        let prompt = match (&spec.prompt, self.api) {
+            (Prompt::Text(text), _) => PromptJson::Text(text.as_str().into()),
+            (Prompt::Synthetic { hash_ids, unique }, Api::Completions) => {
+                PromptJson::Tokens(synthesis.tokens(hash_ids, *unique, spec.input_len))
+            }
+            (Prompt::Synthetic { hash_ids, unique }, Api::Chat) => {
+                PromptJson::Text(synthesis.words(hash_ids, *unique, spec.input_len).into())
+            }
+        };
+        let common = Common {
+            model: &self.model,
+            temperature: self.config.temperature,
+            stream: true,
+            stream_options: StreamOptions {
+                include_usage: true,
+            },
+            ignore_eos: self.config.ignore_eos.then_some(true),
+        };
+        let body = match self.api {
+            Api::Completions => serde_json::to_vec(&CompletionBody {
+                prompt,
+                max_tokens: spec.output_len,
+                common,
+            }),
+            Api::Chat => serde_json::to_vec(&ChatBody {
+                messages: [Message {
+                    role: "user",
+                    content: prompt,
+                }],
+                max_completion_tokens: spec.output_len,
+                common,
+            }),
+        };
+        // Plain structs of strings and numbers always serialize.
+        body.unwrap_or_default()
+    }
+
+    /// Sends `spec` and reads its stream.
+    pub async fn send(&self, spec: &RequestSpec) -> Outcome {
+        self.client.stream(&self.url, self.body(spec)).await
+    }
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum PromptJson<'a> {
+    Text(std::borrow::Cow<'a, str>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Serialize)]
+struct Common<'a> {
+    model: &'a str,
+    temperature: f64,
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Serialize)]
+struct CompletionBody<'a> {
+    prompt: PromptJson<'a>,
+    max_tokens: usize,
+    #[serde(flatten)]
+    common: Common<'a>,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: PromptJson<'a>,
+}
+
+#[derive(Serialize)]
+struct ChatBody<'a> {
+    messages: [Message<'a>; 1],
+    max_completion_tokens: usize,
+    #[serde(flatten)]
+    common: Common<'a>,
+}
+
+/// Sends `spec` once, outside any measurement, and fails when it fails: a wrong URL, model or
+/// API is reported once, clearly, instead of as N failed requests.
+pub async fn warmup(target: &Target, spec: &RequestSpec) -> Result<(), ServeBenchError> {
+    match target.send(spec).await.error {
+        None => Ok(()),
+        Some(message) => Err(ServeBenchError::Warmup {
+            url: target.url.clone(),
+            message,
+        }),
+    }
+}
+
+/// Limits of one run.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// At most this many requests in flight; later ones wait (their clock starts when sent).
+    pub max_concurrency: Option<usize>,
+    /// Stop sending after this long; requests in flight still finish and count.
+    pub duration: Option<Duration>,
+    /// Draw a progress bar on stderr (only when stderr is a terminal).
+    pub progress: bool,
+    /// Shown before the progress bar.
+    pub label: String,
+}
+
+/// One sent request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestRecord {
+    /// Position in the dataset.
+    pub index: usize,
+    /// When the arrival process released it, from the start of the run.
+    pub scheduled: Duration,
+    /// When it was sent (later than `scheduled` when it waited for a concurrency slot).
+    pub sent: Duration,
+    /// The dataset's input length (see [`RequestSpec::input_len`]).
+    pub input_len: usize,
+    /// `max_tokens`.
+    pub output_len: usize,
+    pub outcome: Outcome,
+}
+
+/// Every request a run sent, in dataset order, and how long the run took (first send to last
+/// response).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunResult {
+    pub records: Vec<RequestRecord>,
+    pub duration: Duration,
+}
+
+/// Sends `requests[i]` at `offsets[i]` from now (requests past the end of `offsets` are not
+/// sent) and waits for every response.
+pub async fn run(
+    target: &Target,
+    requests: &Arc<[RequestSpec]>,
+    offsets: &[Duration],
+    options: &RunOptions,
+) -> RunResult {
+    let count = offsets.len().min(requests.len());
+    let progress = progress_bar(count, options);
+    let target = Arc::new(target.clone());
+    let slots = options
+        .max_concurrency
+        .map(|n| Arc::new(Semaphore::new(n.max(1))));
+    let start = Instant::now();
+    let deadline = options.duration.map(|d| start + d);
+    let mut tasks = Vec::with_capacity(count);
+    for (index, &offset) in offsets.iter().enumerate().take(count) {
+        let scheduled_at = start + offset;
+        if deadline.is_some_and(|d| scheduled_at >= d) {
+            break;
+        }
+        // The timer has millisecond resolution and rounds up; a request already due goes now.
+        if scheduled_at > Instant::now() {
+            tokio::time::sleep_until(scheduled_at.into()).await;
+        }
+        let (target, requests, slots, progress) = (
+            target.clone(),
+            requests.clone(),
+            slots.clone(),
+            progress.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let _slot = match slots {
+                Some(slots) => Some(slots.acquire_owned().await.ok()?),
+                None => None,
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return None;
+            }
+            let spec = &requests[index];
+            let sent = start.elapsed();
+            let outcome = target.send(spec).await;
+            progress.inc(1);
+            Some(RequestRecord {
+                index,
+                scheduled: offset,
+                sent,
+                input_len: spec.input_len,
+                output_len: spec.output_len,
+                outcome,
+            })
+        }));
+    }
+    let mut records = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        // A request task only ends early by being refused a slot after the deadline; it
+        // cannot panic (no unwraps), so a join error is not a case worth a record.
+        if let Ok(Some(record)) = task.await {
+            records.push(record);
+        }
+    }
+    let duration = start.elapsed();
+    progress.finish_and_clear();
+    RunResult { records, duration }
+}
+
+fn progress_bar(len: usize, options: &RunOptions) -> ProgressBar {
+    if !options.progress || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template(
+        "{prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} ({per_sec}, eta {eta})",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr())
+        .with_style(style)
+        .with_prefix(options.label.clone())
+}

@@ -1,0 +1,274 @@
+//! Request-trace queueing: TTFT per request when a request trace is served on the simulated rack.
+//!
+//! Model (prefill only, as a prefill server in a disaggregated deployment; output lengths are not
+//! simulated):
+//! - arrivals: the trace's own timestamps, or re-timed as a seeded Poisson process at each
+//!   `--rates` value (`rackfill_bench::serve::arrivals`, the load generator's own schedule);
+//! - data-parallel attention: each request is assigned on arrival to the rank with the fewest
+//!   outstanding prefill tokens (ties: lowest rank) and stays there;
+//! - chunked prefill: every step, each rank takes up to `--chunk-tokens` tokens from its queue in
+//!   arrival order (a request may span steps, later chunks attending to the earlier ones);
+//! - a step lasts what the cost model says for that batch (all ranks step together, an idle rank
+//!   included); a request's TTFT is the end of the step holding its last prompt token minus its
+//!   arrival;
+//! - routing: step `s` of every timeline uses step `s` of the same synthetic trace, generated at
+//!   a full chunk per rank; ranks with fewer tokens keep a uniformly thinned share of their row
+//!   ([`super::trace::thin_rows`]).
+//!
+//! One timeline per (balancer or ideal, rate); all of them advance in lockstep over one routing
+//! stream so it is generated once.
+
+use super::cost::Segment;
+use super::report::RateReport;
+use super::trace::{thin_rows, Routing};
+use super::{Engine, SimError, SimSpec};
+use crate::serve::arrivals::{schedule, Arrivals, RequestRate};
+use crate::serve::dataset::RequestSpec;
+use crate::serve::report::percentile;
+use rackfill_balancer::{Algo, LoadMatrix};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use std::collections::VecDeque;
+
+/// A request-trace simulation.
+#[derive(Debug, Clone)]
+pub struct RequestRun {
+    pub spec: SimSpec,
+    pub requests: Vec<RequestSpec>,
+    /// Requests per second to re-time the trace at; empty replays its timestamps.
+    pub rates: Vec<f64>,
+}
+
+/// A request waiting for (the rest of) its prefill on one rank.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    arrival: f64,
+    remaining: u64,
+    done: u64,
+}
+
+/// One balancer (or the ideal) serving the trace at one rate.
+struct Timeline<'a> {
+    engine: Engine<'a>,
+    algo: Option<Algo>,
+    rate: Option<f64>,
+    /// Arrival times, seconds, non-decreasing, with each request's prompt length.
+    arrivals: Vec<(f64, u64)>,
+    next: usize,
+    queues: Vec<VecDeque<Pending>>,
+    outstanding: Vec<u64>,
+    clock: f64,
+    ttft: Vec<f64>,
+    last_finish: f64,
+    steps: usize,
+    busy_ms: f64,
+    rng: StdRng,
+    done: bool,
+}
+
+impl Timeline<'_> {
+    /// Queues every request that has arrived by `self.clock`.
+    fn admit(&mut self) {
+        while let Some(&(at, len)) = self.arrivals.get(self.next) {
+            if at > self.clock {
+                break;
+            }
+            let rank = (0..self.queues.len())
+                .min_by_key(|&r| (self.outstanding[r], r))
+                .expect("at least one rank");
+            self.queues[rank].push_back(Pending {
+                arrival: at,
+                remaining: len,
+                done: 0,
+            });
+            self.outstanding[rank] += len;
+            self.next += 1;
+        }
+    }
+
+    /// Runs one step (jumping to the next arrival when idle); marks the timeline done when every
+    /// request has finished.
+    fn advance(
+        &mut self,
+        loads: Option<&[LoadMatrix]>,
+        chunk: u64,
+        top_k: usize,
+    ) -> Result<(), SimError> {
+        self.admit();
+        if self.queues.iter().all(VecDeque::is_empty) {
+            match self.arrivals.get(self.next) {
+                Some(&(at, _)) => {
+                    self.clock = at;
+                    self.admit();
+                }
+                None => {
+                    self.done = true;
+                    return Ok(());
+                }
+            }
+        }
+        let mut batch = Vec::with_capacity(self.queues.len());
+        let mut finished = Vec::new();
+        for (queue, outstanding) in self.queues.iter_mut().zip(&mut self.outstanding) {
+            let mut budget = chunk;
+            let mut segments = Vec::new();
+            while budget > 0 {
+                let Some(front) = queue.front_mut() else {
+                    break;
+                };
+                let take = front.remaining.min(budget);
+                segments.push(Segment {
+                    tokens: take,
+                    context: front.done,
+                });
+                front.done += take;
+                front.remaining -= take;
+                *outstanding -= take;
+                budget -= take;
+                if front.remaining == 0 {
+                    finished.push(front.arrival);
+                    queue.pop_front();
+                }
+            }
+            batch.push(segments);
+        }
+        let step_ms = match (self.algo, loads) {
+            (Some(_), Some(loads)) => {
+                let tokens: Vec<u64> = batch
+                    .iter()
+                    .map(|s| s.iter().map(|x| x.tokens).sum())
+                    .collect();
+                let thinned: Vec<LoadMatrix> = loads
+                    .iter()
+                    .map(|l| thin_rows(l, chunk, &tokens, top_k, &mut self.rng))
+                    .collect();
+                self.engine.step(&batch, &thinned)?[0].terms.total()
+            }
+            _ => self.engine.ideal(&batch).total(),
+        };
+        self.clock += step_ms / 1e3;
+        self.busy_ms += step_ms;
+        self.steps += 1;
+        for arrival in finished {
+            self.ttft.push(self.clock - arrival);
+            self.last_finish = self.clock;
+        }
+        Ok(())
+    }
+
+    fn report(&self, input_tokens: u64) -> RateReport {
+        let mut ttft_ms: Vec<f64> = self.ttft.iter().map(|t| t * 1e3).collect();
+        ttft_ms.sort_by(f64::total_cmp);
+        let first = self.arrivals.first().map_or(0.0, |a| a.0);
+        let duration_s = (self.last_finish - first).max(f64::MIN_POSITIVE);
+        let completed = ttft_ms.len();
+        RateReport {
+            balancer: self.algo.map_or("ideal", Algo::name).to_string(),
+            request_rate: self.rate,
+            completed,
+            duration_s,
+            request_throughput: completed as f64 / duration_s,
+            input_throughput: input_tokens as f64 / duration_s,
+            mean_ttft_ms: ttft_ms.iter().sum::<f64>() / completed.max(1) as f64,
+            median_ttft_ms: percentile(&ttft_ms, 50.0),
+            p99_ttft_ms: percentile(&ttft_ms, 99.0),
+            steps: self.steps,
+            mean_step_ms: self.busy_ms / self.steps.max(1) as f64,
+        }
+    }
+}
+
+/// Runs every (ideal and balancer) x rate timeline to completion; `progress(steps)` after every
+/// lockstep step. Reports are ordered rate-major, ideal first, then the balancers in order.
+pub fn run_requests(
+    run: &RequestRun,
+    mut progress: impl FnMut(usize),
+) -> Result<Vec<RateReport>, SimError> {
+    let spec = &run.spec;
+    spec.validate()?;
+    if run.requests.is_empty() {
+        return Err(SimError::Input("the request trace has no requests".into()));
+    }
+    let schedules: Vec<(Option<f64>, Vec<f64>)> = if run.rates.is_empty() {
+        vec![(None, arrival_times(Arrivals::Replay { speedup: 1.0 }, run)?)]
+    } else {
+        run.rates
+            .iter()
+            .map(|&rate| {
+                if !(rate.is_finite() && rate > 0.0) {
+                    return Err(SimError::Input(format!(
+                        "--rates must be positive numbers of requests/s, got {rate}"
+                    )));
+                }
+                let arrivals = Arrivals::Rate {
+                    rate: RequestRate::PerSecond(rate),
+                    burstiness: 1.0,
+                };
+                Ok((Some(rate), arrival_times(arrivals, run)?))
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let mut timelines = Vec::new();
+    for (rate, times) in &schedules {
+        let mut arrivals: Vec<(f64, u64)> = times
+            .iter()
+            .zip(&run.requests)
+            .map(|(&t, r)| (t, r.input_len as u64))
+            .collect();
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let algos = std::iter::once(None).chain(spec.algos.iter().copied().map(Some));
+        for algo in algos {
+            let index = timelines.len() as u64;
+            timelines.push(Timeline {
+                engine: Engine::new(spec, algo.as_slice())?,
+                algo,
+                rate: *rate,
+                arrivals: arrivals.clone(),
+                next: 0,
+                queues: vec![VecDeque::new(); spec.ep],
+                outstanding: vec![0; spec.ep],
+                clock: 0.0,
+                ttft: Vec::new(),
+                last_finish: 0.0,
+                steps: 0,
+                busy_ms: 0.0,
+                rng: StdRng::seed_from_u64(spec.seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                done: false,
+            });
+        }
+    }
+    let mut routing = Routing::synthetic_mixed(
+        spec.ep,
+        spec.shape.experts,
+        spec.shape.top_k,
+        spec.sim_layers,
+        spec.chunk_tokens,
+        usize::MAX,
+        spec.seed,
+    )?;
+    let mut step = 0;
+    while timelines.iter().any(|t| !t.done) {
+        let loads = if timelines.iter().any(|t| !t.done && t.algo.is_some()) {
+            Some(
+                routing
+                    .next_step()
+                    .expect("the synthetic trace is unbounded")?,
+            )
+        } else {
+            None
+        };
+        for timeline in timelines.iter_mut().filter(|t| !t.done) {
+            timeline.advance(loads.as_deref(), spec.chunk_tokens, spec.shape.top_k)?;
+        }
+        step += 1;
+        progress(step);
+    }
+    let input_tokens: u64 = run.requests.iter().map(|r| r.input_len as u64).sum();
+    Ok(timelines.iter().map(|t| t.report(input_tokens)).collect())
+}
+
+fn arrival_times(arrivals: Arrivals, run: &RequestRun) -> Result<Vec<f64>, SimError> {
+    schedule(arrivals, &run.requests, run.spec.seed)
+        .map(|d| d.iter().map(|d| d.as_secs_f64()).collect())
+        .map_err(|e| SimError::Input(e.to_string()))
+}

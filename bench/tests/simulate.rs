@@ -1,0 +1,545 @@
+//! `rackfill simulate`'s cost model and simulations on a tiny rack and model, checked against
+//! values computed by hand.
+//!
+//! Tiny rack: 1 MFLOP/s peak (so FLOPs read as microseconds), 1000 B/s links at 50% efficiency
+//! (a byte costs 2 ms), 10 us phase latency, attention at 50% of peak. Tiny model: hidden 8,
+//! expert width 4 (192 FLOPs per token-expert pair, 192-byte experts, 16-byte tokens), 4 experts,
+//! top-2, GQA 2 q / 1 kv heads of 4.
+
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings};
+use rackfill_bench::serve::dataset::load_trace;
+use rackfill_bench::simulate::cost::{token_traffic, CostModel, ReplicaTraffic, Segment, Terms};
+use rackfill_bench::simulate::queue::{run_requests, RequestRun};
+use rackfill_bench::simulate::rack::Rack;
+use rackfill_bench::simulate::shape::{Attention, ModelShape};
+use rackfill_bench::simulate::trace::{even_load, TraceSource};
+use rackfill_bench::simulate::{run_throughput, Engine, SimError, SimSpec, ThroughputRun};
+use std::path::PathBuf;
+
+fn tiny_rack() -> Rack {
+    Rack {
+        name: "tiny".into(),
+        gpus: 8,
+        scale_up_gbytes_per_s: 1e-6,
+        link_efficiency: 0.5,
+        link_latency_us: 10.0,
+        bf16_tflops: 1e-6,
+        hbm_tbytes_per_s: 1e-6,
+        attention_efficiency: 0.5,
+        gemm_efficiency: vec![[1.0, 1.0], [1e9, 1.0]],
+    }
+}
+
+fn tiny_shape(experts: usize) -> ModelShape {
+    ModelShape {
+        name: "tiny".into(),
+        layers: 2,
+        dense_layers: 0,
+        experts,
+        top_k: 2,
+        hidden: 8,
+        moe_intermediate: 4,
+        shared_intermediate: 0,
+        dense_intermediate: 0,
+        attention: Attention::Gqa {
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        },
+    }
+}
+
+fn spec(ranks: usize, experts: usize, algos: Vec<Algo>) -> SimSpec {
+    SimSpec {
+        rack: tiny_rack(),
+        shape: tiny_shape(experts),
+        ep: ranks,
+        slots: 1,
+        algos,
+        settings: Settings::default(),
+        relay: RelayConfig::default(),
+        solve_us: Some(0.0),
+        sim_layers: 2,
+        chunk_tokens: 4,
+        seed: 7,
+    }
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+}
+
+/// rank r routes row r; experts 0..4 live on ranks 0..4 (contiguous layout).
+fn skewed_load() -> LoadMatrix {
+    LoadMatrix::from_rows(&[
+        vec![3, 1, 0, 0],
+        vec![2, 0, 2, 0],
+        vec![1, 1, 1, 1],
+        vec![2, 0, 0, 2],
+    ])
+    .unwrap()
+}
+
+#[test]
+fn attention_term_by_hand() {
+    let (rack, shape) = (tiny_rack(), tiny_shape(4));
+    let cost = CostModel {
+        rack: &rack,
+        shape: &shape,
+    };
+    // Projections: q 8 + k 4 + v 4 + o 8 columns of width 8, 2 FLOPs each = 384 per token; the
+    // router adds 2 * 8 * 4 = 64 on MoE layers. Core: 4 * 2 heads * 4 dims = 32 FLOPs per pair.
+    // 3 new tokens after 2 of context: 3 * 2 + 3 * 4 / 2 = 12 pairs.
+    let seg = [Segment {
+        tokens: 3,
+        context: 2,
+    }];
+    let projections_ms = (384.0 + 64.0) * 3.0 / 1e6 * 1e3;
+    let core_ms = 12.0 * 32.0 / (1e6 * 0.5) * 1e3;
+    assert!(close(
+        cost.rank_attention_ms(&seg, true),
+        projections_ms + core_ms
+    ));
+    assert!(close(
+        cost.rank_attention_ms(&seg, false),
+        384.0 * 3.0 / 1e3 + core_ms
+    ));
+    // A step costs every layer its busiest rank: rank 1 has two segments (2 and 1 tokens, no
+    // context: 3 + 1 pairs), rank 0 the segment above.
+    let batch = vec![
+        seg.to_vec(),
+        vec![
+            Segment {
+                tokens: 2,
+                context: 0,
+            },
+            Segment {
+                tokens: 1,
+                context: 0,
+            },
+        ],
+    ];
+    let terms = cost.step_dense_terms(&batch);
+    assert!(close(terms.attention, 2.0 * (projections_ms + core_ms)));
+    assert_eq!(terms.dense_ffn, 0.0);
+}
+
+#[test]
+fn dispatch_and_combine_by_hand() {
+    let (rack, shape) = (tiny_rack(), tiny_shape(4));
+    let cost = CostModel {
+        rack: &rack,
+        shape: &shape,
+    };
+    let load = skewed_load();
+    let layout = Layout::contiguous(4, 4, 1).unwrap();
+    let plan = Plan::main_only(&layout, &load.expert_totals());
+    let (send, recv) = token_traffic(&load, &plan);
+    // Pairs leaving each rank (local ones stay), and arriving at each expert's home.
+    assert_eq!(send, vec![1, 4, 3, 2]);
+    assert_eq!(recv, vec![5, 2, 2, 1]);
+    // Busiest: rank 0 receives 5 pairs x 16 bytes = 80 bytes at 500 B/s = 160 ms, + 10 us.
+    assert!(close(cost.dispatch_ms(&load, &plan), 160.01));
+    assert!(close(cost.comm_ms(0), 0.0));
+}
+
+#[test]
+fn expert_term_through_the_efficiency_curve() {
+    let mut rack = tiny_rack();
+    let shape = tiny_shape(4);
+    let load = skewed_load();
+    let layout = Layout::contiguous(4, 4, 1).unwrap();
+    let plan = Plan::main_only(&layout, &load.expert_totals());
+    // Flat efficiency 1: the busiest rank holds expert 0 with 8 pairs, 8 * 192 FLOPs = 1.536 ms.
+    let flat = CostModel {
+        rack: &rack,
+        shape: &shape,
+    }
+    .expert_ms(&plan);
+    assert!(close(flat, 1.536));
+    // Roofline-like curve: efficiency 0.1 per row up to 4 rows, 0.4 above. Expert 0 (8 rows):
+    // 1536 / 0.4 = 3.84 ms. Experts 1-3 (2-3 rows) are memory-bound: 192 / 0.1 = 1.92 ms each.
+    rack.gemm_efficiency = vec![[1.0, 0.1], [4.0, 0.4], [1e9, 0.4]];
+    let cost = CostModel {
+        rack: &rack,
+        shape: &shape,
+    };
+    assert!(close(cost.expert_ms(&plan), 3.84));
+    let even = Plan::main_only(&layout, &[2, 2, 3, 3]);
+    assert!(close(cost.expert_ms(&even), 1.92));
+}
+
+/// 8 ranks, one expert each, expert 0 ten times hotter than the rest: `quota` replicates it to
+/// all 7 other ranks.
+fn hot_plan() -> (Layout, LoadMatrix, Plan) {
+    let layout = Layout::contiguous(8, 8, 1).unwrap();
+    let rows: Vec<Vec<u64>> = (0..8)
+        .map(|_| {
+            let mut row = vec![2u64; 8];
+            row[0] = 20;
+            row
+        })
+        .collect();
+    let load = LoadMatrix::from_rows(&rows).unwrap();
+    let plan = Algo::Quota
+        .build(&Settings::default())
+        .plan(&layout, &load)
+        .unwrap();
+    assert_eq!(plan.instances(0).len(), 8, "{:?}", plan.instances(0));
+    (layout, load, plan)
+}
+
+#[test]
+fn replica_streaming_direct_versus_relay() {
+    let (rack, shape) = (tiny_rack(), tiny_shape(8));
+    let cost = CostModel {
+        rack: &rack,
+        shape: &shape,
+    };
+    let (_, _, plan) = hot_plan();
+    let b = shape.expert_bytes();
+    assert_eq!(b, 192);
+    // Direct: rank 0 sends 7 copies (1344 bytes at 500 B/s = 2688 ms), one phase latency.
+    let direct = RelayConfig {
+        threshold: usize::MAX,
+        chunk_bytes: 64,
+    };
+    let traffic = ReplicaTraffic::streamed(&plan_transfers(&plan, b, &direct));
+    assert_eq!(traffic.send[0], 7 * b);
+    assert!(!traffic.relayed);
+    assert!(close(cost.replicate_ms(&traffic, 64), 2688.01));
+    // Relay (fan-out 7 > 4): round(sqrt(7)) = 3 relays seeded by rank 0, which forward the 4
+    // other leaves (2 + 1 + 1). Busiest: rank 0 with 3 copies = 1152 ms; plus a second stage
+    // latency and one 64-byte chunk (128 ms) to fill the relay pipeline.
+    let relay = RelayConfig {
+        threshold: 4,
+        chunk_bytes: 64,
+    };
+    let traffic = ReplicaTraffic::streamed(&plan_transfers(&plan, b, &relay));
+    assert_eq!(traffic.send[0], 3 * b);
+    assert_eq!(*traffic.send.iter().max().unwrap(), 3 * b);
+    assert!(traffic.recv.iter().all(|&r| r <= b));
+    assert!(traffic.relayed);
+    assert!(close(
+        cost.replicate_ms(&traffic, 64),
+        1152.0 + 0.01 + 128.0 + 0.01
+    ));
+}
+
+#[test]
+fn resident_replicas_are_copied_only_when_they_change() {
+    let (layout, _, plan) = hot_plan();
+    let first = ReplicaTraffic::new_replicas(&layout, &plan, None, 192);
+    assert_eq!(first.send[0], 7 * 192);
+    assert_eq!(first.recv[1..], [192; 7]);
+    let again = ReplicaTraffic::new_replicas(&layout, &plan, Some(plan.slots()), 192);
+    assert!(again.send.iter().chain(&again.recv).all(|&b| b == 0));
+}
+
+#[test]
+fn solve_override_and_none_charge_what_they_say() {
+    let mut s = spec(4, 4, vec![Algo::Quota, Algo::None]);
+    s.solve_us = Some(250.0);
+    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let batch = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 0
+        }];
+        4
+    ];
+    let loads = vec![skewed_load(), skewed_load()];
+    let steps = engine.step(&batch, &loads).unwrap();
+    // Two MoE layers at 250 us each; `none` plans nothing.
+    assert!(close(steps[0].terms.solve, 0.5));
+    assert_eq!(steps[1].terms.solve, 0.0);
+    assert!(close(steps[0].solve_us, 250.0));
+}
+
+#[test]
+fn none_expert_term_is_the_busiest_main_rank() {
+    let s = spec(4, 4, vec![Algo::None]);
+    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let batch = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 0
+        }];
+        4
+    ];
+    let steps = engine
+        .step(&batch, &[skewed_load(), skewed_load()])
+        .unwrap();
+    // max L0 = 8 pairs on rank 0: 8 * 192 FLOPs at 1 MFLOP/s = 1.536 ms per layer, two layers.
+    let t = steps[0].terms;
+    assert!(close(t.expert, 2.0 * 1.536));
+    assert!(close(t.dispatch, 2.0 * 160.01));
+    assert_eq!(t.dispatch, t.combine);
+    assert_eq!(t.replicate, 0.0);
+    assert!(close(steps[0].imbalance_before, 8.0 / 4.0));
+    assert_eq!(steps[0].imbalance_before, steps[0].imbalance_after);
+}
+
+#[test]
+fn ideal_equals_the_balanced_case() {
+    // (`eplb-exact` is left out: it fills every slot whatever the load, so it would pay for
+    // replicas even here.)
+    let s = spec(4, 4, vec![Algo::None, Algo::Quota]);
+    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let batch = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 1
+        }];
+        4
+    ];
+    // 4 tokens x top-2 = 8 pairs per rank, 2 per expert: already perfectly even.
+    let even = even_load(&[4; 4], 4, 2);
+    assert!(even.as_flat().iter().all(|&c| c == 2));
+    let ideal = engine.ideal(&batch);
+    for step in engine.step(&batch, &[even.clone(), even]).unwrap() {
+        assert_eq!(step.terms, ideal);
+        assert_eq!(step.imbalance_after, 1.0);
+        assert_eq!(step.replicas, 0.0);
+    }
+    assert!(ideal.expert > 0.0 && ideal.attention > 0.0);
+}
+
+fn tiny_run(seed: u64) -> ThroughputRun {
+    let mut s = spec(4, 16, vec![Algo::Quota, Algo::EplbHistory, Algo::None]);
+    s.seed = seed;
+    s.chunk_tokens = 64;
+    s.solve_us = Some(12.5);
+    ThroughputRun {
+        spec: s,
+        trace: TraceSource::SyntheticMixed,
+        steps: 4,
+        context_tokens: 0,
+    }
+}
+
+#[test]
+fn throughput_is_deterministic_and_ranks_balancers() {
+    let mut calls = 0;
+    let a = run_throughput(&tiny_run(1), |done, total| {
+        calls += 1;
+        assert_eq!((done, total), (calls, 4));
+    })
+    .unwrap();
+    let b = run_throughput(&tiny_run(1), |_, _| {}).unwrap();
+    let c = run_throughput(&tiny_run(2), |_, _| {}).unwrap();
+    let json = |r| serde_json::to_string(r).unwrap();
+    assert_eq!(json(&a), json(&b));
+    assert_ne!(json(&a), json(&c));
+    assert_eq!(a.steps, 4);
+    let names: Vec<&str> = a.balancers.iter().map(|b| b.balancer.as_str()).collect();
+    assert_eq!(names, ["quota", "eplb-history", "none"]);
+    for r in &a.balancers {
+        assert!(close(r.fraction_of_ideal, a.ideal.step_ms / r.step_ms));
+        assert!(close(r.step_ms, r.breakdown_ms.total()));
+        assert!(close(
+            r.tokens_per_s,
+            a.ideal.tokens_per_s * r.fraction_of_ideal
+        ));
+        assert!(r.fraction_of_ideal <= 1.0 + 1e-9, "{r:?}");
+        assert!(r.mean_imbalance.after <= r.mean_imbalance.before + 1e-9);
+    }
+    let (quota, none) = (&a.balancers[0], &a.balancers[2]);
+    assert!(quota.mean_imbalance.after < none.mean_imbalance.after);
+    assert!(quota.breakdown_ms.expert < none.breakdown_ms.expert);
+    // 64 tokens on each of 4 ranks per step.
+    assert!(close(a.ideal.tokens_per_s, 256.0 / (a.ideal.step_ms / 1e3)));
+}
+
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rackfill-simulate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn bad_rack_and_shape_files_are_one_line_errors() {
+    let cases = [
+        (
+            r#"{"name": "r", "gpus": 4, "scale_up_gbytes_per_s": 0, "bf16_tflops": 1, "hbm_tbytes_per_s": 1}"#,
+            "scale_up_gbytes_per_s must be a positive number",
+        ),
+        (
+            r#"{"name": "r", "gpus": 4, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1, "attention_efficiency": 0}"#,
+            "attention_efficiency must be in (0, 1]",
+        ),
+        ("not json", "rack file"),
+    ];
+    for (text, want) in cases {
+        let path = temp_file("rack.json", text);
+        let err = Rack::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+        assert!(!err.contains('\n'));
+    }
+    let err = Rack::load("/nonexistent/rack.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("cannot read rack file /nonexistent/rack.json"),
+        "{err}"
+    );
+
+    let shapes = [
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 8, "hidden": 8, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4}}"#,
+            "top_k 8 exceeds the 4 experts",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 2, "hidden": 8, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 3, "kv_heads": 2, "head_dim": 4}}"#,
+            "kv_heads dividing q_heads",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "dense_layers": 2, "experts": 4, "top_k": 2, "hidden": 8, "moe_intermediate": 4, "dense_intermediate": 8, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4}}"#,
+            "leaves no MoE layer",
+        ),
+        (r#"{"name": "s", "layers": 2}"#, "missing field"),
+        (
+            r#"{"num_hidden_layers": 2, "model_type": "glm4_moe", "hidden_size": 8}"#,
+            "missing field num_attention_heads",
+        ),
+        ("[1, 2]", "expected a JSON object"),
+    ];
+    for (text, want) in shapes {
+        let path = temp_file("shape.json", text);
+        let err = ModelShape::load(path.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{err} lacks {want}");
+        assert!(err.contains("shape.json"), "{err}");
+        assert!(!err.contains('\n'));
+    }
+    let err = ModelShape::load("qwen9").unwrap_err().to_string();
+    assert!(err.starts_with("unknown model shape 'qwen9'"), "{err}");
+}
+
+#[test]
+fn hf_configs_become_shapes() {
+    // GLM-4.5/4.7 (glm4_moe, not an architecture rackfill_models runs): the generic reader.
+    let glm = r#"{"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "hidden_size": 5120, "num_hidden_layers": 92, "first_k_dense_replace": 3,
+        "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1536, "intermediate_size": 12288, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151552}"#;
+    let shape = ModelShape::load(temp_file("glm.json", glm).to_str().unwrap()).unwrap();
+    let mut want = ModelShape::glm_4_7();
+    want.name = "glm4_moe".into();
+    assert_eq!(shape, want);
+    // Qwen3-MoE goes through rackfill_models' normalisation.
+    let qwen = r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1536, "intermediate_size": 12288, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "mlp_only_layers": [],
+        "decoder_sparse_step": 1, "_name_or_path": "qwen3-235b"}"#;
+    let shape = ModelShape::load(temp_file("qwen.json", qwen).to_str().unwrap()).unwrap();
+    assert_eq!(shape, ModelShape::qwen3_235b());
+}
+
+#[test]
+fn run_arguments_are_checked() {
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.ep = 9;
+    let err = Engine::new(&s, &s.algos).err().unwrap();
+    assert_eq!(
+        err,
+        SimError::Input("--ep 9 exceeds the 8 GPUs of rack 'tiny'".into())
+    );
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.sim_layers = 3;
+    assert!(s
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("--sample-layers must be in 1..=2"));
+    let mut run = tiny_run(0);
+    run.trace = TraceSource::File(temp_file(
+        "routing.jsonl",
+        r#"{"step": 0, "layer": 0, "ranks": 2, "experts": 8, "load": [[1,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,1]]}"#,
+    ));
+    let err = run_throughput(&run, |_, _| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("has 8 experts, the model shape has 16"),
+        "{err}"
+    );
+}
+
+#[test]
+fn recorded_traces_are_replayed_and_resplit_onto_the_ep_ranks() {
+    // Two steps of one layer on 2 ranks; the simulation runs on 4.
+    let line = |step: u64| {
+        format!(
+            r#"{{"step": {step}, "layer": 0, "ranks": 2, "experts": 16, "load": [[8,8,8,8,8,8,8,8,0,0,0,0,0,0,0,0],[8,8,8,8,8,8,8,8,0,0,0,0,0,0,0,0]]}}"#
+        )
+    };
+    let path = temp_file("trace.jsonl", &format!("{}\n{}\n", line(0), line(1)));
+    let mut run = tiny_run(0);
+    run.trace = TraceSource::File(path);
+    run.steps = 10;
+    let report = run_throughput(&run, |_, _| {}).unwrap();
+    assert_eq!(report.steps, 2);
+    // 128 pairs re-split over 4 ranks at top-2: 16 tokens per rank, 64 per step.
+    assert!(close(
+        report.ideal.tokens_per_s,
+        64.0 / (report.ideal.step_ms / 1e3)
+    ));
+    // Experts 0-7 hold everything: ranks 0-1 (4 experts each of 16) carry it all without balancing.
+    let none = &report.balancers[2];
+    assert!(close(none.mean_imbalance.before, 2.0));
+}
+
+#[test]
+fn a_lone_request_waits_for_exactly_its_steps() {
+    // One request of 6 tokens on an idle rack with 4-token chunks: two steps on one rank, the
+    // second attending to the first 4 tokens.
+    let path = temp_file(
+        "requests.jsonl",
+        "{\"timestamp\": 0, \"input_length\": 6, \"output_length\": 1}\n",
+    );
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.solve_us = Some(0.0);
+    let run = RequestRun {
+        requests: load_trace(&path, 1, None).unwrap(),
+        rates: vec![],
+        spec: s.clone(),
+    };
+    let results = run_requests(&run, |_| {}).unwrap();
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[0].balancer, "ideal");
+    let engine = Engine::new(&s, &[]).unwrap();
+    let idle = Vec::new;
+    let first = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 0,
+        }],
+        idle(),
+        idle(),
+        idle(),
+    ];
+    let second = vec![
+        vec![Segment {
+            tokens: 2,
+            context: 4,
+        }],
+        idle(),
+        idle(),
+        idle(),
+    ];
+    let want: Terms = engine.ideal(&first) + engine.ideal(&second);
+    assert!(
+        close(results[0].mean_ttft_ms, want.total()),
+        "{:?} vs {want:?}",
+        results[0]
+    );
+    assert_eq!(results[0].steps, 2);
+    assert_eq!(results[1].balancer, "quota");
+    assert_eq!(results[1].completed, 1);
+    assert!(results[1].mean_ttft_ms >= results[0].mean_ttft_ms * (1.0 - 1e-9));
+}

@@ -1,0 +1,69 @@
+// Shared prelude of every rackfill CUDA source. The host prepends it to each kernel file before
+// handing the source to NVRTC (followed by a #line directive, so NVRTC logs keep the kernel
+// file's own line numbers): NVRTC compiles one string per program and has no include path here.
+//
+// Everything in these files is plain CUDA C++ that NVRTC compiles without any CUDA header.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned char u8;
+
+#define FULL_MASK 0xffffffffu
+#define NONE_U32 0xffffffffu
+#define U64_MAX 0xffffffffffffffffull
+
+__device__ __forceinline__ u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
+__device__ __forceinline__ u64 max_u64(u64 a, u64 b) { return a > b ? a : b; }
+
+// Rust's u64::div_ceil (no overflow for any a).
+__device__ __forceinline__ u64 div_ceil_u64(u64 a, u64 b) { return a / b + (a % b != 0 ? 1ull : 0ull); }
+
+// Rust's u64::saturating_mul(2).
+__device__ __forceinline__ u64 saturating_double(u64 a) { return a > (U64_MAX >> 1) ? U64_MAX : a * 2ull; }
+
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) v = max_u64(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ u32 warp_sum_u32(u32 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31u; }
+__device__ __forceinline__ u32 warp_id() { return threadIdx.x >> 5; }
+
+// Lanes below this one, for ranking within a warp.
+__device__ __forceinline__ u32 lanemask_lt() { return (1u << lane_id()) - 1u; }
+
+// Block-wide reductions over one value per thread. `scratch` holds one u64 per warp; every
+// thread of the block must call them (they contain __syncthreads) and gets the result.
+__device__ u64 block_sum_u64(u64 v, u64* scratch) {
+    v = warp_sum_u64(v);
+    if (lane_id() == 0) scratch[warp_id()] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    u64 total = 0;
+    for (u32 w = 0; w < warps; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+__device__ u64 block_max_u64(u64 v, u64* scratch) {
+    v = warp_max_u64(v);
+    if (lane_id() == 0) scratch[warp_id()] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    u64 best = 0;
+    for (u32 w = 0; w < warps; ++w) best = max_u64(best, scratch[w]);
+    __syncthreads();
+    return best;
+}

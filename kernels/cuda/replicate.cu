@@ -1,0 +1,165 @@
+// Replica weight distribution by persistent tile streaming (UltraEP §6.1) with chunk-streaming
+// two-stage relay trees (§6.2).
+//
+// The host compiles a relay transfer schedule (rackfill_balancer::relay::plan_transfers) into a
+// stream of tile tasks (rackfill_kernels::cuda::tiles): each task is one tile of one source chunk
+// together with every destination that receives it, so the tile is read once, staged once in
+// shared memory and stored to all of them. A persistent grid pulls tasks from the stream with
+// one atomic counter. Each block double-buffers: while tile i is being stored, the block has
+// already claimed task i+1 and, unless that task still waits on a relay, started its load
+// (cp.async on sm_80+).
+//
+// Relays: a stage-1 tile that lands on a relay bumps the relay's per-chunk ready counter once the
+// bytes are visible system-wide (every thread fences, the block synchronises, one thread adds).
+// A stage-2 task (relay -> leaves) waits until its chunk's counter reaches the chunk's tile
+// count, so a relay forwards chunk c while chunk c+1 is still arriving, with no global barrier.
+// Tasks are ordered so that every producer precedes its consumers in the stream; the block
+// holding the earliest unfinished task never waits, so the grid cannot deadlock, whatever the
+// residency.
+//
+// Ranks are addressed through a peer-pointer table (home weights, slot buffer and flag array per
+// rank), so the same kernel runs with NVLink peer pointers or with several rank buffers on one GPU.
+
+struct TileTask {
+    u64 src_offset;   // byte offset of this tile in the source buffer
+    u64 tile_offset;  // byte offset of this tile inside its chunk (added to every destination)
+    u32 src_rank;
+    u32 src_kind;     // 0: the rank's home weights, 1: the rank's slot buffer (a relay)
+    u32 len;          // bytes, <= tile_bytes
+    u32 dst_begin;    // first TileDst of the task's group
+    u32 n_dst;
+    i32 wait_flag;    // ready counter on src_rank to wait for, -1: none
+    u32 wait_target;  // tiles of the chunk: the counter's value once the chunk has landed
+    u32 reserved;
+};
+
+struct TileDst {
+    u64 offset;       // byte offset of the chunk in the destination rank's slot buffer
+    u32 rank;
+    i32 ready_flag;   // ready counter on `rank` to bump after the store, -1: none
+};
+
+__device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `pending` committed groups are still in flight.
+__device__ __forceinline__ void cp_async_wait(bool keep_one) {
+#if __CUDA_ARCH__ >= 800
+    if (keep_one) {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+#endif
+}
+
+__device__ __forceinline__ const u8* task_source(const TileTask& t, const u64* home_base, const u64* slot_base) {
+    const u64 base = t.src_kind == 0 ? home_base[t.src_rank] : slot_base[t.src_rank];
+    return (const u8*)(base + t.src_offset);
+}
+
+// Starts loading a task's tile into `stage`: 16-byte cp.async when aligned, else plain bytes.
+__device__ void issue_load(const TileTask& t, const u64* home_base, const u64* slot_base, u8* stage) {
+    const u8* src = task_source(t, home_base, slot_base);
+    if ((((u64)src | t.len) & 15ull) == 0) {
+        for (u32 i = threadIdx.x; i < t.len / 16; i += blockDim.x) cp_async_16(stage + 16 * i, src + 16 * i);
+    } else {
+        for (u32 i = threadIdx.x; i < t.len; i += blockDim.x) stage[i] = src[i];
+    }
+    cp_async_commit();
+}
+
+// Blocks until the relay chunk a task forwards has fully landed (block-uniform).
+__device__ void wait_ready(const TileTask& t, const u64* flag_base) {
+    if (t.wait_flag < 0) return;
+    if (threadIdx.x == 0) {
+        const u32* flag = (const u32*)flag_base[t.src_rank] + t.wait_flag;
+        while (ld_acquire_sys_u32(flag) < t.wait_target) __nanosleep(64);
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, u32 n_tasks,
+                                       const TileDst* __restrict__ dsts, u32* next_task,
+                                       const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
+                                       const u64* __restrict__ flag_base, u32 tile_bytes) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ u32 s_claim;
+    __shared__ u32 s_ready;
+    u8* stage[2] = {smem, smem + tile_bytes};
+    const u32 tid = threadIdx.x, bd = blockDim.x;
+
+    if (tid == 0) s_claim = atomicAdd(next_task, 1u);
+    __syncthreads();
+    u32 cur = s_claim;
+    u32 buf = 0;
+    if (cur < n_tasks) {
+        wait_ready(tasks[cur], flag_base);
+        issue_load(tasks[cur], home_base, slot_base, stage[0]);
+    }
+    while (cur < n_tasks) {
+        const TileTask t = tasks[cur];
+        __syncthreads();  // every thread has read s_claim for `cur`
+        if (tid == 0) s_claim = atomicAdd(next_task, 1u);
+        __syncthreads();
+        const u32 nxt = s_claim;
+        bool prefetched = false;
+        if (nxt < n_tasks) {
+            // Start the next load now unless it waits on a relay chunk that has not landed.
+            if (tid == 0) {
+                const TileTask& n = tasks[nxt];
+                s_ready = n.wait_flag < 0 ||
+                          ld_acquire_sys_u32((const u32*)flag_base[n.src_rank] + n.wait_flag) >= n.wait_target;
+            }
+            __syncthreads();
+            prefetched = s_ready != 0;
+            if (prefetched) issue_load(tasks[nxt], home_base, slot_base, stage[buf ^ 1]);
+        }
+        cp_async_wait(prefetched);
+        __syncthreads();  // tile `cur` is in stage[buf] for every thread
+
+        // Store the staged tile to every destination of its group.
+        const u8* st = stage[buf];
+        for (u32 d = 0; d < t.n_dst; ++d) {
+            const TileDst dst = dsts[t.dst_begin + d];
+            u8* out = (u8*)(slot_base[dst.rank] + dst.offset + t.tile_offset);
+            if ((((u64)out | t.len) & 15ull) == 0) {
+                for (u32 i = tid; i < t.len / 16; i += bd) ((uint4*)out)[i] = ((const uint4*)st)[i];
+            } else {
+                for (u32 i = tid; i < t.len; i += bd) out[i] = st[i];
+            }
+        }
+        __threadfence_system();
+        __syncthreads();  // every thread's stores of this tile are visible system-wide
+        if (tid == 0) {
+            for (u32 d = 0; d < t.n_dst; ++d) {
+                const TileDst dst = dsts[t.dst_begin + d];
+                if (dst.ready_flag >= 0) atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
+            }
+        }
+        if (nxt < n_tasks && !prefetched) {
+            wait_ready(tasks[nxt], flag_base);
+            issue_load(tasks[nxt], home_base, slot_base, stage[buf ^ 1]);
+        }
+        cur = nxt;
+        buf ^= 1u;
+    }
+}

@@ -1,0 +1,263 @@
+//! The GPU measurements `rackfill kernels bench` reports (docs/gpu.md): quota-solver latency
+//! against the CPU planner, replica-distribution bandwidth against a device-to-device copy of the
+//! same bytes, and relay versus direct fan-out. Times come from CUDA events around the kernels
+//! alone (inputs already on the device); medians over the repetitions.
+
+use super::replicate::{DeviceTileStream, RankBuffers};
+use super::solver::GpuQuotaSolver;
+use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
+use super::{CudaError, Gpu};
+use cudarc::driver::sys::CUevent_flags;
+use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::{Balancer, Layout, LoadMatrix, Plan};
+use std::time::Instant;
+
+/// Solver latency for one shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SolverBench {
+    pub gpu_median_us: f64,
+    pub cpu_median_us: f64,
+    /// Inputs whose GPU plan equals the CPU planner's, out of `inputs`.
+    pub identical: usize,
+    pub inputs: usize,
+    pub warps: u32,
+    pub load_staged: bool,
+}
+
+/// Replica distribution of one skewed layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DistributionBench {
+    pub stored_bytes: u64,
+    pub kernel_us: f64,
+    pub copy_us: f64,
+}
+
+impl DistributionBench {
+    /// Effective bandwidth of the tile-streaming kernel, GB/s.
+    pub fn kernel_gbps(&self) -> f64 {
+        self.stored_bytes as f64 / self.kernel_us / 1e3
+    }
+
+    /// Bandwidth of the reference device-to-device copy, GB/s.
+    pub fn copy_gbps(&self) -> f64 {
+        self.stored_bytes as f64 / self.copy_us / 1e3
+    }
+}
+
+/// One hot expert sent to `fanout` replicas, directly and through a relay tree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RelayBench {
+    pub direct_us: f64,
+    pub relay_us: f64,
+    pub relays: usize,
+}
+
+/// splitmix64: deterministic inputs without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// A skewed prefill layer: 4096 tokens per rank, top-8, a few hot experts (Zipf-like weights).
+pub fn skewed_load(ranks: usize, experts: usize, seed: u64) -> LoadMatrix {
+    let mut rng = Rng(seed);
+    let weights: Vec<u64> = (0..experts)
+        .map(|i| {
+            let rank = (i as u64 * 2_654_435_761 + rng.next() % 7) % experts as u64 + 1;
+            1_000_000 / rank
+        })
+        .collect();
+    let sum: u64 = weights.iter().sum::<u64>().max(1);
+    let pairs = 4096 * 8u64;
+    let rows: Vec<Vec<u64>> = (0..ranks)
+        .map(|_| {
+            weights
+                .iter()
+                .map(|&w| pairs * w / sum + rng.next() % 8)
+                .collect()
+        })
+        .collect();
+    // Sizes are small and rows equal in length: from_rows cannot fail here.
+    LoadMatrix::from_rows(&rows).unwrap_or_else(|_| LoadMatrix::zeros(ranks, experts))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Times `f` (which enqueues work on the GPU's stream) with CUDA events, median of `reps`.
+fn time_us(
+    gpu: &Gpu,
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    let ctx = gpu.context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    f()?; // warm-up
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        start.record(gpu.stream())?;
+        f()?;
+        end.record(gpu.stream())?;
+        samples.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
+    }
+    Ok(median(samples))
+}
+
+/// Solver latency on 16 skewed inputs of shape `R x E`, `n_slot` slots, and plan identity
+/// with the CPU planner.
+pub fn solver_latency(
+    gpu: &Gpu,
+    ranks: usize,
+    experts: usize,
+    n_slot: usize,
+    reps: usize,
+) -> Result<SolverBench, CudaError> {
+    let layout = Layout::contiguous(ranks, experts, n_slot)?;
+    let mut solver = GpuQuotaSolver::new(gpu, &layout, 1, TargetRule::BestFit)?;
+    let mut cpu = QuotaPlanner::new(1);
+    let inputs = 16;
+    let (mut gpu_us, mut cpu_us, mut identical) = (Vec::new(), Vec::new(), 0);
+    for seed in 0..inputs {
+        let load = skewed_load(ranks, experts, seed as u64);
+        let (gpu_plan, _) = solver.plan(&load)?;
+        let cpu_plan = cpu.plan(&layout, &load)?;
+        identical += usize::from(gpu_plan == cpu_plan);
+        gpu_us.push(time_us(gpu, reps, || solver.launch())?);
+        let mut samples = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = Instant::now();
+            let plan = cpu.plan(&layout, &load)?;
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+            std::hint::black_box(plan);
+        }
+        cpu_us.push(median(samples));
+    }
+    let (warps, load_staged) = solver.config();
+    Ok(SolverBench {
+        gpu_median_us: median(gpu_us),
+        cpu_median_us: median(cpu_us),
+        identical,
+        inputs,
+        warps,
+        load_staged,
+    })
+}
+
+/// Buffers, tasks and a launch for distributing `plan`'s replicas on one GPU.
+struct Distribution {
+    buffers: RankBuffers,
+    stream: DeviceTileStream,
+    stored_bytes: u64,
+}
+
+fn distribution(
+    gpu: &Gpu,
+    layout: &Layout,
+    plan: &Plan,
+    expert_bytes: u64,
+    config: &RelayConfig,
+) -> Result<Distribution, CudaError> {
+    let schedule = plan_transfers(plan, expert_bytes, config);
+    let mut home_offsets = vec![0u64; layout.experts()];
+    let mut home_bytes = Vec::with_capacity(layout.ranks());
+    for r in 0..layout.ranks() {
+        for (local, &e) in layout.main_experts(r).iter().enumerate() {
+            home_offsets[e as usize] = local as u64 * expert_bytes;
+        }
+        home_bytes.push(layout.main_experts(r).len() * expert_bytes as usize);
+    }
+    let buffers_layout = BufferLayout {
+        expert_bytes,
+        home_offsets: &home_offsets,
+        slot_bytes: expert_bytes,
+    };
+    let tasks = tiles::compile(plan, &schedule, &buffers_layout, DEFAULT_TILE_BYTES)?;
+    let slot_buffer = layout.slots_per_rank() * expert_bytes as usize;
+    let buffers = RankBuffers::zeroed(gpu, &home_bytes, slot_buffer, &tasks.flags_per_rank)?;
+    Ok(Distribution {
+        stream: DeviceTileStream::upload(gpu, &tasks, layout.ranks())?,
+        stored_bytes: tasks.stored_bytes,
+        buffers,
+    })
+}
+
+fn time_distribution(gpu: &Gpu, d: &mut Distribution, reps: usize) -> Result<f64, CudaError> {
+    let blocks = gpu.info().multiprocessors * 2;
+    time_us(gpu, reps, || {
+        d.buffers.reset_flags(gpu)?;
+        d.stream.launch(gpu, &d.buffers, blocks, 512)
+    })
+}
+
+/// Distribution of a skewed layer's replicas, `expert_bytes` per expert, and a device-to-device
+/// copy of the same number of bytes.
+pub fn distribution_bandwidth(
+    gpu: &Gpu,
+    ranks: usize,
+    experts: usize,
+    n_slot: usize,
+    expert_bytes: u64,
+    reps: usize,
+) -> Result<DistributionBench, CudaError> {
+    let layout = Layout::contiguous(ranks, experts, n_slot)?;
+    let plan = QuotaPlanner::new(1).plan(&layout, &skewed_load(ranks, experts, 7))?;
+    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &RelayConfig::default())?;
+    let kernel_us = time_distribution(gpu, &mut d, reps)?;
+    let s = gpu.stream();
+    let bytes = d.stored_bytes.max(1) as usize;
+    let src = s.alloc_zeros::<u8>(bytes)?;
+    let mut dst = s.alloc_zeros::<u8>(bytes)?;
+    let copy_us = time_us(gpu, reps, || Ok(s.memcpy_dtod(&src, &mut dst)?))?;
+    Ok(DistributionBench {
+        stored_bytes: d.stored_bytes,
+        kernel_us,
+        copy_us,
+    })
+}
+
+/// One expert replicated on `fanout` ranks (each rank one slot), sent directly from its home and
+/// through the default relay tree.
+pub fn relay_vs_direct(
+    gpu: &Gpu,
+    fanout: usize,
+    expert_bytes: u64,
+    reps: usize,
+) -> Result<RelayBench, CudaError> {
+    let ranks = fanout + 1;
+    let layout = Layout::contiguous(ranks, ranks, 1)?;
+    let mut hot = vec![vec![0u64; ranks]; ranks];
+    for row in &mut hot {
+        row[0] = 1000;
+    }
+    let load = LoadMatrix::from_rows(&hot)?;
+    let plan = QuotaPlanner::new(1).plan(&layout, &load)?;
+    let direct = RelayConfig {
+        threshold: fanout,
+        ..RelayConfig::default()
+    };
+    let relay = RelayConfig::default();
+    let relays = plan_transfers(&plan, expert_bytes, &relay)
+        .trees
+        .first()
+        .map_or(0, |t| t.relays.len());
+    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &direct)?;
+    let direct_us = time_distribution(gpu, &mut d, reps)?;
+    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &relay)?;
+    let relay_us = time_distribution(gpu, &mut d, reps)?;
+    Ok(RelayBench {
+        direct_us,
+        relay_us,
+        relays,
+    })
+}

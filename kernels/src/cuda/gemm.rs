@@ -1,0 +1,190 @@
+//! Grouped expert GEMM over main and replica experts with cuBLAS.
+//!
+//! After [`super::permute::group_by_instance`] a rank holds one contiguous block of rows per
+//! (expert, instance) it computes. Each block is multiplied by its expert's weight matrix, read
+//! from the rank's own main-expert weights (instance 0) or from the redundant slot a replica was
+//! streamed into ([`weight_source`]). Groups differ in row count, so this issues one cuBLAS SGEMM
+//! per group on the GPU's stream (a loop of GEMMs; cuBLAS queues them back to back).
+
+use super::libs::{self, Lib};
+use super::{guard, CudaError, Gpu};
+use crate::KernelError;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
+use rackfill_balancer::{Layout, Plan};
+use std::ops::Range;
+
+/// Where the weights of one expert instance live on the rank that computes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightSource {
+    /// The rank's `local`-th main expert (its home weights, in [`Layout::main_experts`] order).
+    Home { local: usize },
+    /// The rank's redundant slot `slot`, where the replica was streamed.
+    Slot { slot: usize },
+}
+
+/// The weights of instance `instance` of `expert`, computed on `rank`; `None` when the plan does
+/// not put that instance on that rank.
+pub fn weight_source(
+    layout: &Layout,
+    plan: &Plan,
+    rank: usize,
+    expert: u32,
+    instance: u32,
+) -> Option<WeightSource> {
+    if expert as usize >= plan.experts() || rank >= plan.ranks() {
+        return None;
+    }
+    let inst = plan.instances(expert as usize).get(instance as usize)?;
+    if inst.rank as usize != rank {
+        return None;
+    }
+    if instance == 0 {
+        let local = layout
+            .main_experts(rank)
+            .iter()
+            .position(|&e| e == expert)?;
+        Some(WeightSource::Home { local })
+    } else {
+        let slot = plan
+            .rank_slots(rank)
+            .iter()
+            .position(|s| *s == Some(expert))?;
+        Some(WeightSource::Slot { slot })
+    }
+}
+
+/// One group: rows `rows` of the input and output, times a `n x k` row-major weight matrix.
+pub struct GemmGroup<'a> {
+    pub rows: Range<usize>,
+    pub weight: CudaView<'a, f32>,
+}
+
+/// cuBLAS on the GPU's stream.
+pub struct GroupedGemm {
+    blas: CudaBlas,
+}
+
+impl GroupedGemm {
+    /// Loads cuBLAS (a typed error when it is missing) and binds it to the GPU's stream.
+    pub fn new(gpu: &Gpu) -> Result<Self, CudaError> {
+        libs::ensure(Lib::Cublas).map_err(|searched| {
+            CudaError::Blas(format!(
+                "libcublas was not found (`pip install nvidia-cublas`; searched {searched})"
+            ))
+        })?;
+        let stream = gpu.stream().clone();
+        let blas = guard(|| CudaBlas::new(stream))
+            .map_err(CudaError::Blas)?
+            .map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        Ok(Self { blas })
+    }
+
+    /// `y[rows] = x[rows] · Wᵀ` for every group: `x` is `total x k`, `y` is `total x n`, every
+    /// weight `n x k`, all row-major f32 (the layout of a linear layer's weight).
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        k: usize,
+        n: usize,
+        groups: &[GemmGroup<'_>],
+    ) -> Result<(), CudaError> {
+        if k == 0 || n == 0 {
+            return Err(KernelError::ZeroDimension { what: "k and n" }.into());
+        }
+        let total_x = x.len() / k;
+        let total_y = y.len() / n;
+        let int = |v: usize, what| i32::try_from(v).map_err(|_| KernelError::Overflow { what });
+        for g in groups {
+            if g.rows.start > g.rows.end || g.rows.end > total_x || g.rows.end > total_y {
+                return Err(KernelError::OutOfRange {
+                    what: "group rows",
+                    value: g.rows.end as u64,
+                    limit: total_x.min(total_y) as u64,
+                }
+                .into());
+            }
+            if g.weight.len() != n * k {
+                return Err(KernelError::Length {
+                    what: "expert weight",
+                    len: g.weight.len(),
+                    expected: n * k,
+                }
+                .into());
+            }
+        }
+        let (k32, n32) = (int(k, "k")?, int(n, "n")?);
+        let stream = gpu.stream();
+        let (x_ptr, _x_sync) = x.device_ptr(stream);
+        let (y_ptr, _y_sync) = y.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        for g in groups.iter().filter(|g| !g.rows.is_empty()) {
+            let m32 = int(g.rows.len(), "group rows")?;
+            let (w_ptr, _w_sync) = g.weight.device_ptr(stream);
+            let a = w_ptr as *const f32;
+            let b = (x_ptr as usize + g.rows.start * k * 4) as *const f32;
+            let c = (y_ptr as usize + g.rows.start * n * 4) as *mut f32;
+            // Column-major view: Yᵀ (n x m) = W (stored k x n, transposed) · Xᵀ (k x m).
+            // SAFETY: the pointers address `x`, `y` and the weight view, whose sizes were checked
+            // above against rows * k, rows * n and n * k; alpha and beta live across the call.
+            unsafe {
+                cudarc::cublas::result::sgemm(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    n32,
+                    m32,
+                    k32,
+                    &alpha,
+                    a,
+                    k32,
+                    b,
+                    k32,
+                    &beta,
+                    c,
+                    n32,
+                )
+            }
+            .map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfill_balancer::quota::QuotaPlanner;
+    use rackfill_balancer::{Balancer, LoadMatrix};
+
+    #[test]
+    fn weight_sources_follow_the_plan() {
+        let layout = Layout::contiguous(4, 4, 1).unwrap();
+        let load = LoadMatrix::from_rows(&vec![vec![100u64, 0, 0, 0]; 4]).unwrap();
+        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+        assert_eq!(plan.instances(0).len(), 4);
+        assert_eq!(
+            weight_source(&layout, &plan, 0, 0, 0),
+            Some(WeightSource::Home { local: 0 })
+        );
+        for i in 1..4u32 {
+            let rank = plan.instances(0)[i as usize].rank as usize;
+            assert_eq!(
+                weight_source(&layout, &plan, rank, 0, i),
+                Some(WeightSource::Slot { slot: 0 })
+            );
+            assert_eq!(weight_source(&layout, &plan, 0, 0, i), None);
+        }
+        assert_eq!(weight_source(&layout, &plan, 1, 0, 0), None);
+        assert_eq!(
+            weight_source(&layout, &plan, 1, 1, 0),
+            Some(WeightSource::Home { local: 0 })
+        );
+        assert_eq!(weight_source(&layout, &plan, 0, 9, 0), None);
+        assert_eq!(weight_source(&layout, &plan, 9, 0, 0), None);
+        assert_eq!(weight_source(&layout, &plan, 0, 0, 9), None);
+    }
+}

@@ -1,0 +1,181 @@
+//! Driver probe and the opened device with its compiled kernels.
+
+use super::libs::{self, Lib};
+use super::nvrtc::{self, KernelSource};
+use super::{guard, CudaError, CudaUnavailable};
+use cudarc::driver::sys::CUdevice_attribute as Attr;
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaStream};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// What the probe learned about a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    /// Devices the driver sees.
+    pub devices: usize,
+    pub name: String,
+    /// `(major, minor)`, e.g. `(9, 0)` for H100.
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: u32,
+    pub total_memory_bytes: usize,
+    /// Largest dynamic shared memory one block may opt into.
+    pub max_shared_per_block: usize,
+    /// CUDA version the driver supports, as `major * 1000 + minor * 10` (13000 = 13.0).
+    pub driver_version: i32,
+}
+
+impl DeviceInfo {
+    /// The NVRTC target for this device, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!(
+            "sm_{}{}",
+            self.compute_capability.0, self.compute_capability.1
+        )
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (device {} of {}, {}, {} SMs, {} MiB, driver CUDA {})",
+            self.name,
+            self.ordinal,
+            self.devices,
+            self.arch(),
+            self.multiprocessors,
+            self.total_memory_bytes >> 20,
+            version_string(self.driver_version)
+        )
+    }
+}
+
+fn version_string(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// Is there a usable CUDA device 0? Never panics: a missing driver library, a driver that does
+/// not initialise and a machine without devices are all [`CudaUnavailable`], which callers log
+/// before falling back to the CPU data plane.
+pub fn probe() -> Result<DeviceInfo, CudaUnavailable> {
+    probe_device(0)
+}
+
+fn probe_device(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
+    libs::ensure(Lib::Driver).map_err(|searched| CudaUnavailable::NoDriver { searched })?;
+    guard(|| query(ordinal)).map_err(CudaUnavailable::Broken)?
+}
+
+fn query(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
+    let init = |e: result::DriverError| CudaUnavailable::Init(e.to_string());
+    result::init().map_err(init)?;
+    let count = usize::try_from(result::device::get_count().map_err(init)?).unwrap_or(0);
+    if count == 0 {
+        return Err(CudaUnavailable::NoDevice);
+    }
+    if ordinal >= count {
+        return Err(CudaUnavailable::NoSuchDevice { ordinal, count });
+    }
+    let dev = result::device::get(ordinal as i32).map_err(init)?;
+    // SAFETY: `dev` is a valid device handle from cuDeviceGet.
+    let attr = |a: Attr| unsafe { result::device::get_attribute(dev, a) }.map_err(init);
+    let mut driver_version = 0;
+    // SAFETY: writes one int.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .map_err(init)?;
+    Ok(DeviceInfo {
+        ordinal,
+        devices: count,
+        name: result::device::get_name(dev).map_err(init)?,
+        compute_capability: (
+            attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        multiprocessors: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+        // SAFETY: as above.
+        total_memory_bytes: unsafe { result::device::total_mem(dev) }.map_err(init)?,
+        max_shared_per_block: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            .max(0) as usize,
+        driver_version,
+    })
+}
+
+/// An opened device: its context, a stream, and every kernel compiled for its architecture.
+#[derive(Debug)]
+pub struct Gpu {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles every kernel source for its exact architecture with
+    /// NVRTC (to CUBIN) and loads them.
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        let info = probe_device(ordinal)?;
+        let (major, minor) = nvrtc::nvrtc_version().map_err(nvrtc::CompileFailure::from)?;
+        // Kernels load as CUBINs, which any driver of NVRTC's major version runs (minor
+        // version compatibility); PTX would need a driver at least as new as NVRTC.
+        if info.driver_version / 1000 < major {
+            return Err(CudaError::DriverTooOld {
+                driver: version_string(info.driver_version),
+                nvrtc: format!("{major}.{minor}"),
+            });
+        }
+        let arch = info.arch();
+        let (ctx, stream) = guard(|| -> Result<_, CudaError> {
+            let ctx = CudaContext::new(ordinal)?;
+            let stream = ctx.new_stream()?;
+            Ok((ctx, stream))
+        })
+        .map_err(CudaUnavailable::Broken)??;
+        let mut functions = HashMap::new();
+        for source in nvrtc::SOURCES {
+            load_source(&ctx, &source, &arch, &mut functions)?;
+        }
+        Ok(Self {
+            info,
+            ctx,
+            stream,
+            functions,
+        })
+    }
+
+    /// What the probe found.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The context (for allocating buffers the kernels read and write).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launcher of this module enqueues on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// A loaded kernel entry point.
+    pub(crate) fn function(&self, name: &'static str) -> &CudaFunction {
+        // Every entry point of every source was loaded in `open`, and callers name only those.
+        &self.functions[name]
+    }
+}
+
+fn load_source(
+    ctx: &Arc<CudaContext>,
+    source: &KernelSource,
+    arch: &str,
+    functions: &mut HashMap<&'static str, CudaFunction>,
+) -> Result<(), CudaError> {
+    let compiled = nvrtc::compile_to(source, arch, nvrtc::Output::Cubin)?;
+    let module = ctx.load_module(compiled.image)?;
+    for &entry in source.entry_points {
+        functions.insert(entry, module.load_function(entry)?);
+    }
+    Ok(())
+}

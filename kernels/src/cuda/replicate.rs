@@ -1,0 +1,342 @@
+//! Launching the tile-streaming replica distribution (`kernels/cuda/replicate.cu`).
+//!
+//! Ranks are reached through a [`PeerTable`]: for every rank, the device addresses of its home
+//! (main expert) weights, its redundant-slot buffer and its ready-counter array. With NVLink peer
+//! access enabled those are other GPUs' buffers (unified addressing makes them plain pointers);
+//! [`RankBuffers`] instead keeps every rank's buffers on one GPU, which runs the same kernel
+//! over the same task stream: how the data plane is tested on a single device.
+
+use super::tiles::{TileDst, TileStream, TileTask};
+use super::{to_u32, CudaError, Gpu};
+use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+/// Device pointers of every rank's buffers, indexed by rank.
+pub struct PeerTable {
+    home: CudaSlice<u64>,
+    slots: CudaSlice<u64>,
+    flags: CudaSlice<u64>,
+    ranks: usize,
+}
+
+impl PeerTable {
+    /// A table from raw device addresses (`home[r]`, `slots[r]`, `flags[r]` for rank `r`).
+    ///
+    /// # Safety
+    /// Every address must stay valid, and be accessible from the launching device, for as long as
+    /// kernels use the table; each buffer must be at least as large as the task streams launched
+    /// with it address (the home weights up to the largest home offset plus `expert_bytes`, the
+    /// slot buffer `n_slot * slot_bytes`, the flag array the stream's `flags_per_rank[r]`
+    /// counters).
+    pub unsafe fn from_raw(
+        gpu: &Gpu,
+        home: &[u64],
+        slots: &[u64],
+        flags: &[u64],
+    ) -> Result<Self, CudaError> {
+        let ranks = home.len();
+        if slots.len() != ranks || flags.len() != ranks || ranks == 0 {
+            return Err(crate::KernelError::RankCount {
+                got: slots.len().min(flags.len()),
+                ranks,
+            }
+            .into());
+        }
+        let stream = gpu.stream();
+        Ok(Self {
+            home: stream.clone_htod(home)?,
+            slots: stream.clone_htod(slots)?,
+            flags: stream.clone_htod(flags)?,
+            ranks,
+        })
+    }
+
+    /// Number of ranks in the table.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+}
+
+/// Every rank's home weights, slot buffer and ready counters on one GPU, with the peer table
+/// that addresses them (built once: the buffers are never reallocated).
+pub struct RankBuffers {
+    homes: Vec<CudaSlice<u8>>,
+    slots: Vec<CudaSlice<u8>>,
+    flags: Vec<CudaSlice<u32>>,
+    table: PeerTable,
+}
+
+impl RankBuffers {
+    /// Uploads each rank's home weights and allocates a zeroed slot buffer of
+    /// `slot_buffer_bytes` and `flags[r]` ready counters per rank.
+    pub fn new(
+        gpu: &Gpu,
+        homes: &[Vec<u8>],
+        slot_buffer_bytes: usize,
+        flags: &[u32],
+    ) -> Result<Self, CudaError> {
+        let stream = gpu.stream();
+        let home_bufs = homes
+            .iter()
+            .map(|h| stream.clone_htod(if h.is_empty() { &[0u8][..] } else { h }))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_homes(gpu, home_bufs, slot_buffer_bytes, flags)
+    }
+
+    /// Like [`Self::new`] with zero-filled home weights of `home_bytes[r]` bytes (benchmarks).
+    pub fn zeroed(
+        gpu: &Gpu,
+        home_bytes: &[usize],
+        slot_buffer_bytes: usize,
+        flags: &[u32],
+    ) -> Result<Self, CudaError> {
+        let stream = gpu.stream();
+        let home_bufs = home_bytes
+            .iter()
+            .map(|&n| stream.alloc_zeros::<u8>(n.max(1)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_homes(gpu, home_bufs, slot_buffer_bytes, flags)
+    }
+
+    fn with_homes(
+        gpu: &Gpu,
+        homes: Vec<CudaSlice<u8>>,
+        slot_buffer_bytes: usize,
+        flags: &[u32],
+    ) -> Result<Self, CudaError> {
+        if flags.len() != homes.len() {
+            return Err(crate::KernelError::RankCount {
+                got: flags.len(),
+                ranks: homes.len(),
+            }
+            .into());
+        }
+        let stream = gpu.stream();
+        let (mut slot_bufs, mut flag_bufs) = (Vec::new(), Vec::new());
+        for &n in flags {
+            slot_bufs.push(stream.alloc_zeros::<u8>(slot_buffer_bytes.max(1))?);
+            flag_bufs.push(stream.alloc_zeros::<u32>((n as usize).max(1))?);
+        }
+        let ptrs = |bufs: &[CudaSlice<u8>]| -> Vec<u64> {
+            bufs.iter().map(|b| b.device_ptr(stream).0).collect()
+        };
+        let flag_ptrs: Vec<u64> = flag_bufs.iter().map(|b| b.device_ptr(stream).0).collect();
+        // SAFETY: the buffers are owned by the returned value next to the table and never
+        // replaced; launches through `DeviceTileStream::launch` check their sizes first.
+        let table =
+            unsafe { PeerTable::from_raw(gpu, &ptrs(&homes), &ptrs(&slot_bufs), &flag_ptrs) }?;
+        Ok(Self {
+            homes,
+            slots: slot_bufs,
+            flags: flag_bufs,
+            table,
+        })
+    }
+
+    /// Zeroes every ready counter (before each distribution).
+    pub fn reset_flags(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        for f in &mut self.flags {
+            gpu.stream().memset_zeros(f)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `r`'s home weights.
+    pub fn home(&self, rank: usize) -> Option<&CudaSlice<u8>> {
+        self.homes.get(rank)
+    }
+
+    /// Rank `r`'s slot buffer.
+    pub fn slots(&self, rank: usize) -> Option<&CudaSlice<u8>> {
+        self.slots.get(rank)
+    }
+
+    /// Number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.homes.len()
+    }
+
+    /// Whether every buffer is large enough for `needs`.
+    fn check(&self, needs: &[RankNeeds]) -> Result<(), CudaError> {
+        if needs.len() != self.ranks() {
+            return Err(crate::KernelError::RankCount {
+                got: self.ranks(),
+                ranks: needs.len(),
+            }
+            .into());
+        }
+        for (rank, need) in needs.iter().enumerate() {
+            let checks = [
+                ("home weights", self.homes[rank].len() as u64, need.home),
+                ("slot buffer", self.slots[rank].len() as u64, need.slots),
+                (
+                    "ready counters",
+                    self.flags[rank].len() as u64 * 4,
+                    u64::from(need.flags) * 4,
+                ),
+            ];
+            for (what, len, needed) in checks {
+                if len < needed {
+                    return Err(CudaError::BufferTooSmall {
+                        what,
+                        rank,
+                        len,
+                        needed,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How much of each rank's buffers a task stream touches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct RankNeeds {
+    home: u64,
+    slots: u64,
+    flags: u32,
+}
+
+fn rank_needs(stream: &TileStream, ranks: usize) -> Vec<RankNeeds> {
+    let mut needs = vec![RankNeeds::default(); ranks];
+    for t in &stream.tasks {
+        let end = t.src_offset + u64::from(t.len);
+        let need = &mut needs[t.src_rank as usize];
+        if t.src_kind == super::tiles::SRC_HOME {
+            need.home = need.home.max(end);
+        } else {
+            need.slots = need.slots.max(end);
+        }
+        for d in &stream.dsts[t.dst_begin as usize..(t.dst_begin + t.n_dst) as usize] {
+            let end = d.offset + t.tile_offset + u64::from(t.len);
+            needs[d.rank as usize].slots = needs[d.rank as usize].slots.max(end);
+        }
+    }
+    for (need, &flags) in needs.iter_mut().zip(&stream.flags_per_rank) {
+        need.flags = flags;
+    }
+    needs
+}
+
+/// A compiled tile stream on the device, ready to launch.
+pub struct DeviceTileStream {
+    tasks: CudaSlice<TileTask>,
+    dsts: CudaSlice<TileDst>,
+    counter: CudaSlice<u32>,
+    n_tasks: u32,
+    tile_bytes: u32,
+    needs: Vec<RankNeeds>,
+}
+
+impl DeviceTileStream {
+    /// Uploads a task stream compiled for a plan of `ranks` ranks.
+    pub fn upload(gpu: &Gpu, stream: &TileStream, ranks: usize) -> Result<Self, CudaError> {
+        if stream.flags_per_rank.len() != ranks
+            || stream.tasks.iter().any(|t| t.src_rank as usize >= ranks)
+            || stream.dsts.iter().any(|d| d.rank as usize >= ranks)
+        {
+            return Err(crate::KernelError::RankCount {
+                got: stream.flags_per_rank.len(),
+                ranks,
+            }
+            .into());
+        }
+        let s = gpu.stream();
+        let tasks: &[TileTask] = if stream.tasks.is_empty() {
+            &[TileTask::default()]
+        } else {
+            &stream.tasks
+        };
+        let dsts: &[TileDst] = if stream.dsts.is_empty() {
+            &[TileDst::default()]
+        } else {
+            &stream.dsts
+        };
+        Ok(Self {
+            tasks: s.clone_htod(tasks)?,
+            dsts: s.clone_htod(dsts)?,
+            counter: s.alloc_zeros(1)?,
+            n_tasks: to_u32(stream.tasks.len(), "tile tasks")?,
+            tile_bytes: stream.tile_bytes,
+            needs: rank_needs(stream, ranks),
+        })
+    }
+
+    /// Number of tile tasks.
+    pub fn len(&self) -> usize {
+        self.n_tasks as usize
+    }
+
+    /// Whether there is nothing to copy.
+    pub fn is_empty(&self) -> bool {
+        self.n_tasks == 0
+    }
+
+    /// Runs the stream over ranks that all live on this GPU, after checking every buffer is
+    /// large enough. The ready counters must be zero ([`RankBuffers::reset_flags`]); the call
+    /// only enqueues on the GPU's stream.
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        buffers: &RankBuffers,
+        blocks: u32,
+        threads: u32,
+    ) -> Result<(), CudaError> {
+        buffers.check(&self.needs)?;
+        // SAFETY: the table addresses `buffers`, just checked against what the tasks touch.
+        unsafe { self.launch_peers(gpu, &buffers.table, blocks, threads) }
+    }
+
+    /// Runs the stream through any peer table (e.g. NVLink peers), `blocks` persistent blocks of
+    /// `threads` threads.
+    ///
+    /// # Safety
+    /// The table's buffers must be as large as this stream touches (see [`PeerTable::from_raw`])
+    /// and their ready counters zero.
+    pub unsafe fn launch_peers(
+        &mut self,
+        gpu: &Gpu,
+        peers: &PeerTable,
+        blocks: u32,
+        threads: u32,
+    ) -> Result<(), CudaError> {
+        if peers.ranks() != self.needs.len() {
+            return Err(crate::KernelError::RankCount {
+                got: peers.ranks(),
+                ranks: self.needs.len(),
+            }
+            .into());
+        }
+        if self.n_tasks == 0 {
+            return Ok(());
+        }
+        let stream = gpu.stream();
+        stream.memset_zeros(&mut self.counter)?;
+        let function = gpu.function("tile_stream");
+        let shared = 2 * self.tile_bytes;
+        function.set_attribute(
+            FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(shared).unwrap_or(i32::MAX),
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks.clamp(1, self.n_tasks), 1, 1),
+            block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        let mut launch = stream.launch_builder(function);
+        launch
+            .arg(&self.tasks)
+            .arg(&self.n_tasks)
+            .arg(&self.dsts)
+            .arg(&mut self.counter)
+            .arg(&peers.home)
+            .arg(&peers.slots)
+            .arg(&peers.flags)
+            .arg(&self.tile_bytes);
+        // SAFETY: arguments match `tile_stream`; the tasks were validated against the plan and
+        // buffer layout when compiled, and the caller vouches for the peer table.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,592 @@
+//! Host side of the GPU quota solver (`kernels/cuda/quota_solver.cu`).
+//!
+//! [`GpuQuotaSolver`] uploads the layout once, then per layer uploads the load matrix (or takes
+//! one already on the device), launches the one-block solver and leaves its plan on the device as
+//! a [`DevicePlan`]: slot assignment, quotas, and the cumulative reroute split the token permute
+//! reads directly. [`DevicePlan::download`] + [`PlanArrays::into_plan`] turn it into a
+//! [`Plan`], validated, equal to the CPU planner's for the same input.
+
+use super::permute::DevicePlan;
+use super::{to_u32, CudaError, Gpu};
+use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use rackfill_balancer::quota::TargetRule;
+use rackfill_balancer::{Instance, Layout, LoadMatrix, Plan, PlanParts, PlanViolation};
+
+/// Kernel parameters; field for field the `SolverParams` struct of `quota_solver.cu` (see there
+/// for each field). Public so that tools can run the kernel source elsewhere with the host's
+/// exact shared-memory layout (the emulated tests do).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SolverParams {
+    pub u_min: u64,
+    pub ranks: u32,
+    pub experts: u32,
+    pub n_slot: u32,
+    pub rule: u32,
+    pub warps: u32,
+    pub max_moves: u32,
+    pub load_in_shared: u32,
+    pub cumulative_capacity: u32,
+    pub sh_load: u32,
+    pub sh_totals: u32,
+    pub sh_main_quota: u32,
+    pub sh_rank_load: u32,
+    pub sh_main_offsets: u32,
+    pub sh_hottest: u32,
+    pub sh_by_load: u32,
+    pub sh_best: u32,
+    pub sh_sorted: u32,
+    pub sh_first_prefix: u32,
+    pub sh_distinct: u32,
+    pub sh_warps: u32,
+    pub warp_stride: u32,
+    pub w_a: u32,
+    pub w_b: u32,
+    pub w_c: u32,
+    pub w_free: u32,
+    pub w_quota: u32,
+    pub w_expert: u32,
+    pub w_rank: u32,
+}
+
+// SAFETY: plain `repr(C)` integers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for SolverParams {}
+
+/// Most probe warps per block (the kernel's `MAX_WARPS`).
+pub const MAX_WARPS: u32 = 32;
+/// Entries of the kernel's status output (`ST_LEN`).
+const STATUS_LEN: usize = 8;
+
+/// Dynamic shared memory carved into 8-byte aligned arrays.
+struct Carver {
+    next: u64,
+}
+
+impl Carver {
+    fn take(&mut self, bytes: u64) -> u64 {
+        let at = self.next;
+        self.next = (at + bytes).next_multiple_of(8);
+        at
+    }
+}
+
+/// The kernel's dimensions and shared-memory layout for one problem shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SolverShape {
+    pub params: SolverParams,
+    /// Dynamic shared memory per launch.
+    pub shared_bytes: usize,
+}
+
+impl SolverShape {
+    /// The layout for `warps` probe warps, with or without the load matrix staged in shared
+    /// memory. `None` when a size overflows the kernel's 32-bit offsets.
+    pub fn new(
+        layout: &Layout,
+        u_min: u64,
+        rule: TargetRule,
+        warps: u32,
+        stage: bool,
+    ) -> Option<Self> {
+        let r = layout.ranks() as u64;
+        let e = layout.experts() as u64;
+        let m = r.checked_mul(layout.slots_per_rank() as u64)?;
+        let mut c = Carver { next: 0 };
+        let sh_load = if stage {
+            c.take(r.checked_mul(e)?.checked_mul(8)?)
+        } else {
+            0
+        };
+        let sh_totals = c.take(8 * e);
+        let sh_main_quota = c.take(8 * e);
+        let sh_rank_load = c.take(8 * r);
+        let sh_main_offsets = c.take(4 * (r + 1));
+        let sh_hottest = c.take(4 * e);
+        let sh_by_load = c.take(4 * r);
+        let sh_best = c.take(16 * m);
+        let sh_sorted = c.take(16 * m);
+        let sh_first_prefix = c.take(4 * (m + 1));
+        let sh_distinct = c.take(4 * m);
+        let mut w = Carver { next: 0 };
+        let w_a = w.take(8 * r);
+        let w_b = w.take(8 * r);
+        let w_c = w.take(8 * r);
+        let w_quota = w.take(8 * m);
+        let w_free = w.take(4 * r);
+        let w_expert = w.take(4 * m);
+        let w_rank = w.take(4 * m);
+        let warp_stride = w.next;
+        let sh_warps = c.take(warp_stride.checked_mul(warps as u64)?);
+        let shared_bytes = c.next;
+        // Every split block lives in the cumulative output: at most R * 2M entries (one main
+        // and one replica per move, at worst).
+        let cumulative_capacity = r.checked_mul(2 * m)?.max(1);
+        let u = |v: u64| u32::try_from(v).ok();
+        let params = SolverParams {
+            u_min: u_min.max(1),
+            ranks: u(r)?,
+            experts: u(e)?,
+            n_slot: u(layout.slots_per_rank() as u64)?,
+            rule: match rule {
+                TargetRule::BestFit => 0,
+                TargetRule::LargestSlack => 1,
+            },
+            warps,
+            max_moves: u(m)?,
+            load_in_shared: u32::from(stage),
+            cumulative_capacity: u(cumulative_capacity)?,
+            sh_load: u(sh_load)?,
+            sh_totals: u(sh_totals)?,
+            sh_main_quota: u(sh_main_quota)?,
+            sh_rank_load: u(sh_rank_load)?,
+            sh_main_offsets: u(sh_main_offsets)?,
+            sh_hottest: u(sh_hottest)?,
+            sh_by_load: u(sh_by_load)?,
+            sh_best: u(sh_best)?,
+            sh_sorted: u(sh_sorted)?,
+            sh_first_prefix: u(sh_first_prefix)?,
+            sh_distinct: u(sh_distinct)?,
+            sh_warps: u(sh_warps)?,
+            warp_stride: u(warp_stride)?,
+            w_a: u(w_a)?,
+            w_b: u(w_b)?,
+            w_c: u(w_c)?,
+            w_free: u(w_free)?,
+            w_quota: u(w_quota)?,
+            w_expert: u(w_expert)?,
+            w_rank: u(w_rank)?,
+        };
+        // The split offsets the kernel emits are u32 too.
+        u(r.checked_mul(e + 2 * m)?)?;
+        Some(Self {
+            params,
+            shared_bytes: usize::try_from(shared_bytes).ok()?,
+        })
+    }
+
+    /// The largest configuration that fits `limit` bytes of shared memory: the load matrix staged
+    /// with as many warps as fit (at least 8), else not staged with as many warps as fit.
+    pub fn fit(
+        layout: &Layout,
+        u_min: u64,
+        rule: TargetRule,
+        limit: usize,
+    ) -> Result<Self, CudaError> {
+        let too_large = || {
+            CudaError::Kernel(crate::KernelError::Overflow {
+                what: "quota solver sizes",
+            })
+        };
+        for (stage, min_warps) in [(true, 8), (false, 1)] {
+            for warps in (min_warps..=MAX_WARPS).rev() {
+                let shape = Self::new(layout, u_min, rule, warps, stage).ok_or_else(too_large)?;
+                if shape.shared_bytes <= limit {
+                    return Ok(shape);
+                }
+            }
+        }
+        let needed = Self::new(layout, u_min, rule, 1, false)
+            .ok_or_else(too_large)?
+            .shared_bytes;
+        Err(CudaError::SharedMemory {
+            what: "the quota solver",
+            needed,
+            limit,
+        })
+    }
+}
+
+/// What the kernel reports about one solve besides the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SolveStats {
+    /// Replicas created.
+    pub replicas: u64,
+    /// Search rounds (each evaluates up to `warps` probes at once).
+    pub rounds: u64,
+    /// Probes the CPU planner runs for the same input.
+    pub probes: u64,
+    /// Probes evaluated, speculative ones included.
+    pub evaluated: u64,
+    /// Max rank load of the plan (0 when no replica helps).
+    pub reached: u64,
+    /// [`rackfill_balancer::metrics::lower_bound`] of the input.
+    pub lower_bound: u64,
+}
+
+/// The quota planner on the GPU, for one layout, keeping its device buffers between layers.
+pub struct GpuQuotaSolver<'g> {
+    gpu: &'g Gpu,
+    layout: Layout,
+    u_min: u64,
+    shape: SolverShape,
+    main_offsets: CudaSlice<u32>,
+    mains: CudaSlice<u32>,
+    home: CudaSlice<u32>,
+    load: CudaSlice<u64>,
+    status: CudaSlice<u64>,
+    plan: DevicePlan,
+}
+
+impl<'g> GpuQuotaSolver<'g> {
+    /// A solver for `layout` with the quota floor and target rule of
+    /// [`rackfill_balancer::quota::QuotaPlanner::with_rule`].
+    pub fn new(
+        gpu: &'g Gpu,
+        layout: &Layout,
+        u_min: u64,
+        rule: TargetRule,
+    ) -> Result<Self, CudaError> {
+        let u_min = u_min.max(1);
+        let function = gpu.function("quota_solve");
+        // The kernel's static shared memory (its search state) comes out of the same budget.
+        let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(0);
+        let limit = gpu.info().max_shared_per_block.saturating_sub(static_bytes);
+        let shape = SolverShape::fit(layout, u_min, rule, limit)?;
+        let stream = gpu.stream();
+        let mut offsets = Vec::with_capacity(layout.ranks() + 1);
+        let mut mains = Vec::with_capacity(layout.experts());
+        for r in 0..layout.ranks() {
+            offsets.push(to_u32(mains.len(), "main offsets")?);
+            mains.extend_from_slice(layout.main_experts(r));
+        }
+        offsets.push(to_u32(mains.len(), "main offsets")?);
+        let capacity = shape.params.cumulative_capacity as usize;
+        let plan = DevicePlan::alloc(gpu, layout, capacity)?;
+        let dynamic = i32::try_from(shape.shared_bytes).unwrap_or(i32::MAX);
+        function.set_attribute(
+            FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            dynamic,
+        )?;
+        Ok(Self {
+            gpu,
+            layout: layout.clone(),
+            u_min,
+            shape,
+            main_offsets: stream.clone_htod(&offsets)?,
+            mains: stream.clone_htod(&nonempty(mains))?,
+            home: stream.clone_htod(&nonempty(layout.home_map().to_vec()))?,
+            load: stream.alloc_zeros((layout.ranks() * layout.experts()).max(1))?,
+            status: stream.alloc_zeros(STATUS_LEN)?,
+            plan,
+        })
+    }
+
+    /// Probe warps per launch and whether the load matrix is staged in shared memory.
+    pub fn config(&self) -> (u32, bool) {
+        (
+            self.shape.params.warps,
+            self.shape.params.load_in_shared != 0,
+        )
+    }
+
+    /// Uploads `load` and solves; the plan stays on the device ([`Self::device_plan`]).
+    pub fn solve(&mut self, load: &LoadMatrix) -> Result<(), CudaError> {
+        load.check_shape(&self.layout)?;
+        if !load.as_flat().is_empty() {
+            self.gpu
+                .stream()
+                .memcpy_htod(load.as_flat(), &mut self.load)?;
+        }
+        self.launch()
+    }
+
+    /// Solves the load already in the solver's device buffer ([`Self::load_buffer`]), e.g.
+    /// written there by the count exchange: no host transfer on the critical path.
+    pub fn launch(&mut self) -> Result<(), CudaError> {
+        let stream = self.gpu.stream();
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (self.shape.params.warps * 32, 1, 1),
+            shared_mem_bytes: self.shape.shared_bytes as u32,
+        };
+        let p = &mut self.plan;
+        let mut launch = stream.launch_builder(self.gpu.function("quota_solve"));
+        launch
+            .arg(&self.shape.params)
+            .arg(&self.load)
+            .arg(&self.main_offsets)
+            .arg(&self.mains)
+            .arg(&self.home)
+            .arg(&mut self.status)
+            .arg(&mut p.slots)
+            .arg(&mut p.inst_offsets)
+            .arg(&mut p.inst_rank)
+            .arg(&mut p.inst_quota)
+            .arg(&mut p.split_offsets)
+            .arg(&mut p.cumulative);
+        // SAFETY: the arguments match `quota_solve`'s signature one for one; every buffer has the
+        // size the shape's parameters promise the kernel (allocated from the same layout).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The device buffer [`Self::launch`] reads the `R x E` load matrix from.
+    pub fn load_buffer(&mut self) -> &mut CudaSlice<u64> {
+        &mut self.load
+    }
+
+    /// The plan of the last solve, on the device.
+    pub fn device_plan(&self) -> &DevicePlan {
+        &self.plan
+    }
+
+    /// Waits for the last solve and returns its statistics (an error if the kernel reported one).
+    pub fn stats(&self) -> Result<SolveStats, CudaError> {
+        let s = self.gpu.stream().clone_dtoh(&self.status)?;
+        if s[0] != 0 {
+            return Err(CudaError::Solver(s[0]));
+        }
+        Ok(SolveStats {
+            replicas: s[1],
+            rounds: s[3],
+            probes: s[4],
+            evaluated: s[5],
+            reached: s[6],
+            lower_bound: s[7],
+        })
+    }
+
+    /// Solves `load` and downloads the plan, validated against the layout and load.
+    pub fn plan(&mut self, load: &LoadMatrix) -> Result<(Plan, SolveStats), CudaError> {
+        self.solve(load)?;
+        let stats = self.stats()?;
+        let arrays = self.plan.download(self.gpu)?;
+        let plan = arrays.into_plan(&self.layout, load, self.u_min)?;
+        Ok((plan, stats))
+    }
+}
+
+/// cudarc cannot allocate zero-length buffers; kernels never read past the real length.
+fn nonempty<T: Default>(mut v: Vec<T>) -> Vec<T> {
+    if v.is_empty() {
+        v.push(T::default());
+    }
+    v
+}
+
+/// A plan in the flat form the device uses (the quota solver's outputs, the permute's inputs).
+///
+/// Instances of expert `e` are `inst_offsets[e]..inst_offsets[e + 1]` of `inst_rank` /
+/// `inst_quota` (main first); a replicated expert's reroute split is an `R x |H(e)|` block of
+/// cumulative ends at `split_offsets[e]` in `cumulative` (row = source rank); `slots` holds the
+/// expert in each redundant slot or -1.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanArrays {
+    pub slots: Vec<i32>,
+    pub inst_offsets: Vec<u32>,
+    pub inst_rank: Vec<u32>,
+    pub inst_quota: Vec<u64>,
+    pub split_offsets: Vec<u32>,
+    pub cumulative: Vec<u64>,
+}
+
+impl PlanArrays {
+    /// The arrays of a host plan (to upload a CPU plan for the GPU permute).
+    pub fn from_plan(plan: &Plan) -> Result<Self, CudaError> {
+        let mut a = Self {
+            slots: plan
+                .slots()
+                .iter()
+                .map(|s| s.map_or(Ok(-1), i32::try_from))
+                .collect::<Result<_, _>>()
+                .map_err(|_| crate::KernelError::Overflow { what: "expert id" })?,
+            ..Self::default()
+        };
+        for e in 0..plan.experts() {
+            a.inst_offsets.push(to_u32(a.inst_rank.len(), "instances")?);
+            a.split_offsets.push(to_u32(a.cumulative.len(), "split")?);
+            let inst = plan.instances(e);
+            a.inst_rank.extend(inst.iter().map(|i| i.rank));
+            a.inst_quota.extend(inst.iter().map(|i| i.quota));
+            for r in 0..plan.ranks() {
+                if let Some(row) = plan.split(r, e) {
+                    let mut end = 0u64;
+                    a.cumulative.extend(row.iter().map(|&q| {
+                        end += q;
+                        end
+                    }));
+                }
+            }
+        }
+        a.inst_offsets.push(to_u32(a.inst_rank.len(), "instances")?);
+        a.split_offsets.push(to_u32(a.cumulative.len(), "split")?);
+        Ok(a)
+    }
+
+    /// Rebuilds and validates the plan ([`Plan::from_parts`]); cumulative rows become the split.
+    pub fn into_plan(
+        self,
+        layout: &Layout,
+        load: &LoadMatrix,
+        u_min: u64,
+    ) -> Result<Plan, PlanViolation> {
+        let experts = layout.experts();
+        if self.inst_offsets.len() != experts + 1
+            || self.split_offsets.len() != experts + 1
+            || self.inst_rank.len() != self.inst_quota.len()
+        {
+            return Err(PlanViolation::Shape);
+        }
+        let mut split = self.cumulative;
+        for e in 0..experts {
+            let n = (self.inst_offsets[e + 1].saturating_sub(self.inst_offsets[e])) as usize;
+            let block = self.split_offsets[e] as usize..self.split_offsets[e + 1] as usize;
+            let Some(cells) = split.get_mut(block) else {
+                return Err(PlanViolation::Shape);
+            };
+            if n == 0 {
+                continue;
+            }
+            for row in cells.chunks_mut(n) {
+                for i in (1..row.len()).rev() {
+                    row[i] = row[i].checked_sub(row[i - 1]).ok_or(PlanViolation::Shape)?;
+                }
+            }
+        }
+        let parts = PlanParts {
+            slots: self.slots.iter().map(|&s| u32::try_from(s).ok()).collect(),
+            instance_offsets: self.inst_offsets,
+            instances: self
+                .inst_rank
+                .iter()
+                .zip(&self.inst_quota)
+                .map(|(&rank, &quota)| Instance { rank, quota })
+                .collect(),
+            split_offsets: self.split_offsets,
+            split,
+        };
+        Plan::from_parts(layout, load, u_min, parts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rackfill_balancer::quota::QuotaPlanner;
+    use rackfill_balancer::Balancer;
+
+    fn skewed(ranks: usize, experts: usize, seed: u64) -> LoadMatrix {
+        let mut x = seed;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            x >> 33
+        };
+        let hot = (next() as usize) % experts;
+        let rows: Vec<Vec<u64>> = (0..ranks)
+            .map(|_| {
+                (0..experts)
+                    .map(|e| {
+                        if e == hot {
+                            500 + next() % 300
+                        } else {
+                            next() % 40
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        LoadMatrix::from_rows(&rows).unwrap()
+    }
+
+    #[test]
+    fn plan_arrays_round_trip_a_quota_plan() {
+        for seed in 0..8 {
+            let layout = Layout::contiguous(8, 24, 2).unwrap();
+            let load = skewed(8, 24, seed);
+            let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+            assert!(plan.replicas() > 0);
+            let arrays = PlanArrays::from_plan(&plan).unwrap();
+            assert_eq!(arrays.into_plan(&layout, &load, 1).unwrap(), plan);
+        }
+    }
+
+    #[test]
+    fn corrupted_arrays_are_rejected_not_trusted() {
+        let layout = Layout::contiguous(8, 24, 2).unwrap();
+        let load = skewed(8, 24, 3);
+        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+        let good = PlanArrays::from_plan(&plan).unwrap();
+        let mut moved = good.clone();
+        let replicated = (0..24).find(|&e| plan.instances(e).len() > 1).unwrap();
+        let at = good.inst_offsets[replicated] as usize + 1;
+        moved.inst_quota[at] += 1;
+        assert!(moved.into_plan(&layout, &load, 1).is_err());
+        let mut shrunk = good.clone();
+        shrunk.cumulative.pop();
+        assert_eq!(
+            shrunk.into_plan(&layout, &load, 1),
+            Err(PlanViolation::Shape)
+        );
+        let mut decreasing = good.clone();
+        let row = good.split_offsets[replicated] as usize;
+        decreasing.cumulative[row] = u64::MAX;
+        assert!(decreasing.into_plan(&layout, &load, 1).is_err());
+        let mut stray = good;
+        let free = stray.slots.iter().position(|&s| s < 0).unwrap();
+        stray.slots[free] = 0;
+        assert!(stray.into_plan(&layout, &load, 1).is_err());
+    }
+
+    #[test]
+    fn shared_layout_is_aligned_disjoint_and_fits_h100_for_the_paper_shape() {
+        let layout = Layout::contiguous(64, 256, 2).unwrap();
+        let h100 = 227 * 1024;
+        let shape = SolverShape::fit(&layout, 1, TargetRule::BestFit, h100).unwrap();
+        assert!(shape.shared_bytes <= h100);
+        assert_eq!(shape.params.load_in_shared, 1, "64 x 256 loads are staged");
+        assert!(shape.params.warps >= 8);
+        let p = shape.params;
+        let (r, e, m) = (64u32, 256u32, 128u32);
+        let w = p.warps;
+        let mut regions = [
+            (p.sh_load, 8 * r * e),
+            (p.sh_totals, 8 * e),
+            (p.sh_main_quota, 8 * e),
+            (p.sh_rank_load, 8 * r),
+            (p.sh_main_offsets, 4 * (r + 1)),
+            (p.sh_hottest, 4 * e),
+            (p.sh_by_load, 4 * r),
+            (p.sh_best, 16 * m),
+            (p.sh_sorted, 16 * m),
+            (p.sh_first_prefix, 4 * (m + 1)),
+            (p.sh_distinct, 4 * m),
+            (p.sh_warps, p.warp_stride * w),
+        ];
+        regions.sort_unstable();
+        for pair in regions.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{pair:?} overlap");
+        }
+        assert!(regions.iter().all(|(at, _)| at % 8 == 0));
+        let last = regions.last().unwrap();
+        assert_eq!((last.0 + last.1) as usize, shape.shared_bytes);
+        let mut inner = [
+            (p.w_a, 8 * r),
+            (p.w_b, 8 * r),
+            (p.w_c, 8 * r),
+            (p.w_quota, 8 * m),
+            (p.w_free, 4 * r),
+            (p.w_expert, 4 * m),
+            (p.w_rank, 4 * m),
+        ];
+        inner.sort_unstable();
+        for pair in inner.windows(2) {
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{pair:?} overlap");
+        }
+        assert!(inner.last().map(|(a, n)| a + n).unwrap() <= p.warp_stride);
+        // The host and kernel structs agree in size: 8 + 28 * 4 bytes.
+        assert_eq!(std::mem::size_of::<SolverParams>(), 120);
+    }
+
+    #[test]
+    fn small_devices_drop_staging_then_warps_and_refuse_what_cannot_fit() {
+        let layout = Layout::contiguous(64, 256, 2).unwrap();
+        let shape = SolverShape::fit(&layout, 1, TargetRule::BestFit, 48 * 1024).unwrap();
+        assert_eq!(shape.params.load_in_shared, 0);
+        assert!(shape.shared_bytes <= 48 * 1024);
+        let err = SolverShape::fit(&layout, 1, TargetRule::BestFit, 1024).unwrap_err();
+        assert!(matches!(err, CudaError::SharedMemory { .. }), "{err}");
+    }
+}

@@ -1,0 +1,548 @@
+//! The real CUDA kernel sources, compiled as host C++ against a thread-per-CUDA-thread emulation
+//! of one block (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a
+//! GPU: the quota solver's plan equals the CPU planner's bit for bit (with the host's own
+//! shared-memory layout), the permute / group / return / combine kernels are bitwise equal to
+//! the CPU data plane, and the tile-streaming kernel fills every slot like the CPU executor.
+//!
+//! This is what keeps the GPU mirror of the planner honest in CI: change quota.rs without the
+//! kernel and this fails. It cannot show cp.async, cross-GPU memory ordering or several
+//! concurrent blocks; the GPU tests (cuda_solver, cuda_permute, cuda_replicate) do. Needs a C++20
+//! compiler (`$CXX`, else `c++`); without one it prints why and passes.
+
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use cuda_common::Rng;
+use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::{Balancer, Layout, LoadMatrix};
+use rackfill_kernels::cuda::nvrtc;
+use rackfill_kernels::cuda::solver::{PlanArrays, SolverShape};
+use rackfill_kernels::cuda::tiles::{self, BufferLayout};
+use rackfill_kernels::{
+    combine, distribute_replicas_sequential, group_by_instance, permute_tokens, scatter_pairs,
+    DispatchBuffers, InstanceRouter,
+};
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+/// The kernel sources with the spellings a host compiler cannot take replaced; panics if a
+/// replacement no longer applies (the kernel changed shape: update the emulation with it).
+fn host_source() -> String {
+    let replace = |text: &str, from: &str, to: &str| {
+        assert!(
+            text.contains(from),
+            "emulation: '{from}' is gone from the kernels"
+        );
+        text.replace(from, to)
+    };
+    let mut src = nvrtc::QUOTA_SOLVER
+        .program()
+        .split_once("#line 1")
+        .map(|(prelude, _)| prelude.to_string())
+        .unwrap_or_default();
+    src += nvrtc::QUOTA_SOLVER.source;
+    src += nvrtc::PERMUTE.source;
+    let replicate = nvrtc::REPLICATE.source;
+    let start = replicate
+        .find("__device__ __forceinline__ u32 ld_acquire_sys_u32")
+        .expect("emulation: ld_acquire_sys_u32 is gone");
+    let end = start + replicate[start..].find("\n}\n").expect("function end") + 3;
+    src += &replicate[..start];
+    src += "inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }\n";
+    src += &replicate[end..];
+    src = replace(
+        &src,
+        "extern __shared__ __align__(16) u8 smem[];",
+        "u8* smem = g_smem;",
+    );
+    src = replace(
+        &src,
+        "extern __shared__ u32 shm[];",
+        "u32* shm = (u32*)g_smem;",
+    );
+    replace(&src, "extern \"C\" __global__", "")
+}
+
+/// Builds the emulator once per test binary; `None` (after printing why) without a compiler.
+fn emulator() -> Option<&'static Path> {
+    static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+            if Command::new(&cxx).arg("--version").output().is_err() {
+                eprintln!("emulated kernels: skipped, no C++ compiler ({cxx})");
+                return None;
+            }
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda_emulator");
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("kernels.inc"), host_source()).unwrap();
+            let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulator");
+            let exe = dir.join("emulator");
+            let out = Command::new(&cxx)
+                .args(["-std=c++20", "-O2", "-pthread", "-w", "-I"])
+                .arg(&here)
+                .arg("-I")
+                .arg(&dir)
+                .arg(here.join("emulator.cpp"))
+                .arg("-o")
+                .arg(&exe)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "the kernels do not build under the emulation:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Some(exe)
+        })
+        .as_deref()
+}
+
+/// Runs one emulation; returns its named output lines.
+fn run(exe: &Path, mode: &str, warps: u32, input: &str) -> Vec<(String, Vec<u64>)> {
+    let mut child = Command::new(exe)
+        .arg(mode)
+        .arg(warps.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "emulator {mode} failed");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut it = line.split_whitespace();
+            let name = it.next().unwrap().to_string();
+            // -1 (an empty slot) reads as u64::MAX and converts back with `as i32`.
+            let value = |x: &str| {
+                x.parse::<u64>()
+                    .unwrap_or_else(|_| x.parse::<i64>().unwrap() as u64)
+            };
+            (name, it.map(value).collect())
+        })
+        .collect()
+}
+
+fn get<'a>(out: &'a [(String, Vec<u64>)], name: &str) -> &'a [u64] {
+    &out.iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no '{name}' in {out:?}"))
+        .1
+}
+
+fn join<T: std::fmt::Display>(v: &[T]) -> String {
+    let mut s = String::new();
+    for x in v {
+        write!(s, "{x} ").unwrap();
+    }
+    s
+}
+
+fn bits(v: &[f32]) -> Vec<u64> {
+    v.iter().map(|x| u64::from(x.to_bits())).collect()
+}
+
+fn widen(v: &[u32]) -> Vec<u64> {
+    v.iter().map(|&x| u64::from(x)).collect()
+}
+
+/// Solves one layer in the emulator with the host's layout for `warps` warps; returns the plan
+/// arrays.
+fn emulate_solver(
+    exe: &Path,
+    layout: &Layout,
+    load: &LoadMatrix,
+    u_min: u64,
+    rule: TargetRule,
+    warps: u32,
+    stage: bool,
+) -> PlanArrays {
+    let shape = SolverShape::new(layout, u_min, rule, warps, stage).unwrap();
+    let p = shape.params;
+    let mut input = format!(
+        "{} {} {} {} {} {}\n{}\n{}\n",
+        layout.ranks(),
+        layout.experts(),
+        layout.slots_per_rank(),
+        p.u_min,
+        p.rule,
+        u8::from(stage),
+        join(layout.home_map()),
+        join(load.as_flat())
+    );
+    let offsets = [
+        p.cumulative_capacity,
+        p.sh_load,
+        p.sh_totals,
+        p.sh_main_quota,
+        p.sh_rank_load,
+        p.sh_main_offsets,
+        p.sh_hottest,
+        p.sh_by_load,
+        p.sh_best,
+        p.sh_sorted,
+        p.sh_first_prefix,
+        p.sh_distinct,
+        p.sh_warps,
+        p.warp_stride,
+        p.w_a,
+        p.w_b,
+        p.w_c,
+        p.w_free,
+        p.w_quota,
+        p.w_expert,
+        p.w_rank,
+    ];
+    writeln!(input, "{}{}", join(&offsets), shape.shared_bytes).unwrap();
+    let out = run(exe, "solver", warps, &input);
+    assert_eq!(get(&out, "status")[0], 0, "solver status");
+    let narrow = |name| {
+        get(&out, name)
+            .iter()
+            .map(|&v| v as u32)
+            .collect::<Vec<u32>>()
+    };
+    PlanArrays {
+        slots: get(&out, "slots").iter().map(|&v| v as i32).collect(),
+        inst_offsets: narrow("inst_offsets"),
+        inst_rank: narrow("inst_rank"),
+        inst_quota: get(&out, "inst_quota").to_vec(),
+        split_offsets: narrow("split_offsets"),
+        cumulative: get(&out, "cumulative").to_vec(),
+    }
+}
+
+#[test]
+fn emulated_solver_reproduces_the_cpu_planner() {
+    let Some(exe) = emulator() else { return };
+    let mut rng = Rng(2024);
+    let mut replicated = 0;
+    for case in 0..40 {
+        let ranks = 1 + rng.below(20) as usize;
+        let experts = 1 + rng.below(48) as usize;
+        let slots = rng.below(4) as usize;
+        let layout = if rng.below(3) == 0 {
+            let home = (0..experts)
+                .map(|_| rng.below(ranks as u64) as u32)
+                .collect();
+            Layout::with_home(ranks, home, slots).unwrap()
+        } else {
+            Layout::contiguous(ranks, experts, slots).unwrap()
+        };
+        let hot: Vec<usize> = (0..3).map(|_| rng.below(experts as u64) as usize).collect();
+        let family = rng.below(4);
+        let rows: Vec<Vec<u64>> = (0..ranks)
+            .map(|_| {
+                (0..experts)
+                    .map(|e| match (family, hot.contains(&e)) {
+                        (0, true) => 200 + rng.below(400),
+                        (0, false) => rng.below(30),
+                        (1, _) => rng.below(50),
+                        // Beyond 2^32 per cell: the split's 128-bit path.
+                        (2, true) => (1 << 40) + rng.below(1 << 30),
+                        (2, false) => rng.below(1 << 36),
+                        _ => 7,
+                    })
+                    .collect()
+            })
+            .collect();
+        let load = LoadMatrix::from_rows(&rows).unwrap();
+        let u_min = [1, 2, 5, 20][rng.below(4) as usize];
+        let rule = if rng.below(2) == 0 {
+            TargetRule::BestFit
+        } else {
+            TargetRule::LargestSlack
+        };
+        let warps = [1, 2, 3, 4][rng.below(4) as usize];
+        let stage = rng.below(2) == 0;
+        let cpu = QuotaPlanner::with_rule(u_min, rule)
+            .plan(&layout, &load)
+            .unwrap();
+        let arrays = emulate_solver(exe, &layout, &load, u_min, rule, warps, stage);
+        let gpu = arrays.into_plan(&layout, &load, u_min).unwrap();
+        assert_eq!(gpu, cpu, "case {case}: R={ranks} E={experts} n_slot={slots} u_min={u_min} {rule:?} warps={warps}");
+        replicated += usize::from(cpu.replicas() > 0);
+    }
+    assert!(replicated >= 15, "only {replicated} cases replicated");
+    // The paper's shape once, load staged, as a GPU with large shared memory runs it.
+    let layout = Layout::contiguous(64, 256, 2).unwrap();
+    let load = cuda_common::skewed_load(&mut rng, 64, 256, 3);
+    let cpu = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+    let arrays = emulate_solver(exe, &layout, &load, 1, TargetRule::BestFit, 4, true);
+    assert_eq!(
+        arrays.into_plan(&layout, &load, 1).unwrap(),
+        cpu,
+        "R=64 E=256"
+    );
+    assert!(cpu.replicas() > 0);
+}
+
+#[test]
+fn emulated_permute_kernels_are_bitwise_equal_to_the_cpu_data_plane() {
+    let Some(exe) = emulator() else { return };
+    for case in 0..20u64 {
+        let mut rng = Rng(case + 100);
+        let ranks = 2 + rng.below(6) as usize;
+        let experts = 4 + rng.below(20) as usize;
+        let top_k = 1 + rng.below(4) as usize;
+        let hidden = 1 + rng.below(9) as usize;
+        let warps = 1 + rng.below(4) as u32;
+        let layout = Layout::contiguous(ranks, experts, 2).unwrap();
+        let mut batches = Vec::new();
+        let mut load = LoadMatrix::zeros(ranks, experts);
+        for r in 0..ranks {
+            let tokens = rng.below(70) as usize;
+            let mut ex = Vec::new();
+            for _ in 0..tokens {
+                let mut chosen: Vec<u32> = Vec::new();
+                if rng.below(10) < 7 {
+                    chosen.push(1);
+                }
+                while chosen.len() < top_k {
+                    let e = rng.below(experts as u64) as u32;
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
+                }
+                ex.extend(chosen);
+            }
+            for &e in &ex {
+                *load.get_mut(r, e as usize) += 1;
+            }
+            let x: Vec<f32> = (0..tokens * hidden).map(|_| rng.unit()).collect();
+            let w: Vec<f32> = (0..tokens * top_k).map(|_| rng.unit()).collect();
+            batches.push((x, ex, w));
+        }
+        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+        let router = InstanceRouter::new(&plan);
+        let a = PlanArrays::from_plan(&plan).unwrap();
+        let header = format!(
+            "{ranks} {experts} {} {}\n{}\n{}\n{}\n{}\n",
+            a.inst_rank.len(),
+            a.cumulative.len(),
+            join(&a.inst_offsets),
+            join(&a.inst_rank),
+            join(&a.split_offsets),
+            join(&a.cumulative)
+        );
+        let mut sent: Vec<Vec<DispatchBuffers>> = Vec::new();
+        for (r, (x, ex, w)) in batches.iter().enumerate() {
+            let cpu = permute_tokens(r, x, hidden, top_k, ex, &router).unwrap();
+            let input = format!(
+                "{header}{hidden} {top_k} {r} {}\n{}\n{}\n{}\n",
+                ex.len(),
+                join(ex),
+                join(&bits(x)),
+                join(&bits(w))
+            );
+            let out = run(exe, "send", warps, &input);
+            let offsets = get(&out, "dest_offsets");
+            for (d, want) in cpu.iter().enumerate() {
+                let seg = offsets[d] as usize..offsets[d + 1] as usize;
+                let what = format!("case {case} src {r} dst {d}");
+                assert_eq!(
+                    &get(&out, "pairs")[seg.clone()],
+                    &widen(&want.pairs)[..],
+                    "{what}"
+                );
+                assert_eq!(
+                    &get(&out, "experts")[seg.clone()],
+                    &widen(&want.experts)[..],
+                    "{what}"
+                );
+                assert_eq!(
+                    &get(&out, "instances")[seg.clone()],
+                    &widen(&want.instances)[..],
+                    "{what}"
+                );
+                let rows = &get(&out, "rows")[seg.start * hidden..seg.end * hidden];
+                assert_eq!(rows, &bits(&want.rows)[..], "{what}");
+            }
+            // Combine with identity experts: each pair's output is its own row.
+            let mut pair_outputs = vec![0f32; ex.len() * hidden];
+            for want in &cpu {
+                scatter_pairs(&mut pair_outputs, hidden, &want.pairs, &want.rows).unwrap();
+            }
+            let combined = combine(&pair_outputs, w, ex.len() / top_k, top_k, hidden).unwrap();
+            assert_eq!(
+                get(&out, "combined"),
+                &bits(&combined)[..],
+                "case {case} src {r} combine"
+            );
+            sent.push(cpu);
+        }
+        for dst in 0..ranks {
+            let inbox: Vec<DispatchBuffers> = sent.iter().map(|s| s[dst].clone()).collect();
+            let cpu = group_by_instance(dst, &inbox, hidden, &router).unwrap();
+            let n: usize = inbox.iter().map(DispatchBuffers::len).sum();
+            let ex: Vec<u32> = inbox.iter().flat_map(|b| b.experts.clone()).collect();
+            let ins: Vec<u32> = inbox.iter().flat_map(|b| b.instances.clone()).collect();
+            let rows: Vec<f32> = inbox.iter().flat_map(|b| b.rows.clone()).collect();
+            let input = format!(
+                "{header}{hidden} {dst} {n}\n{}\n{}\n{}\n",
+                join(&ex),
+                join(&ins),
+                join(&bits(&rows))
+            );
+            let out = run(exe, "recv", warps, &input);
+            let offsets = get(&out, "offsets");
+            let mut groups = Vec::new();
+            for e in 0..experts {
+                for key in a.inst_offsets[e]..a.inst_offsets[e + 1] {
+                    let (lo, hi) = (
+                        offsets[key as usize] as usize,
+                        offsets[key as usize + 1] as usize,
+                    );
+                    if hi > lo {
+                        groups.push((e as u32, key - a.inst_offsets[e], lo..hi));
+                    }
+                }
+            }
+            let want: Vec<_> = cpu
+                .groups()
+                .iter()
+                .map(|g| (g.expert, g.instance, g.rows.clone()))
+                .collect();
+            assert_eq!(groups, want, "case {case} dst {dst} groups");
+            assert_eq!(
+                get(&out, "grouped"),
+                &bits(cpu.rows())[..],
+                "case {case} dst {dst} grouped"
+            );
+            // Returning the grouped rows themselves must give back the received order.
+            assert_eq!(
+                get(&out, "back"),
+                &bits(&rows)[..],
+                "case {case} dst {dst} return"
+            );
+        }
+    }
+}
+
+#[test]
+fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
+    let Some(exe) = emulator() else { return };
+    for case in 0..20u64 {
+        let mut rng = Rng(case + 7);
+        let ranks = 3 + rng.below(14) as usize;
+        let experts = ranks * (1 + rng.below(3) as usize);
+        let slots = 1 + rng.below(2) as usize;
+        let expert_bytes = 16 * (1 + rng.below(100)) + rng.below(2) * rng.below(16);
+        let slot_bytes = expert_bytes + rng.below(2) * 16 + rng.below(2) * 3;
+        let pad = [0u64, 16, 5][rng.below(3) as usize];
+        let tile = 16 * (1 + rng.below(20)) as u32;
+        let config = RelayConfig {
+            threshold: rng.below(4) as usize,
+            chunk_bytes: [0, 64, 100, 1 << 20][rng.below(4) as usize],
+        };
+        let warps = 1 + rng.below(3) as u32;
+        let layout = Layout::contiguous(ranks, experts, slots).unwrap();
+        let hot = rng.below(experts as u64) as usize;
+        let rows: Vec<Vec<u64>> = (0..ranks)
+            .map(|_| {
+                (0..experts)
+                    .map(|e| {
+                        if e == hot {
+                            500 + rng.below(100)
+                        } else {
+                            rng.below(20)
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let load = LoadMatrix::from_rows(&rows).unwrap();
+        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+        let weights: Vec<Vec<u8>> = (0..experts)
+            .map(|_| (0..expert_bytes).map(|_| rng.next() as u8).collect())
+            .collect();
+        let mut offsets = vec![0u64; experts];
+        let homes: Vec<Vec<u8>> = (0..ranks)
+            .map(|r| {
+                let mut b = vec![0xEE; pad as usize];
+                for &e in layout.main_experts(r) {
+                    offsets[e as usize] = b.len() as u64;
+                    b.extend_from_slice(&weights[e as usize]);
+                }
+                b
+            })
+            .collect();
+        let schedule = plan_transfers(&plan, expert_bytes, &config);
+        let buffers = BufferLayout {
+            expert_bytes,
+            home_offsets: &offsets,
+            slot_bytes,
+        };
+        let stream = tiles::compile(&plan, &schedule, &buffers, tile).unwrap();
+        let slot_len = slots * slot_bytes as usize;
+        let mut expected = vec![vec![0u8; slot_len]; ranks];
+        let mut views: Vec<&mut [u8]> = expected.iter_mut().map(Vec::as_mut_slice).collect();
+        let source = |e: u32| vec![weights[e as usize].as_slice()];
+        distribute_replicas_sequential(
+            &plan,
+            &schedule,
+            expert_bytes as usize,
+            &source,
+            &mut views,
+            slot_bytes as usize,
+        )
+        .unwrap();
+        let mut input = format!(
+            "{ranks} {} {} {tile}\n",
+            stream.tasks.len(),
+            stream.dsts.len()
+        );
+        for t in &stream.tasks {
+            writeln!(
+                input,
+                "{} {} {} {} {} {} {} {} {}",
+                t.src_offset,
+                t.tile_offset,
+                t.src_rank,
+                t.src_kind,
+                t.len,
+                t.dst_begin,
+                t.n_dst,
+                t.wait_flag,
+                t.wait_target
+            )
+            .unwrap();
+        }
+        for d in &stream.dsts {
+            writeln!(input, "{} {} {}", d.offset, d.rank, d.ready_flag).unwrap();
+        }
+        writeln!(input, "{slot_len}").unwrap();
+        for (r, home) in homes.iter().enumerate() {
+            writeln!(
+                input,
+                "{} {} {}",
+                stream.flags_per_rank[r],
+                home.len(),
+                join(home)
+            )
+            .unwrap();
+        }
+        let out = run(exe, "replicate", warps, &input);
+        assert_eq!(out.len(), ranks);
+        for (r, (_, got)) in out.iter().enumerate() {
+            let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();
+            assert!(
+                *got == want,
+                "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}"
+            );
+        }
+    }
+}

@@ -1,0 +1,238 @@
+// Drives the real kernel sources under emu.h. `kernels.inc` (written by tests/cuda_emulated.rs)
+// is the prelude plus every kernel file, with the few spellings a host compiler cannot take
+// (dynamic shared memory declarations, inline PTX) replaced.
+//
+// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate. Inputs
+// and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
+#include "emu.h"
+#include "kernels.inc"
+
+typedef unsigned long long u64;
+
+template <class T> static std::vector<T> read(size_t n) {
+    std::vector<T> v(std::max<size_t>(n, 1));
+    for (size_t i = 0; i < n; ++i) std::cin >> v[i];
+    return v;
+}
+static std::vector<float> read_f32(size_t n) {
+    std::vector<float> v(std::max<size_t>(n, 1));
+    for (size_t i = 0; i < n; ++i) {
+        unsigned b;
+        std::cin >> b;
+        std::memcpy(&v[i], &b, 4);
+    }
+    return v;
+}
+template <class T> static void print(const char* name, const std::vector<T>& v, size_t n) {
+    std::cout << name;
+    for (size_t i = 0; i < n; ++i) std::cout << ' ' << +v[i];
+    std::cout << '\n';
+}
+static void print_f32(const char* name, const std::vector<float>& v, size_t n) {
+    std::cout << name;
+    for (size_t i = 0; i < n; ++i) {
+        unsigned b;
+        std::memcpy(&b, &v[i], 4);
+        std::cout << ' ' << b;
+    }
+    std::cout << '\n';
+}
+
+// solver: "R E n_slot u_min rule warps stage" / home[E] / load[R*E] / the 28 SolverParams
+// offsets computed by the Rust host (sh_load .. w_rank, shared_bytes). Prints the outputs.
+static void solver(unsigned warps) {
+    u32 R, E, n_slot, rule, stage;
+    u64 u_min;
+    std::cin >> R >> E >> n_slot >> u_min >> rule >> stage;
+    auto home = read<u32>(E);
+    auto load = read<u64>((size_t)R * E);
+    SolverParams p{};
+    u64 shared_bytes;
+    std::cin >> p.cumulative_capacity >> p.sh_load >> p.sh_totals >> p.sh_main_quota >> p.sh_rank_load >>
+        p.sh_main_offsets >> p.sh_hottest >> p.sh_by_load >> p.sh_best >> p.sh_sorted >> p.sh_first_prefix >>
+        p.sh_distinct >> p.sh_warps >> p.warp_stride >> p.w_a >> p.w_b >> p.w_c >> p.w_free >> p.w_quota >>
+        p.w_expert >> p.w_rank >> shared_bytes;
+    p.u_min = u_min;
+    p.ranks = R;
+    p.experts = E;
+    p.n_slot = n_slot;
+    p.rule = rule;
+    p.warps = warps;
+    p.max_moves = R * n_slot;
+    p.load_in_shared = stage;
+    std::vector<unsigned char> smem(shared_bytes + 16);
+    g_smem = smem.data();
+    std::vector<u32> offsets(R + 1, 0), mains;
+    for (u32 r = 0; r < R; ++r) {
+        offsets[r] = mains.size();
+        for (u32 e = 0; e < E; ++e)
+            if (home[e] == r) mains.push_back(e);
+    }
+    offsets[R] = mains.size();
+    mains.push_back(0);
+    u64 M = p.max_moves;
+    std::vector<u64> status(8, 0), quota(E + M + 1), cumulative(p.cumulative_capacity + 1);
+    std::vector<i32> slots(std::max<u64>(1, (u64)R * n_slot));
+    std::vector<u32> inst_offsets(E + 1), inst_rank(E + M + 1), split_offsets(E + 1);
+    run_block(warps * 32, [&] {
+        quota_solve(p, load.data(), offsets.data(), mains.data(), home.data(), status.data(), slots.data(),
+                    inst_offsets.data(), inst_rank.data(), quota.data(), split_offsets.data(), cumulative.data());
+    });
+    print("status", status, 8);
+    if (status[0] != 0) return;
+    print("slots", slots, (size_t)R * n_slot);
+    print("inst_offsets", inst_offsets, E + 1);
+    print("inst_rank", inst_rank, inst_offsets[E]);
+    print("inst_quota", quota, inst_offsets[E]);
+    print("split_offsets", split_offsets, E + 1);
+    print("cumulative", cumulative, split_offsets[E]);
+}
+
+static void rank_by_key(const std::vector<u32>& keys, u32 n, u32 n_keys, unsigned warps, std::vector<u32>& pos,
+                        std::vector<u32>& offsets, u32& bad) {
+    pos.assign(std::max<u32>(n, 1), 0);
+    offsets.assign(n_keys + 1, 0);
+    bad = 0;
+    std::vector<u32> shared((size_t)(warps + 1) * n_keys + 1);
+    g_smem = (unsigned char*)shared.data();
+    run_block(warps * 32, [&] { stable_rank_by_key(keys.data(), n, n_keys, pos.data(), offsets.data(), &bad); });
+}
+
+// send / recv read the plan arrays first: "R E n_instances n_cumulative", inst_offsets,
+// inst_rank, split_offsets, cumulative.
+struct PlanIn {
+    u32 R, E;
+    std::vector<u32> inst_offsets, inst_rank, split_offsets;
+    std::vector<u64> cumulative;
+    void read_in() {
+        u32 n_inst, n_cum;
+        std::cin >> R >> E >> n_inst >> n_cum;
+        inst_offsets = read<u32>(E + 1);
+        inst_rank = read<u32>(n_inst);
+        split_offsets = read<u32>(E + 1);
+        cumulative = read<u64>(n_cum);
+    }
+};
+
+// send: plan / "hidden top_k src n_pairs" / experts / x bits / weights bits. Prints the send
+// buffer and the combine of the send rows themselves (identity experts).
+static void send(unsigned warps) {
+    PlanIn plan;
+    plan.read_in();
+    u32 hidden, top_k, src, n;
+    std::cin >> hidden >> top_k >> src >> n;
+    auto experts = read<u32>(n);
+    auto x = read_f32((size_t)(n / top_k) * hidden);
+    auto weights = read_f32(n);
+    std::vector<u32> occ, unused, pos, dest_offsets, inst(n + 1), dest(n + 1);
+    u32 bad;
+    rank_by_key(experts, n, plan.E, warps, occ, unused, bad);
+    if (bad) { std::cout << "bad " << bad << "\n"; return; }
+    run_block(1, [&] {
+        lookup_instance(experts.data(), occ.data(), n, src, plan.E, plan.inst_offsets.data(), plan.inst_rank.data(),
+                        plan.split_offsets.data(), plan.cumulative.data(), inst.data(), dest.data());
+    });
+    rank_by_key(dest, n, plan.R, warps, pos, dest_offsets, bad);
+    if (bad) { std::cout << "bad " << bad << "\n"; return; }
+    std::vector<float> rows((size_t)n * hidden + 1);
+    std::vector<u32> pairs(n + 1), out_experts(n + 1), out_inst(n + 1), row_of(n + 1);
+    run_block(7, [&] {
+        scatter_rows(x.data(), n, hidden, top_k, dest.data(), pos.data(), dest_offsets.data(), experts.data(),
+                     inst.data(), rows.data(), pairs.data(), out_experts.data(), out_inst.data(), row_of.data());
+    });
+    print("dest_offsets", dest_offsets, plan.R + 1);
+    print("pairs", pairs, n);
+    print("experts", out_experts, n);
+    print("instances", out_inst, n);
+    print_f32("rows", rows, (size_t)n * hidden);
+    u32 tokens = n / top_k;
+    std::vector<float> out((size_t)tokens * hidden + 1);
+    run_block(5, [&] { combine_topk(rows.data(), row_of.data(), weights.data(), tokens, top_k, hidden, out.data()); });
+    print_f32("combined", out, (size_t)tokens * hidden);
+}
+
+// recv: plan / "hidden rank n" / experts / instances / rows bits. Prints the group offsets, the
+// grouped rows, and the grouped rows routed back to received order.
+static void recv(unsigned warps) {
+    PlanIn plan;
+    plan.read_in();
+    u32 hidden, rank, n;
+    std::cin >> hidden >> rank >> n;
+    auto experts = read<u32>(n);
+    auto instances = read<u32>(n);
+    auto rows = read_f32((size_t)n * hidden);
+    std::vector<u32> keys(n + 1), pos, offsets;
+    u32 bad;
+    run_block(3, [&] {
+        instance_keys(experts.data(), instances.data(), n, plan.E, rank, plan.inst_offsets.data(),
+                      plan.inst_rank.data(), keys.data());
+    });
+    u32 n_keys = plan.inst_offsets[plan.E];
+    rank_by_key(keys, n, n_keys, warps, pos, offsets, bad);
+    if (bad) { std::cout << "bad " << bad << "\n"; return; }
+    std::vector<float> grouped((size_t)n * hidden + 1), back((size_t)n * hidden + 1);
+    std::vector<u32> origin(n + 1), row_of(n + 1);
+    run_block(9, [&] {
+        scatter_rows(rows.data(), n, hidden, 1, keys.data(), pos.data(), offsets.data(), nullptr, nullptr,
+                     grouped.data(), origin.data(), nullptr, nullptr, row_of.data());
+    });
+    run_block(4, [&] { gather_rows(grouped.data(), row_of.data(), n, hidden, back.data()); });
+    print("offsets", offsets, n_keys + 1);
+    print_f32("grouped", grouped, (size_t)n * hidden);
+    print_f32("back", back, (size_t)n * hidden);
+}
+
+// replicate: "R n_tasks n_dsts tile_bytes" / tasks (9 fields each) / dsts (3 fields each) /
+// slot buffer bytes / per rank "flags home_len home bytes...". Prints every slot buffer.
+static void replicate(unsigned warps) {
+    u32 R, n_tasks, n_dsts, tile_bytes;
+    std::cin >> R >> n_tasks >> n_dsts >> tile_bytes;
+    std::vector<TileTask> tasks(n_tasks + 1);
+    std::vector<TileDst> dsts(n_dsts + 1);
+    for (u32 i = 0; i < n_tasks; ++i) {
+        auto& t = tasks[i];
+        std::cin >> t.src_offset >> t.tile_offset >> t.src_rank >> t.src_kind >> t.len >> t.dst_begin >> t.n_dst >>
+            t.wait_flag >> t.wait_target;
+    }
+    for (u32 i = 0; i < n_dsts; ++i) std::cin >> dsts[i].offset >> dsts[i].rank >> dsts[i].ready_flag;
+    u64 slot_len;
+    std::cin >> slot_len;
+    std::vector<std::vector<u8>> homes(R), slots(R);
+    std::vector<std::vector<u32>> flags(R);
+    std::vector<u64> home_base(R), slot_base(R), flag_base(R);
+    for (u32 r = 0; r < R; ++r) {
+        u32 n_flags, n_home;
+        std::cin >> n_flags >> n_home;
+        flags[r].assign(n_flags + 1, 0);
+        homes[r].resize(n_home + 1);
+        for (u32 i = 0; i < n_home; ++i) {
+            unsigned v;
+            std::cin >> v;
+            homes[r][i] = (u8)v;
+        }
+        slots[r].assign(slot_len, 0);
+        home_base[r] = (u64)homes[r].data();
+        slot_base[r] = (u64)slots[r].data();
+        flag_base[r] = (u64)flags[r].data();
+    }
+    u32 next = 0;
+    std::vector<unsigned char> smem(2 * tile_bytes + 16);
+    g_smem = smem.data();
+    run_block(warps * 32, [&] {
+        tile_stream(tasks.data(), n_tasks, dsts.data(), &next, home_base.data(), slot_base.data(), flag_base.data(),
+                    tile_bytes);
+    });
+    for (u32 r = 0; r < R; ++r) print("slots", slots[r], slot_len);
+}
+
+int main(int argc, char** argv) {
+    if (argc < 3) return 2;
+    std::string mode = argv[1];
+    unsigned warps = (unsigned)atoi(argv[2]);
+    if (mode == "solver") solver(warps);
+    else if (mode == "send") send(warps);
+    else if (mode == "recv") recv(warps);
+    else if (mode == "replicate") replicate(warps);
+    else return 2;
+    return 0;
+}

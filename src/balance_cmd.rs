@@ -1,0 +1,402 @@
+//! `rackfill bench balance`: routing loads through every balancer.
+//!
+//! `--synthetic` replays the synthetic grid of [`rackfill_bench::synthetic::default_grid`]
+//! (restricted to `--shapes` and `--tokens`) and prints one markdown table per group.
+//! `--trace FILE.jsonl` (a `--record-routing` trace) and `--synthetic-trace PATTERN` (a generated
+//! multi-layer trace, optionally saved with `--write-trace`) replay a trace step by step, one
+//! planner per balancer and layer, and print one table; `--json` adds the per-step series and
+//! `--plot` draws imbalance over steps (docs/bench-balance.md). Progress goes to stderr. Any plan
+//! that fails validation makes the command exit non-zero after the report is printed and written.
+
+use crate::bench_cmd::{create_report_file, dedup, parse_positive, write_json};
+use anyhow::{bail, Context as _};
+use rackfill_balancer::Algo;
+use rackfill_balancer::{Layout, Settings};
+use rackfill_bench::balance::{run_balance, BalanceRun};
+use rackfill_bench::plot::write_chart;
+use rackfill_bench::replay::{read_home_map, replay, ReplayConfig, ReplayEvent};
+use rackfill_bench::routing_trace::{TraceReader, TraceWriter};
+use rackfill_bench::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
+use rackfill_bench::synthetic::Family;
+use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
+use std::io::Write as _;
+use std::path::PathBuf;
+/// `rackfill bench balance`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BalanceArgs {
+    /// Replay a routing trace recorded by `rackfill serve --record-routing FILE` (JSON Lines, one
+    /// line per step and MoE layer), step by step, one planner per balancer and layer.
+    #[arg(long, value_name = "FILE.jsonl", conflicts_with_all = ["synthetic", "synthetic_trace"])]
+    pub trace: Option<PathBuf>,
+
+    /// Replay the synthetic grid of single-layer suites (Zipf/lognormal popularity; stationary,
+    /// drifting and switching hot sets) and report per group.
+    #[arg(long)]
+    pub synthetic: bool,
+
+    /// Replay a synthetic multi-layer trace: stationary, drifting, switching (domain switches at
+    /// random steps) or mixed (drift and switches); every layer has its own popularity and
+    /// neighbouring layers are correlated. Shape from --shapes (one), tokens from --tokens (one).
+    #[arg(long, value_name = "PATTERN", conflicts_with = "synthetic")]
+    pub synthetic_trace: Option<TracePattern>,
+
+    /// Steps: per suite for --synthetic [default: 20], of the trace for --synthetic-trace
+    /// [default: 200]
+    #[arg(long, value_parser = parse_steps)]
+    pub steps: Option<usize>,
+
+    /// MoE layers per step of --synthetic-trace [default: 8]
+    #[arg(long, value_parser = parse_positive)]
+    pub layers: Option<usize>,
+
+    /// Popularity family of --synthetic-trace: zipf-S or lognormal-SIGMA [default: zipf-1.0]
+    #[arg(long)]
+    pub family: Option<Family>,
+
+    /// Master seed; the same seed gives the same loads.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// EP shapes RANKS/EXPERTS/SLOTS, comma-separated
+    /// [default: 8/64/2,32/256/4,40/160/4,64/128/2,64/256/2,72/256/2; --synthetic-trace: 64/256/2]
+    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
+    pub shapes: Vec<Shape>,
+
+    /// Tokens per rank per step, comma-separated
+    /// [default: 256,1024,4096,8192; --synthetic-trace: 1024]
+    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
+    pub tokens: Vec<u64>,
+
+    /// Redundant slots per rank [default: 2 for --trace, the shape's for --synthetic-trace]
+    #[arg(long)]
+    pub slots: Option<usize>,
+
+    /// Home rank of every expert, a JSON file `[rank; E]` or `{"home": [rank; E]}`
+    /// [default: contiguous runs]
+    #[arg(long, value_name = "FILE.json")]
+    pub home: Option<PathBuf>,
+
+    /// Balancers to replay, comma-separated [default: all]
+    #[arg(long, value_delimiter = ',')]
+    pub balancers: Vec<Algo>,
+
+    /// Bytes of one expert's weights, to report replica bytes moved (DeepSeek-V3 in FP8:
+    /// 44040192) [default: unknown, replica counts only]
+    #[arg(long, value_parser = parse_expert_bytes)]
+    pub expert_bytes: Option<u64>,
+
+    /// Also save the --synthetic-trace trace in the recorded format (replayable with --trace).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub write_trace: Option<PathBuf>,
+
+    /// Plot imbalance over steps (mean over layers, one line per balancer) to FILE.svg or
+    /// FILE.png (--trace and --synthetic-trace).
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+
+    /// Smallest quota a new replica must carry (quota planner) [default: the planner's default]
+    #[arg(long)]
+    pub u_min: Option<u64>,
+
+    /// Steps of past load eplb-history plans from [default: the planner's default]
+    #[arg(long, value_parser = parse_positive)]
+    pub history_window: Option<usize>,
+
+    /// eplb-history re-plans every this many steps [default: the planner's default]
+    #[arg(long, value_parser = parse_positive)]
+    pub rebalance_interval: Option<usize>,
+
+    /// Also write the full report as JSON to FILE (with --trace/--synthetic-trace: including the
+    /// per-step series).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+fn parse_expert_bytes(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(b) if b >= 1 => Ok(b),
+        _ => Err(format!(
+            "invalid expert size '{s}': expected a positive number of bytes"
+        )),
+    }
+}
+
+fn parse_shape(s: &str) -> Result<Shape, String> {
+    s.parse()
+}
+
+fn parse_tokens(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(t) if (1..=1 << 20).contains(&t) => Ok(t),
+        _ => Err(format!(
+            "invalid token count '{s}': expected an integer in 1..=1048576"
+        )),
+    }
+}
+
+fn parse_steps(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=1_000_000).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "invalid step count '{s}': expected an integer in 1..=1000000"
+        )),
+    }
+}
+
+/// Runs `rackfill bench balance`.
+pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
+    if args.trace.is_some() || args.synthetic_trace.is_some() {
+        return balance_trace(args);
+    }
+    if !args.synthetic {
+        bail!(
+            "choose the loads: --trace FILE.jsonl (from `rackfill serve --record-routing`), \
+             --synthetic-trace PATTERN or --synthetic"
+        );
+    }
+    for (given, flag) in [
+        (args.write_trace.is_some(), "--write-trace"),
+        (args.layers.is_some(), "--layers"),
+        (args.family.is_some(), "--family"),
+        (args.slots.is_some(), "--slots"),
+        (args.home.is_some(), "--home"),
+        (args.expert_bytes.is_some(), "--expert-bytes"),
+        (args.plot.is_some(), "--plot"),
+    ] {
+        if given {
+            bail!("{flag} applies to --trace and --synthetic-trace, not to the --synthetic grid");
+        }
+    }
+    let shapes = if args.shapes.is_empty() {
+        DEFAULT_SHAPES.to_vec()
+    } else {
+        dedup(&args.shapes)
+    };
+    let tokens = if args.tokens.is_empty() {
+        DEFAULT_TOKENS.to_vec()
+    } else {
+        dedup(&args.tokens)
+    };
+    let steps = args.steps.unwrap_or(20);
+    let settings = balance_settings(&args);
+    let json_file = create_report_file(args.json.as_deref())?;
+
+    let suites = default_grid(&shapes, &tokens, steps);
+    let mut run = BalanceRun::new(suites, args.seed, settings);
+    if !args.balancers.is_empty() {
+        run.algos = dedup(&args.balancers);
+    }
+    eprintln!(
+        "bench balance: {} suites x {} steps x {} balancers (seed {})",
+        run.suites.len(),
+        steps,
+        run.algos.len(),
+        args.seed
+    );
+    let report = run_balance(&run, |p| {
+        let last_of_shape = run
+            .suites
+            .get(p.done)
+            .is_none_or(|next| next.shape() != p.suite.shape());
+        if last_of_shape {
+            eprintln!(
+                "  [{}/{}] shape {} done, {:.1} s",
+                p.done,
+                p.total,
+                p.suite.shape(),
+                p.elapsed.as_secs_f64()
+            );
+        }
+    })?;
+
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(report.to_table().as_bytes())?;
+    stdout.flush()?;
+    if let (Some(file), Some(path)) = (json_file, &args.json) {
+        write_json(file, path, &report)?;
+    }
+    if report.validation_failures > 0 {
+        bail!(
+            "{} plans failed validation (see the report)",
+            report.validation_failures
+        );
+    }
+    Ok(())
+}
+
+/// Planner settings from the command line over the planners' defaults.
+fn balance_settings(args: &BalanceArgs) -> Settings {
+    let mut settings = Settings::default();
+    if let Some(u) = args.u_min {
+        settings.u_min = u;
+    }
+    if let Some(w) = args.history_window {
+        settings.history_window = w;
+    }
+    if let Some(i) = args.rebalance_interval {
+        settings.rebalance_interval = i;
+    }
+    settings
+}
+
+/// `rackfill bench balance --trace FILE` or `--synthetic-trace PATTERN`: a multi-layer trace
+/// through every balancer, one table, optional JSON report, plot and trace copy.
+fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
+    if let Some(plot) = &args.plot {
+        let ext = plot
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        if !matches!(ext.as_deref(), Some("svg" | "png")) {
+            bail!(
+                "--plot {}: the file name must end in .svg or .png",
+                plot.display()
+            );
+        }
+    }
+    let json_file = create_report_file(args.json.as_deref())?;
+    let algos = if args.balancers.is_empty() {
+        Algo::ALL.to_vec()
+    } else {
+        dedup(&args.balancers)
+    };
+    let config = |ranks: usize, experts: usize, slots: usize| -> anyhow::Result<ReplayConfig> {
+        let layout = match &args.home {
+            Some(path) => Layout::with_home(ranks, read_home_map(path, ranks, experts)?, slots)?,
+            None => Layout::contiguous(ranks, experts, slots)?,
+        };
+        Ok(ReplayConfig {
+            layout,
+            settings: balance_settings(&args),
+            algos: algos.clone(),
+            expert_bytes: args.expert_bytes,
+        })
+    };
+    let progress = |total: Option<usize>| {
+        let mut last_print = std::time::Instant::now();
+        move |event: ReplayEvent<'_>| {
+            if let ReplayEvent::Step {
+                steps_done,
+                elapsed,
+            } = event
+            {
+                if last_print.elapsed().as_secs_f64() >= 2.0 || Some(steps_done) == total {
+                    last_print = std::time::Instant::now();
+                    let of = total.map_or(String::new(), |t| format!("/{t}"));
+                    eprintln!("  step {steps_done}{of}, {:.1} s", elapsed.as_secs_f64());
+                }
+            }
+        }
+    };
+
+    let report = if let Some(path) = &args.trace {
+        for (given, flag) in [
+            (!args.shapes.is_empty(), "--shapes"),
+            (!args.tokens.is_empty(), "--tokens"),
+            (args.steps.is_some(), "--steps"),
+            (args.layers.is_some(), "--layers"),
+            (args.family.is_some(), "--family"),
+            (args.write_trace.is_some(), "--write-trace"),
+        ] {
+            if given {
+                bail!("{flag} applies to --synthetic-trace, not to --trace");
+            }
+        }
+        let source = path.display().to_string();
+        let reader = TraceReader::open(path).map_err(|e| match e.line() {
+            Some(_) => anyhow::anyhow!("{source}: {e}"),
+            None => anyhow::anyhow!(e),
+        })?;
+        let config = config(reader.ranks(), reader.experts(), args.slots.unwrap_or(2))?;
+        let layers = reader.layers().to_vec();
+        eprintln!(
+            "bench balance: {} ({} ranks, {} experts, {} layers) x {} balancers",
+            source,
+            reader.ranks(),
+            reader.experts(),
+            layers.len(),
+            config.algos.len()
+        );
+        replay(reader, &source, &layers, &config, progress(None)).context(source)?
+    } else {
+        let pattern = args.synthetic_trace.context("a load source is required")?;
+        let shape = match args.shapes.as_slice() {
+            [] => Shape::new(64, 256, 2),
+            [shape] => *shape,
+            _ => bail!("--synthetic-trace takes one --shapes value"),
+        };
+        let tokens = match args.tokens.as_slice() {
+            [] => 1024,
+            [tokens] => *tokens,
+            _ => bail!("--synthetic-trace takes one --tokens value"),
+        };
+        let steps = args.steps.unwrap_or(200);
+        let mut spec = TraceSpec::new(
+            pattern,
+            shape.ranks,
+            shape.experts,
+            args.layers.unwrap_or(8),
+            steps,
+            tokens,
+        );
+        spec.family = args.family.unwrap_or(spec.family);
+        let generator = TraceGenerator::new(&spec, args.seed)?;
+        let config = config(
+            shape.ranks,
+            shape.experts,
+            args.slots.unwrap_or(shape.slots),
+        )?;
+        let name = format!(
+            "synthetic {pattern} {}/{} {} t{tokens} seed {}",
+            shape.ranks,
+            shape.experts,
+            spec.family.label(),
+            args.seed
+        );
+        eprintln!(
+            "bench balance: {name}, {steps} steps x {} layers x {} balancers",
+            spec.layers,
+            config.algos.len()
+        );
+        let layers = spec.layer_ids();
+        match &args.write_trace {
+            None => replay(
+                generator.map(Ok::<_, std::convert::Infallible>),
+                &name,
+                &layers,
+                &config,
+                progress(Some(steps)),
+            )?,
+            Some(path) => {
+                let cannot = |e: std::io::Error| {
+                    std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display()))
+                };
+                let mut writer = TraceWriter::create(path, layers.clone()).map_err(cannot)?;
+                let source =
+                    generator.map(|step| writer.write_step(&step).map(|()| step).map_err(cannot));
+                let report = replay(source, &name, &layers, &config, progress(Some(steps)))?;
+                writer.finish().map_err(cannot)?;
+                eprintln!("trace written to {}", path.display());
+                report
+            }
+        }
+    };
+
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(report.to_table().as_bytes())?;
+    stdout.flush()?;
+    if let (Some(file), Some(path)) = (json_file, &args.json) {
+        write_json(file, path, &report)?;
+    }
+    if let Some(path) = &args.plot {
+        write_chart(path, &report.imbalance_chart())?;
+        eprintln!("plot written to {}", path.display());
+    }
+    if report.validation_failures > 0 {
+        bail!(
+            "{} plans failed validation (see the report)",
+            report.validation_failures
+        );
+    }
+    Ok(())
+}

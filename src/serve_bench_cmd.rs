@@ -1,0 +1,337 @@
+//! `rackfill bench serve`: load-test any OpenAI-compatible endpoint with a request dataset and
+//! report vLLM's serving metrics (see [`rackfill_bench::serve`], which does the work; this file
+//! parses flags, prints and writes files).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use rackfill_bench::serve::arrivals::{Arrivals, RequestRate};
+use rackfill_bench::serve::dataset::{self, RandomParams, ShareGptParams, Synthesis};
+use rackfill_bench::serve::plots::{write_plots, PlotFormat};
+use rackfill_bench::serve::report::{format_sweep, format_table, ReportOptions};
+use rackfill_bench::serve::runner::{warmup, RunOptions, Target, TargetConfig};
+use rackfill_bench::serve::{run_sweep, SweepPlan, Workload};
+
+/// Dataset kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DatasetKind {
+    /// Random token ids (completions) or words (chat) of --random-input-len.
+    Random,
+    /// ShareGPT JSON (--dataset-path): first human turn and the gpt reply's length.
+    Sharegpt,
+    /// JSONL trace (--dataset-path): timestamp ms, input_length, output_length, hash_ids.
+    Trace,
+}
+
+/// Plot image formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlotFormatArg {
+    Png,
+    Svg,
+}
+
+/// `rackfill bench serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeBenchArgs {
+    /// Server to load: scheme, host and port, without /v1.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub base_url: String,
+    /// API path: /v1/completions or /v1/chat/completions.
+    #[arg(long, default_value = "/v1/completions")]
+    pub endpoint: String,
+    /// Model sent with every request [default: the first id GET /v1/models lists]
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Bearer token [default: $OPENAI_API_KEY]
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Where requests come from.
+    #[arg(long, value_enum, default_value_t = DatasetKind::Random, alias = "dataset-name")]
+    pub dataset: DatasetKind,
+    /// ShareGPT JSON or JSONL trace file.
+    #[arg(long, value_name = "FILE")]
+    pub dataset_path: Option<PathBuf>,
+    /// Requests to send [default: 1000; a trace: all of its lines]
+    #[arg(long)]
+    pub num_prompts: Option<usize>,
+    /// Random dataset: prompt tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub random_input_len: usize,
+    /// Random dataset: max_tokens.
+    #[arg(long, default_value_t = 128)]
+    pub random_output_len: usize,
+    /// Random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1.
+    #[arg(long, default_value_t = 0.0)]
+    pub random_range_ratio: f64,
+    /// ShareGPT: fixed max_tokens instead of the reply's length.
+    #[arg(long)]
+    pub sharegpt_output_len: Option<usize>,
+    /// Tokenizer counting ShareGPT lengths exactly: rackfill-tiny-moe, a tokenizer.json, or a
+    /// checkpoint directory / HF id holding one [default: ~4 characters per token]
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// Synthetic token ids are drawn from [0, N) [default: the tokenizer's vocabulary, else 4096]
+    #[arg(long, value_name = "N")]
+    pub vocab_size: Option<u32>,
+    /// Trace: tokens per hash_ids block (Mooncake traces use 512).
+    #[arg(long, default_value_t = dataset::DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// Trace: replay this many times faster than recorded.
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_speedup: f64,
+    /// Trace: ignore the timestamps and send at --request-rate instead.
+    #[arg(long)]
+    pub retime: bool,
+    /// Requests/s (Poisson, or gamma with --burstiness) or inf; a comma-separated list sweeps,
+    /// one full run per rate [default: inf]
+    #[arg(long, value_delimiter = ',', value_name = "RATE[,RATE...]")]
+    pub request_rate: Vec<RequestRate>,
+    /// Gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier, above more regular
+    /// [default: 1]
+    #[arg(long)]
+    pub burstiness: Option<f64>,
+    /// At most this many requests in flight.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Stop sending after this many seconds (requests in flight still finish and count).
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+    /// Seeds the dataset and the arrival process.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Send ignore_eos: true so every request generates exactly max_tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Sampling temperature of every request.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Percentiles reported besides mean and median, comma-separated.
+    #[arg(
+        long,
+        alias = "metric-percentiles",
+        value_delimiter = ',',
+        default_value = "90,99"
+    )]
+    pub percentiles: Vec<f64>,
+    /// Write the summary as JSON (one object; a list of objects for a rate sweep).
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Add per-request arrays (ttfts, itls, input_lens, output_lens, errors, ...) to --output.
+    #[arg(long)]
+    pub save_detailed: bool,
+    /// Write PREFIX-ttft-vs-rps and PREFIX-ttft-cdf charts.
+    #[arg(long, value_name = "PREFIX")]
+    pub plot_prefix: Option<PathBuf>,
+    /// Chart image format.
+    #[arg(long, value_enum, default_value_t = PlotFormatArg::Png)]
+    pub plot_format: PlotFormatArg,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Skip the unmeasured first request that checks the endpoint before the run.
+    #[arg(long)]
+    pub no_warmup: bool,
+    /// Seconds one request may take, connection to end of stream.
+    #[arg(long, default_value_t = 3600.0, value_name = "SECONDS")]
+    pub request_timeout: f64,
+}
+
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    if !(value.is_finite() && value > 0.0) {
+        bail!("{flag} must be a positive number of seconds, got {value}");
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// Runs the benchmark.
+pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
+    let arrivals = arrivals(&args)?;
+    let duration = args
+        .duration
+        .map(|d| seconds("--duration", d))
+        .transpose()?;
+    let request_timeout = seconds("--request-timeout", args.request_timeout)?;
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(dataset::load_tokenizer)
+        .transpose()?;
+    let workload = workload(&args, tokenizer.as_ref())?;
+    let vocab_size = match (args.vocab_size, &tokenizer) {
+        (Some(0), _) => bail!("--vocab-size must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some(t)) => u32::try_from(t.vocab_size()).unwrap_or(u32::MAX),
+        (None, None) => dataset::DEFAULT_VOCAB_SIZE,
+    };
+    let config = TargetConfig {
+        base_url: args.base_url.clone(),
+        endpoint: args.endpoint.clone(),
+        model: args.model.clone(),
+        api_key: args.api_key.clone().or_else(|| {
+            std::env::var("OPENAI_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty())
+        }),
+        request_timeout,
+        ignore_eos: args.ignore_eos,
+        temperature: args.temperature,
+        synthesis: Synthesis {
+            vocab_size,
+            block_size: args.block_size,
+            seed: args.seed,
+        },
+    };
+    let plan = SweepPlan {
+        arrivals,
+        seed: args.seed,
+        // Sent below, before anything is printed, so a bad target fails with one line.
+        warmup: false,
+        run: RunOptions {
+            max_concurrency: args.max_concurrency,
+            duration,
+            progress: !args.no_progress,
+            label: String::new(),
+        },
+        report: ReportOptions {
+            percentiles: args.percentiles.clone(),
+            detailed: args.save_detailed,
+        },
+    };
+    plan.check(&workload)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let reports = runtime.block_on(async {
+        let target = Target::connect(config).await?;
+        if !args.no_warmup {
+            warmup(&target, &workload.requests[0]).await?;
+        }
+        eprintln!(
+            "bench serve: {} requests ({}) to {}{} model {}",
+            workload.requests.len(),
+            workload.dataset,
+            args.base_url.trim_end_matches('/'),
+            args.endpoint,
+            target.model()
+        );
+        run_sweep(&target, &workload, &plan).await
+    })?;
+    for report in &reports {
+        print!("{}", format_table(&report.summary));
+    }
+    if reports.len() > 1 {
+        print!(
+            "\n{}",
+            format_sweep(
+                &reports
+                    .iter()
+                    .map(|r| r.summary.clone())
+                    .collect::<Vec<_>>()
+            )
+        );
+    }
+    if let Some(path) = &args.output {
+        let json = match reports.as_slice() {
+            [one] => serde_json::to_string_pretty(&one.summary),
+            many => {
+                serde_json::to_string_pretty(&many.iter().map(|r| &r.summary).collect::<Vec<_>>())
+            }
+        }?;
+        std::fs::write(path, json + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(prefix) = &args.plot_prefix {
+        let format = match args.plot_format {
+            PlotFormatArg::Png => PlotFormat::Png,
+            PlotFormatArg::Svg => PlotFormat::Svg,
+        };
+        for path in write_plots(prefix, format, &reports)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    if reports.iter().all(|r| r.summary.completed == 0) {
+        let first = reports
+            .iter()
+            .flat_map(|r| r.summary.error_samples.first())
+            .next()
+            .map_or("none recorded".to_string(), |s| s.message.clone());
+        bail!("no request succeeded; first error: {first}");
+    }
+    Ok(())
+}
+
+fn arrivals(args: &ServeBenchArgs) -> anyhow::Result<Vec<Arrivals>> {
+    let replay = args.dataset == DatasetKind::Trace && !args.retime;
+    if args.retime && args.dataset != DatasetKind::Trace {
+        bail!("--retime applies to --dataset trace only");
+    }
+    if replay {
+        if !args.request_rate.is_empty() || args.burstiness.is_some() {
+            bail!(
+                "a trace is replayed at its timestamps; add --retime to send it at --request-rate"
+            );
+        }
+        return Ok(vec![Arrivals::Replay {
+            speedup: args.trace_speedup,
+        }]);
+    }
+    let burstiness = args.burstiness.unwrap_or(1.0);
+    let rates = if args.request_rate.is_empty() {
+        vec![RequestRate::Infinite]
+    } else {
+        args.request_rate.clone()
+    };
+    Ok(rates
+        .into_iter()
+        .map(|rate| Arrivals::Rate { rate, burstiness })
+        .collect())
+}
+
+fn workload(
+    args: &ServeBenchArgs,
+    tokenizer: Option<&rackfill_models::Tokenizer>,
+) -> anyhow::Result<Workload> {
+    let path = || {
+        args.dataset_path
+            .as_deref()
+            .context("--dataset sharegpt and --dataset trace need --dataset-path FILE")
+    };
+    if args.dataset == DatasetKind::Random && args.dataset_path.is_some() {
+        bail!("--dataset-path is for --dataset sharegpt or trace, not random");
+    }
+    let n = args.num_prompts.unwrap_or(1000);
+    let (requests, name) = match args.dataset {
+        DatasetKind::Random => {
+            let params = RandomParams {
+                input_len: args.random_input_len,
+                output_len: args.random_output_len,
+                range_ratio: args.random_range_ratio,
+            };
+            (dataset::random(&params, n, args.seed)?, "random")
+        }
+        DatasetKind::Sharegpt => {
+            let params = ShareGptParams {
+                tokenizer,
+                output_len: args.sharegpt_output_len,
+            };
+            let requests = dataset::load_sharegpt(path()?, params, n, args.seed)?;
+            if requests.len() < n {
+                eprintln!(
+                    "bench serve: only {} conversations pass the length filter ({n} requested)",
+                    requests.len()
+                );
+            }
+            (requests, "sharegpt")
+        }
+        DatasetKind::Trace => (
+            dataset::load_trace(path()?, args.block_size, args.num_prompts)?,
+            "trace",
+        ),
+    };
+    let mut workload = Workload::new(requests, name);
+    workload.tokenizer_id = args.tokenizer.clone();
+    Ok(workload)
+}

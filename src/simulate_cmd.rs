@@ -1,0 +1,221 @@
+//! `rackfill simulate`: a rack-scale what-if (see `rackfill_bench::simulate` and
+//! docs/simulate.md). Prints a readable table, or the report as JSON with `--json`; progress goes
+//! to standard error.
+
+use anyhow::{bail, Result};
+use rackfill_balancer::relay::RelayConfig;
+use rackfill_balancer::{Algo, Settings};
+use rackfill_bench::serve::dataset::load_trace;
+use rackfill_bench::simulate::queue::{run_requests, RequestRun};
+use rackfill_bench::simulate::rack::Rack;
+use rackfill_bench::simulate::report::{
+    request_plots, request_table, throughput_plots, throughput_table, RequestReport,
+};
+use rackfill_bench::simulate::shape::ModelShape;
+use rackfill_bench::simulate::trace::TraceSource;
+use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
+use std::io::Write as _;
+use std::path::PathBuf;
+
+/// Arguments of `rackfill simulate`.
+#[derive(Debug, clap::Args)]
+pub struct SimulateArgs {
+    /// Model shape: qwen3-235b, deepseek-v3, glm-4.7, or a JSON file (a shape file or a Hugging
+    /// Face config.json).
+    #[arg(long)]
+    model_shape: String,
+    /// EP ranks (one GPU each); at most the rack's GPUs.
+    #[arg(long, default_value_t = 64)]
+    ep: usize,
+    /// Redundant expert slots per rank.
+    #[arg(long, default_value_t = 2)]
+    slots: usize,
+    /// Balancers to compare, comma-separated (none, quota, quota-paper, eplb-exact,
+    /// eplb-history, greedy-move).
+    #[arg(long, value_delimiter = ',', default_value = "quota,eplb-history,none")]
+    balancer: Vec<Algo>,
+    /// Routing: synthetic-mixed, or a routing trace recorded with --record-routing.
+    #[arg(long, default_value = "synthetic-mixed")]
+    trace: String,
+    /// Rack: nvl72, or a rack JSON file (see docs/simulate.md).
+    #[arg(long, default_value = "nvl72")]
+    rack: String,
+    /// Tokens each rank prefills per step.
+    #[arg(long, default_value_t = 4096)]
+    chunk_tokens: u64,
+    /// Steps to simulate (throughput mode; a recorded trace may end sooner).
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Seed of the synthetic routing and the request arrivals.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Charge this solve time per layer instead of measuring the planner (reproducible output).
+    #[arg(long)]
+    solve_us: Option<f64>,
+    /// Simulate this many MoE layers per step, each standing for moe_layers / N of the model's
+    /// [default: all].
+    #[arg(long)]
+    sample_layers: Option<usize>,
+    /// Prior context, in tokens, of every synthetic chunk's request (attention cost only).
+    #[arg(long, default_value_t = 0)]
+    context_tokens: u64,
+    /// Request trace (JSONL lines {"timestamp" ms, "input_length", "output_length"}): simulate
+    /// serving it and report TTFT instead of throughput.
+    #[arg(long, value_name = "FILE")]
+    requests: Option<PathBuf>,
+    /// Request rates (req/s) to re-time --requests at, comma-separated [default: the trace's
+    /// timestamps].
+    #[arg(long, value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Experts with more replicas than this are streamed over a two-stage relay tree.
+    #[arg(long, default_value_t = rackfill_balancer::relay::DEFAULT_RELAY_THRESHOLD)]
+    relay_threshold: usize,
+    /// Stream every replica straight from its home rank (no relay trees).
+    #[arg(long)]
+    no_relay: bool,
+    /// Smallest quota a new replica must carry (quota planners).
+    #[arg(long, default_value_t = rackfill_balancer::quota::DEFAULT_U_MIN)]
+    u_min: u64,
+    /// Steps of load history eplb-history plans from.
+    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_HISTORY_WINDOW)]
+    history_window: usize,
+    /// eplb-history re-plans every this many steps.
+    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_REBALANCE_INTERVAL)]
+    rebalance_interval: usize,
+    /// Write plots to PREFIX-breakdown, PREFIX-steps (or PREFIX-rps-ttft, PREFIX-rps-p99-ttft).
+    #[arg(long)]
+    plot_prefix: Option<String>,
+    /// Plot file format: svg or png.
+    #[arg(long, default_value = "svg")]
+    plot_format: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `rackfill simulate`.
+pub fn run(args: SimulateArgs) -> Result<()> {
+    if !matches!(args.plot_format.as_str(), "svg" | "png") {
+        bail!(
+            "--plot-format must be svg or png, got '{}'",
+            args.plot_format
+        );
+    }
+    let shape = ModelShape::load(&args.model_shape)?;
+    let spec = SimSpec {
+        rack: Rack::load(&args.rack)?,
+        ep: args.ep,
+        slots: args.slots,
+        algos: dedup(&args.balancer),
+        settings: Settings {
+            u_min: args.u_min,
+            history_window: args.history_window,
+            rebalance_interval: args.rebalance_interval,
+        },
+        relay: RelayConfig {
+            threshold: if args.no_relay {
+                usize::MAX
+            } else {
+                args.relay_threshold
+            },
+            ..RelayConfig::default()
+        },
+        solve_us: args.solve_us,
+        sim_layers: args.sample_layers.unwrap_or(shape.moe_layers()),
+        chunk_tokens: args.chunk_tokens,
+        seed: args.seed,
+        shape,
+    };
+    spec.validate()?;
+    let trace = TraceSource::parse(&args.trace);
+    let stderr = std::io::stderr();
+    if let Some(path) = &args.requests {
+        if trace != TraceSource::SyntheticMixed {
+            bail!("--requests simulates routing; it needs --trace synthetic-mixed");
+        }
+        let run = RequestRun {
+            requests: load_trace(path, 1, None)?,
+            rates: args.rates.clone(),
+            spec,
+        };
+        let results = run_requests(&run, |step| {
+            if step % 10 == 0 {
+                let _ = write!(stderr.lock(), "\rsimulated step {step}");
+            }
+        })?;
+        let _ = writeln!(stderr.lock());
+        let spec = &run.spec;
+        let report = RequestReport {
+            model: spec.shape.name.clone(),
+            rack: spec.rack.name.clone(),
+            ep: spec.ep,
+            slots: spec.slots,
+            requests: run.requests.len(),
+            seed: spec.seed,
+            chunk_tokens: spec.chunk_tokens,
+            moe_layers: spec.shape.moe_layers(),
+            simulated_layers: spec.sim_layers,
+            solve_us_override: spec.solve_us,
+            results,
+        };
+        print_report(args.json, &report, || request_table(&report))?;
+        if let Some(prefix) = &args.plot_prefix {
+            if args.rates.is_empty() {
+                bail!(
+                    "--plot-prefix with --requests needs --rates (the plots are TTFT versus rate)"
+                );
+            }
+            for path in request_plots(&report, prefix, &args.plot_format)? {
+                eprintln!("wrote {}", path.display());
+            }
+        }
+        return Ok(());
+    }
+    if !args.rates.is_empty() {
+        bail!("--rates needs --requests FILE");
+    }
+    let run = ThroughputRun {
+        spec,
+        trace,
+        steps: args.steps,
+        context_tokens: args.context_tokens,
+    };
+    let report = run_throughput(&run, |done, total| {
+        if done % 10 == 0 || done == total {
+            let _ = write!(stderr.lock(), "\rsimulated step {done}/{total}");
+        }
+    })?;
+    let _ = writeln!(stderr.lock());
+    print_report(args.json, &report, || throughput_table(&report))?;
+    if let Some(prefix) = &args.plot_prefix {
+        for path in throughput_plots(&report, prefix, &args.plot_format)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn print_report<T: serde::Serialize>(
+    json: bool,
+    report: &T,
+    table: impl FnOnce() -> String,
+) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, report)?;
+        writeln!(out)?;
+    } else {
+        write!(out, "{}", table())?;
+    }
+    Ok(())
+}
+
+fn dedup(algos: &[Algo]) -> Vec<Algo> {
+    let mut out = Vec::new();
+    for &a in algos {
+        if !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    out
+}
