@@ -6,9 +6,10 @@
 
 mod cuda_common;
 
-use cuda_common::{gpu_or_skip, Rng};
+use cuda_common::common::{load_of, skewed_batches, Batch, Routing};
+use cuda_common::gpu_or_skip;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
-use rackfill_balancer::{Balancer, Layout, LoadMatrix, Plan};
+use rackfill_balancer::{Balancer, Layout, Plan};
 use rackfill_kernels::cuda::permute::{self, DevicePlan, Received, Routed};
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
 use rackfill_kernels::cuda::{CudaError, Gpu};
@@ -21,48 +22,17 @@ const EXPERTS: usize = 16;
 const TOP_K: usize = 4;
 const HIDDEN: usize = 40;
 
-struct Batch {
-    x: Vec<f32>,
-    experts: Vec<u32>,
-    weights: Vec<f32>,
-}
-
 fn batches(seed: u64) -> Vec<Batch> {
-    let mut rng = Rng(seed);
-    (0..RANKS)
-        .map(|r| {
-            let tokens = 30 + 7 * r + rng.below(20) as usize;
-            let mut experts = Vec::new();
-            for _ in 0..tokens {
-                let mut chosen: Vec<u32> = Vec::new();
-                if rng.below(10) < 8 {
-                    chosen.push(5);
-                }
-                while chosen.len() < TOP_K {
-                    let e = rng.below(EXPERTS as u64) as u32;
-                    if !chosen.contains(&e) {
-                        chosen.push(e);
-                    }
-                }
-                experts.extend(chosen);
-            }
-            Batch {
-                x: (0..tokens * HIDDEN).map(|_| rng.unit()).collect(),
-                weights: (0..tokens * TOP_K).map(|_| rng.unit()).collect(),
-                experts,
-            }
-        })
-        .collect()
-}
-
-fn load_of(batches: &[Batch]) -> LoadMatrix {
-    let mut load = LoadMatrix::zeros(RANKS, EXPERTS);
-    for (r, b) in batches.iter().enumerate() {
-        for &e in &b.experts {
-            *load.get_mut(r, e as usize) += 1;
-        }
-    }
-    load
+    let shape = Routing {
+        ranks: RANKS,
+        experts: EXPERTS,
+        top_k: TOP_K,
+        hidden: HIDDEN,
+        hot: 5,
+        base_tokens: 30,
+        tokens_per_rank: 7,
+    };
+    skewed_batches(seed, &shape)
 }
 
 fn expert_fn(expert: u32, input: &[f32], output: &mut [f32]) {
@@ -228,7 +198,7 @@ fn gpu_round_trip_is_bitwise_equal_to_the_cpu_reference() {
     let layout = Layout::contiguous(RANKS, EXPERTS, 2).unwrap();
     for seed in 0..4 {
         let batches = batches(seed);
-        let load = load_of(&batches);
+        let load = load_of(&batches, EXPERTS);
         let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
         assert!(plan.replicas() > 0);
         let uploaded = DevicePlan::upload(&gpu, &plan).unwrap();
@@ -261,7 +231,7 @@ fn gpu_permute_rejects_bad_experts_and_misrouted_rows() {
     let batches = batches(1);
     let layout = Layout::contiguous(RANKS, EXPERTS, 2).unwrap();
     let plan = QuotaPlanner::new(1)
-        .plan(&layout, &load_of(&batches))
+        .plan(&layout, &load_of(&batches, EXPERTS))
         .unwrap();
     let device_plan = DevicePlan::upload(&gpu, &plan).unwrap();
     let b = &batches[0];

@@ -2,7 +2,7 @@
 //! exactly its quota, rows are the source rows, and the EP round trip is bitwise equal to the
 //! dense weighted sum.
 
-use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings};
+use rackfill_balancer::{Algo, Layout, Plan, Settings};
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
     KernelError,
@@ -14,77 +14,30 @@ const EXPERTS: usize = 16;
 const TOP_K: usize = 4;
 const HIDDEN: usize = 8;
 
-/// splitmix64: a tiny deterministic generator, enough for test data.
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+use common::{load_of, skewed_batches, Batch, Rng, Routing};
 
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    /// In [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
-/// One source rank's batch: activations, routed experts (distinct per token) and router weights.
-struct Batch {
-    x: Vec<f32>,
-    experts: Vec<u32>,
-    weights: Vec<f32>,
-}
-
-impl Batch {
-    fn tokens(&self) -> usize {
-        self.experts.len() / TOP_K
-    }
+fn tokens(b: &Batch) -> usize {
+    b.experts.len() / TOP_K
 }
 
 /// Skewed routing: most tokens pick expert 3 first, so the planner replicates it.
 fn batches(seed: u64) -> Vec<Batch> {
-    let mut rng = Rng(seed);
-    (0..RANKS)
-        .map(|r| {
-            let tokens = 40 + 10 * r + rng.below(20) as usize;
-            let mut experts = Vec::with_capacity(tokens * TOP_K);
-            for _ in 0..tokens {
-                let mut chosen: Vec<u32> = Vec::new();
-                if rng.below(10) < 8 {
-                    chosen.push(3);
-                }
-                while chosen.len() < TOP_K {
-                    let e = rng.below(EXPERTS as u64) as u32;
-                    if !chosen.contains(&e) {
-                        chosen.push(e);
-                    }
-                }
-                experts.extend(chosen);
-            }
-            Batch {
-                x: (0..tokens * HIDDEN).map(|_| rng.unit()).collect(),
-                weights: (0..tokens * TOP_K).map(|_| rng.unit()).collect(),
-                experts,
-            }
-        })
-        .collect()
+    let shape = Routing {
+        ranks: RANKS,
+        experts: EXPERTS,
+        top_k: TOP_K,
+        hidden: HIDDEN,
+        hot: 3,
+        base_tokens: 40,
+        tokens_per_rank: 10,
+    };
+    skewed_batches(seed, &shape)
 }
 
 fn plan_for(batches: &[Batch]) -> Plan {
-    let mut load = LoadMatrix::zeros(RANKS, EXPERTS);
-    for (r, b) in batches.iter().enumerate() {
-        for &e in &b.experts {
-            *load.get_mut(r, e as usize) += 1;
-        }
-    }
+    let load = load_of(batches, EXPERTS);
     let layout = Layout::contiguous(RANKS, EXPERTS, 2).unwrap();
     let mut planner = Algo::Quota.build(&Settings::default());
     let plan = planner.plan(&layout, &load).unwrap();
@@ -156,9 +109,9 @@ fn each_instance_receives_exactly_its_quota_of_source_rows() {
 
 /// Dense reference: every pair computed in place, summed in k order from zero.
 fn dense(b: &Batch) -> Vec<f32> {
-    let mut out = vec![0f32; b.tokens() * HIDDEN];
+    let mut out = vec![0f32; tokens(b) * HIDDEN];
     let mut y = vec![0f32; HIDDEN];
-    for t in 0..b.tokens() {
+    for t in 0..tokens(b) {
         for k in 0..TOP_K {
             let p = t * TOP_K + k;
             expert_fn(b.experts[p], &b.x[t * HIDDEN..(t + 1) * HIDDEN], &mut y);
@@ -225,7 +178,7 @@ fn ep_round_trip_is_bitwise_equal_to_the_dense_path() {
                 pair_outputs.iter().all(|v| !v.is_nan()),
                 "every pair returned"
             );
-            let ep = combine(&pair_outputs, &b.weights, b.tokens(), TOP_K, HIDDEN).unwrap();
+            let ep = combine(&pair_outputs, &b.weights, tokens(b), TOP_K, HIDDEN).unwrap();
             let reference = dense(b);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ep), bits(&reference), "seed {seed} source {src}");

@@ -18,22 +18,9 @@ const EXPERT_BYTES: usize = 1531;
 const SLOT_BYTES: usize = EXPERT_BYTES + 13;
 const FILL: u8 = 0xAA;
 
-/// splitmix64: a tiny deterministic generator, enough for test data.
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use common::Rng;
 
 /// A skewed load (one very hot expert, one warm one) planned by the quota planner.
 fn skewed_plan(seed: u64) -> Plan {

@@ -2,6 +2,10 @@
 
 #![allow(dead_code)]
 
+#[path = "../common/mod.rs"]
+pub mod common;
+
+pub use common::Rng;
 use rackfill_balancer::{LoadMatrix, Plan};
 use rackfill_kernels::cuda::{CudaError, CudaUnavailable, Gpu};
 
@@ -25,28 +29,6 @@ pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
             None
         }
         Err(other) => panic!("{test}: the GPU exists but cannot be used: {other}"),
-    }
-}
-
-/// splitmix64: a tiny deterministic generator, enough for test data.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    /// In [-1, 1).
-    pub fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }
 
