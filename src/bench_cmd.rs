@@ -8,6 +8,7 @@ use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{run_ep, EpCase};
 use rackfill_bench::forward::{run_forward, synthetic_bench_model};
+use rackfill_engine::DataPlane;
 use rackfill_models::ModelBundle;
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -69,6 +70,11 @@ pub struct EpArgs {
     /// Redundant expert slots per rank.
     #[arg(long, default_value_t = 2)]
     pub slots: usize,
+
+    /// Data planes to run every configuration on, comma-separated: `cpu`, `gpu`, `gpu:N`
+    /// (`gpu` needs a binary built with `--features cuda` and a GPU).
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    pub data_planes: Vec<DataPlane>,
 
     /// Timed rounds after one warm-up; every round runs dense and every configuration.
     #[arg(long, default_value_t = 3, value_parser = parse_positive)]
@@ -155,14 +161,18 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
             args.seed,
         ),
     };
-    let cases: Vec<EpCase> = dedup(&args.ep)
-        .into_iter()
-        .flat_map(|ep_size| {
-            args.balancers
-                .iter()
-                .map(move |&balancer| EpCase { ep_size, balancer })
-        })
-        .collect();
+    let mut cases = Vec::new();
+    for &data_plane in &args.data_planes {
+        for ep_size in dedup(&args.ep) {
+            for &balancer in &args.balancers {
+                cases.push(EpCase {
+                    ep_size,
+                    balancer,
+                    data_plane,
+                });
+            }
+        }
+    }
     eprintln!(
         "bench ep: {name}, {} prompts ({} tokens), {} rounds",
         prompts.len(),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
-use rackfill_engine::{EngineConfig, EpConfig, SchedulerConfig};
+use rackfill_engine::{DataPlane, EngineConfig, EpConfig, SchedulerConfig};
 use rackfill_models::ModelBundle;
 use rackfill_server::{AppState, ServerConfig};
 
@@ -61,6 +61,10 @@ pub struct ServeArgs {
     /// The model name clients use (default: the --model argument, or the built-in name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Where the MoE data plane runs: `auto` (the GPU when the binary has feature `cuda` and a
+    /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
+    #[arg(long, default_value = "auto")]
+    data_plane: String,
 }
 
 /// Engine and server settings from the flags, checked before anything is loaded.
@@ -98,11 +102,13 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         .clone()
         .or_else(|| std::env::var("RACKFILL_API_KEY").ok())
         .filter(|k| !k.is_empty());
+    let (data_plane, _) = data_plane(&args.data_plane)?;
     let engine = EngineConfig {
         ep: EpConfig {
             ep_size: args.ep_size,
             redundant_slots: args.redundant_slots,
             balancer,
+            data_plane,
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {
@@ -184,7 +190,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         let name = bundle.name.clone();
         let ep = engine_config.ep;
-        tracing::info!("data plane: {}", data_plane());
+        tracing::info!("data plane: {}", data_plane(&args.data_plane)?.1);
         let state = AppState::launch(bundle, engine_config, server_config)
             .context("cannot start the engine")?;
         tracing::info!(
@@ -204,22 +210,48 @@ pub fn run(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Where the engine's data plane runs, for the startup log. The probe never panics: on a host
-/// without libcuda (or a binary built without `cuda`) it says why the CPU is used.
-fn data_plane() -> String {
+/// The data plane `--data-plane` asks for, and a line for the startup log saying where it runs
+/// and why. `auto` never fails: without feature `cuda` or a visible GPU (the probe never
+/// panics) it picks the CPU and says why.
+fn data_plane(arg: &str) -> Result<(DataPlane, String)> {
+    let gpu_ordinal = match arg {
+        "auto" => None,
+        other => match other.parse::<DataPlane>() {
+            Ok(DataPlane::Cpu) => {
+                return Ok((DataPlane::Cpu, "running on CPU (--data-plane cpu)".into()))
+            }
+            Ok(DataPlane::Gpu { ordinal }) => Some(ordinal),
+            Err(_) => bail!("--data-plane must be auto, cpu, gpu or gpu:N, got '{other}'"),
+        },
+    };
     #[cfg(feature = "cuda")]
     {
-        match rackfill_kernels::cuda::probe() {
-            Ok(gpu) => format!(
-                "running on CPU; GPU found ({gpu}) but the engine does not drive the GPU kernels \
-                 yet (rackfill kernels bench exercises them)"
-            ),
-            Err(why) => format!("running on CPU: {why}"),
+        match (gpu_ordinal, rackfill_kernels::cuda::probe()) {
+            (Some(ordinal), _) => Ok((
+                DataPlane::Gpu { ordinal },
+                format!("GPU {ordinal} (--data-plane {arg})"),
+            )),
+            (None, Ok(gpu)) => Ok((
+                DataPlane::Gpu {
+                    ordinal: gpu.ordinal,
+                },
+                format!("running on GPU {gpu}"),
+            )),
+            (None, Err(why)) => Ok((DataPlane::Cpu, format!("running on CPU: {why}"))),
         }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        "running on CPU (built without feature `cuda`)".to_string()
+        match gpu_ordinal {
+            Some(_) => bail!(
+                "--data-plane {arg} needs a binary built with `--features cuda` \
+                 (this one runs the data plane on the CPU only)"
+            ),
+            None => Ok((
+                DataPlane::Cpu,
+                "running on CPU (built without feature `cuda`)".into(),
+            )),
+        }
     }
 }
 
@@ -273,10 +305,29 @@ mod tests {
             &["--max-concurrent-requests", "0"],
             &["--shutdown-timeout=-1"],
             &["--served-model-name", ""],
+            &["--data-plane", "tpu"],
+            &["--data-plane", "gpu:x"],
         ] {
             let err = parse(flags).unwrap_err().to_string();
             assert!(!err.contains('\n'), "{flags:?}: {err}");
         }
         assert!(parse(&["--port", "70000"]).is_err());
+    }
+
+    #[test]
+    fn data_plane_choice() {
+        let (engine, _) = parse(&["--data-plane", "cpu"]).unwrap();
+        assert_eq!(engine.ep.data_plane, DataPlane::Cpu);
+        // Without a GPU (or without feature cuda) `auto` is the CPU, and says why.
+        if cfg!(not(feature = "cuda")) {
+            let (plane, why) = data_plane("auto").unwrap();
+            assert_eq!(plane, DataPlane::Cpu);
+            assert!(why.contains("without feature `cuda`"), "{why}");
+            let err = parse(&["--data-plane", "gpu:1"]).unwrap_err().to_string();
+            assert!(err.contains("--features cuda"), "{err}");
+        } else {
+            let (engine, _) = parse(&["--data-plane", "gpu:1"]).unwrap();
+            assert_eq!(engine.ep.data_plane, DataPlane::Gpu { ordinal: 1 });
+        }
     }
 }

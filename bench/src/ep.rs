@@ -5,12 +5,14 @@
 //! balancer, alternating configurations every round so machine noise hits all of them. Reported
 //! per configuration: prefill tokens/s (median over rounds) and its ratio to dense, which is the
 //! EP machinery's overhead on one host, and, from the runtime's per-rank cost model, the
-//! simulated MoE makespan with the plan and without balancing, summed over layers.
+//! simulated MoE makespan with the plan and without balancing, summed over layers. Each
+//! configuration also names its data plane, so a GPU host times the CPU and GPU planes side by
+//! side in one run.
 
 use std::time::Instant;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{EpConfig, EpRuntime, StepOutput};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, StepOutput};
 use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
@@ -32,10 +34,17 @@ pub struct EpCase {
     pub ep_size: usize,
     #[serde(serialize_with = "algo_name")]
     pub balancer: Algo,
+    /// Where the MoE data plane runs (`cpu`, `gpu:N`).
+    #[serde(serialize_with = "plane_name")]
+    pub data_plane: DataPlane,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(algo.name())
+}
+
+fn plane_name<S: serde::Serializer>(plane: &DataPlane, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(plane)
 }
 
 /// Figures of one configuration (or of the dense path, `case: None`).
@@ -89,6 +98,7 @@ pub fn run_ep(
                     ep_size: c.ep_size,
                     redundant_slots,
                     balancer: c.balancer,
+                    data_plane: c.data_plane,
                     ..EpConfig::default()
                 },
             )
@@ -205,7 +215,10 @@ impl EpReport {
         for r in &self.results {
             let name = match r.case {
                 None => "dense (1 device)".to_string(),
-                Some(c) => format!("EP {} {}", c.ep_size, c.balancer.name()),
+                Some(c) => match c.data_plane {
+                    DataPlane::Cpu => format!("EP {} {}", c.ep_size, c.balancer.name()),
+                    gpu => format!("EP {} {} ({gpu})", c.ep_size, c.balancer.name()),
+                },
             };
             let (imb, sim) = match r.case {
                 None => ("-".to_string(), "-".to_string()),

@@ -13,26 +13,61 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 
 use rackfill_balancer::metrics::{evaluate, PlanMetrics};
-use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
-use rackfill_kernels::{
-    combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
-    KernelError,
-};
-use rackfill_models::layers::gated_mlp_rows;
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
 use rackfill_models::{FeedForward, LogitsFor, MoeModel, Routing, SeqChunk, SequenceInput};
 
 use crate::cost::{flops_per_pair, CostModel, SimulatedMakespan};
+use crate::cpu_plane::{CpuPlane, LayerWork};
 use crate::error::{EngineError, Result};
-use crate::fabric::{Fabric, LocalFabric, Message, ReplicaBuffers};
+use crate::fabric::{Fabric, LocalFabric};
 
 /// Per-row metadata in dispatch messages: pair index, expert, instance.
-const IDS_PER_ROW: usize = 3;
+pub(crate) const IDS_PER_ROW: usize = 3;
+
+/// Where the MoE layers' data plane (replica streaming, dispatch, expert compute, combine) runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DataPlane {
+    /// Host memory and the model's own expert MLP (every build).
+    #[default]
+    Cpu,
+    /// Every rank's experts, slots and token buffers on GPU `ordinal`, CUDA kernels and cuBLAS
+    /// (builds with feature `cuda`; the router, attention and shared experts stay on the CPU).
+    Gpu { ordinal: usize },
+}
+
+impl std::fmt::Display for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataPlane::Cpu => f.write_str("cpu"),
+            DataPlane::Gpu { ordinal } => write!(f, "gpu:{ordinal}"),
+        }
+    }
+}
+
+impl std::str::FromStr for DataPlane {
+    type Err = String;
+
+    /// `cpu`, `gpu` (device 0) or `gpu:N`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(DataPlane::Cpu),
+            "gpu" => Ok(DataPlane::Gpu { ordinal: 0 }),
+            other => other
+                .strip_prefix("gpu:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| DataPlane::Gpu { ordinal })
+                .ok_or_else(|| {
+                    format!("unknown data plane '{other}' (expected cpu, gpu or gpu:N)")
+                }),
+        }
+    }
+}
 
 /// How the runtime is laid out and balanced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,8 +83,9 @@ pub struct EpConfig {
     pub cost: CostModel,
     /// Solve every layer's plan once per rank, each from its own copy of the gathered load, and
     /// fail unless all plans are identical (what a multi-host deployment relies on; costs `R`
-    /// solves, so tests turn it on).
+    /// solves, so tests turn it on). With the GPU solver, the host planners must agree with it.
     pub verify_plans: bool,
+    pub data_plane: DataPlane,
 }
 
 impl Default for EpConfig {
@@ -62,6 +98,7 @@ impl Default for EpConfig {
             relay: RelayConfig::default(),
             cost: CostModel::default(),
             verify_plans: false,
+            data_plane: DataPlane::Cpu,
         }
     }
 }
@@ -113,12 +150,26 @@ pub struct EpRuntime {
     layout: Layout,
     /// Per layer (`None` for dense layers): one planner per rank when plans are verified, else one.
     planners: Vec<Option<Vec<Box<dyn Balancer>>>>,
-    /// Per rank: `n_slot` slots of `expert_floats` f32s, reused by every layer.
-    slots: Vec<Vec<f32>>,
-    /// Floats of one expert: `[H, 2I]` gate-up then `[I, H]` down.
-    expert_floats: usize,
-    gate_up_floats: usize,
+    plane: Plane,
     fabric: Box<dyn Fabric>,
+}
+
+/// The data plane in use.
+enum Plane {
+    Cpu(CpuPlane),
+    #[cfg(feature = "cuda")]
+    Gpu(Box<crate::gpu_plane::GpuPlane>),
+}
+
+/// What a data plane returns for one layer.
+pub(crate) struct PlaneOutput {
+    /// Per rank: the routed experts' combined output (`None` without tokens), before shared
+    /// experts.
+    pub routed: Vec<Option<Tensor>>,
+    /// Per rank: bytes received from other ranks (dispatched rows, combined outputs, replicas).
+    pub recv_bytes: Vec<u64>,
+    /// Replica weight bytes streamed (all ranks).
+    pub replica_bytes: u64,
 }
 
 impl EpRuntime {
@@ -162,19 +213,30 @@ impl EpRuntime {
                 FeedForward::Dense(_) => None,
             })
             .collect();
-        let gate_up_floats = hidden * 2 * inter;
-        let expert_floats = gate_up_floats + inter * hidden;
-        let slots = (0..config.ep_size)
-            .map(|_| vec![0f32; config.redundant_slots * expert_floats])
-            .collect();
+        let plane = match config.data_plane {
+            DataPlane::Cpu => Plane::Cpu(CpuPlane::new(
+                config.ep_size,
+                config.redundant_slots,
+                hidden,
+                inter,
+            )),
+            #[cfg(feature = "cuda")]
+            DataPlane::Gpu { ordinal } => Plane::Gpu(Box::new(crate::gpu_plane::GpuPlane::open(
+                &model, &layout, &config, ordinal,
+            )?)),
+            #[cfg(not(feature = "cuda"))]
+            DataPlane::Gpu { .. } => {
+                return Err(EngineError::Gpu(
+                    "this build has no GPU data plane (rebuild with `--features cuda`)".into(),
+                ))
+            }
+        };
         Ok(Self {
             model,
             config,
             layout,
             planners,
-            slots,
-            expert_floats,
-            gate_up_floats,
+            plane,
             fabric,
         })
     }
@@ -199,12 +261,14 @@ impl EpRuntime {
         self.fabric.bytes_moved()
     }
 
-    /// The contents of rank `rank`'s redundant slot `slot` (what the last layer streamed there).
-    pub fn slot_contents(&self, rank: usize, slot: usize) -> Option<&[f32]> {
-        let start = slot.checked_mul(self.expert_floats)?;
-        self.slots
-            .get(rank)?
-            .get(start..start.checked_add(self.expert_floats)?)
+    /// A copy of rank `rank`'s redundant slot `slot` (what the last layer streamed there; read
+    /// back from the device on the GPU plane).
+    pub fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
+        match &self.plane {
+            Plane::Cpu(cpu) => cpu.slot_contents(rank, slot),
+            #[cfg(feature = "cuda")]
+            Plane::Gpu(gpu) => gpu.slot_contents(rank, slot),
+        }
     }
 
     /// One step: every rank's batch of sequence chunks through every layer. `batches[r]` is rank
@@ -360,109 +424,37 @@ impl EpRuntime {
         let (plan, load, solve) = self.solve(layer, gathered)?;
         phases.solve = started.elapsed();
 
-        // 4. Replica weights into the slot buffers.
-        let started = Instant::now();
-        let replica_recv = self.stream_replicas(block, &plan)?;
-        let replica_bytes = replica_recv.iter().sum();
-        phases.replicate = started.elapsed();
-
-        // 5. Token assignment by cumulative quotas, and dispatch.
-        let started = Instant::now();
-        let router = InstanceRouter::new(&plan);
-        let permuted: Vec<Vec<DispatchBuffers>> = routed
-            .par_iter()
-            .enumerate()
-            .map(|(rank, (xs, routing))| {
-                permute_tokens(rank, xs, hidden, top_k, &routing.experts, &router)
-            })
-            .collect::<Result<_, KernelError>>()?;
-        // A source keeps which pairs it sent where; the rows travel with (pair, expert, instance).
-        let mut sent_pairs: Vec<Vec<Vec<u32>>> = Vec::with_capacity(permuted.len());
-        let mut send: Vec<Vec<Message>> = Vec::with_capacity(permuted.len());
-        for buffers in permuted {
-            sent_pairs.push(buffers.iter().map(|b| b.pairs.clone()).collect());
-            send.push(buffers.into_iter().map(to_message).collect());
-        }
-        let received = self.fabric.all_to_all_v(send)?;
-        let mut recv_bytes = remote_bytes(&received);
-        phases.dispatch = started.elapsed();
-
-        // 6. Grouped expert compute on every rank, main and replica instances.
-        let started = Instant::now();
-        let slots = SlotView {
-            slots: &self.slots,
-            expert_floats: self.expert_floats,
-            gate_up_floats: self.gate_up_floats,
-        };
+        // 4-7. Replicas, token assignment and dispatch, expert compute, combine: on the GPU
+        // when one runs the data plane, else on the CPU.
         let inter = self.model.config().moe.intermediate_size;
-        let replies: Vec<Vec<Message>> = received
-            .into_par_iter()
-            .enumerate()
-            .map(|(rank, messages)| {
-                let received: Vec<DispatchBuffers> =
-                    messages.into_iter().map(from_message).collect();
-                let batches = group_by_instance(rank, &received, hidden, &router)?;
-                let outputs: Vec<Vec<f32>> = batches
-                    .groups()
-                    .par_iter()
-                    .map(|group| {
-                        let weights = slots.instance_weights(
-                            block,
-                            &plan,
-                            rank,
-                            group.expert,
-                            group.instance,
-                        )?;
-                        let input = batches.block(group).unwrap_or_default();
-                        Ok(gated_mlp_rows(
-                            weights,
-                            hidden,
-                            inter,
-                            input,
-                            group.rows.len(),
-                        ))
-                    })
-                    .collect::<Result<_>>()?;
-                let back = batches.return_outputs(&outputs.concat())?;
-                Ok(back
-                    .into_iter()
-                    .map(|rows| Message {
-                        rows,
-                        ids: Vec::new(),
-                    })
-                    .collect())
-            })
-            .collect::<Result<_>>()?;
-        phases.experts = started.elapsed();
-
-        // 7. Combine back on the source ranks, weighted sum in top-k order, shared experts.
+        let plane = self.run_data_plane(
+            layer,
+            &LayerWork {
+                block,
+                plan: &plan,
+                routed: &routed,
+                hidden,
+                inter,
+                top_k,
+            },
+            &mut phases,
+        )?;
+        let PlaneOutput {
+            routed: routed_out,
+            recv_bytes,
+            replica_bytes,
+        } = plane;
+        // Shared experts on the source ranks (timed with the combine, as they finish the layer).
         let started = Instant::now();
-        let returned = self.fabric.all_to_all_v(replies)?;
-        for ((total, combined), replica) in recv_bytes
-            .iter_mut()
-            .zip(remote_bytes(&returned))
-            .zip(replica_recv)
-        {
-            *total += combined + replica;
-        }
         let outs = inputs
             .par_iter()
-            .zip(routed.par_iter())
-            .zip(returned.par_iter().zip(sent_pairs.par_iter()))
-            .map(|((x, (_, routing)), (messages, pairs))| {
-                let Some(x) = x else { return Ok(None) };
-                let tokens = routing.num_tokens();
-                let mut pair_outputs = vec![0f32; routing.experts.len() * hidden];
-                for (message, pairs) in messages.iter().zip(pairs) {
-                    scatter_pairs(&mut pair_outputs, hidden, pairs, &message.rows)?;
-                }
-                let acc = combine(&pair_outputs, &routing.weights, tokens, top_k, hidden)?;
-                let routed = Tensor::from_vec(acc, (tokens, hidden), &Device::Cpu)
-                    .map_err(rackfill_models::ModelError::from)?;
-                Ok(Some(block.add_shared(x, routed)?))
+            .zip(routed_out)
+            .map(|(x, routed)| match (x, routed) {
+                (Some(x), Some(routed)) => Ok(Some(block.add_shared(x, routed)?)),
+                _ => Ok(None),
             })
             .collect::<Result<_>>()?;
-        phases.combine = started.elapsed();
+        phases.combine += started.elapsed();
 
         let metrics = evaluate(&self.layout, &load, &plan);
         let simulated = self.config.cost.layer(
@@ -491,9 +483,58 @@ impl EpRuntime {
         ))
     }
 
-    /// Solves the layer's plan from the gathered load. With `verify_plans`, every rank solves
-    /// from its own copy and the plans must agree.
+    /// Replication, dispatch, expert compute and combine of one layer on the plane in use.
+    fn run_data_plane(
+        &mut self,
+        layer: usize,
+        work: &LayerWork<'_>,
+        phases: &mut PhaseTimes,
+    ) -> Result<PlaneOutput> {
+        match &mut self.plane {
+            Plane::Cpu(cpu) => cpu.run_layer(&*self.fabric, &self.config.relay, work, phases),
+            #[cfg(feature = "cuda")]
+            Plane::Gpu(gpu) => gpu_layer(gpu, &self.config.relay, layer, work, phases),
+        }
+        .map_err(|err| match err {
+            EngineError::Gpu(why) => EngineError::Gpu(format!("layer {layer}: {why}")),
+            other => other,
+        })
+    }
+
+    /// Solves the layer's plan from the gathered load: on the GPU when it runs the data plane
+    /// with a quota balancer (the plan stays on the device for the permute), else on the host.
+    /// With `verify_plans`, the host planners solve too, one per rank from its own copy, and
+    /// every plan must agree.
     fn solve(
+        &mut self,
+        layer: usize,
+        gathered: Vec<Vec<u64>>,
+    ) -> Result<(Plan, LoadMatrix, Duration)> {
+        #[cfg(feature = "cuda")]
+        if let Plane::Gpu(gpu) = &mut self.plane {
+            if gpu.solves() {
+                let (ranks, experts) = (self.layout.ranks(), self.layout.experts());
+                let first = gathered.first().cloned().unwrap_or_default();
+                let load = LoadMatrix::from_flat(ranks, experts, first)?;
+                let started = Instant::now();
+                let plan = gpu.solve(&load)?;
+                let took = started.elapsed();
+                if self.config.verify_plans {
+                    let (host, _, _) = self.solve_on_host(layer, gathered)?;
+                    if host != plan {
+                        return Err(EngineError::Gpu(format!(
+                            "layer {layer}: the GPU solver's plan differs from the host planner's"
+                        )));
+                    }
+                }
+                return Ok((plan, load, took));
+            }
+        }
+        self.solve_on_host(layer, gathered)
+    }
+
+    /// [`Self::solve`] with the host planners.
+    fn solve_on_host(
         &mut self,
         layer: usize,
         gathered: Vec<Vec<u64>>,
@@ -524,93 +565,6 @@ impl EpRuntime {
         }
         plan.ok_or_else(|| EngineError::Config(format!("layer {layer} has no planner")))
     }
-
-    /// Streams every replica's weights from its home expert into its slot; returns the bytes
-    /// each rank received.
-    fn stream_replicas(&mut self, block: &MoeBlock, plan: &Plan) -> Result<Vec<u64>> {
-        if plan.replicas() == 0 {
-            return Ok(vec![0; plan.ranks()]);
-        }
-        let expert_bytes = (self.expert_floats * 4) as u64;
-        let schedule = plan_transfers(plan, expert_bytes, &self.config.relay);
-        let source = |e: u32| -> Vec<&[u8]> {
-            block.experts[e as usize]
-                .weights()
-                .iter()
-                .map(|w| f32_bytes(w))
-                .collect()
-        };
-        let slot_bytes = self.expert_floats * 4;
-        let slots: Vec<&mut [u8]> = self.slots.iter_mut().map(|s| f32_bytes_mut(s)).collect();
-        let stats = self.fabric.stream_replicas(
-            plan,
-            &schedule,
-            ReplicaBuffers {
-                source: &source,
-                slots,
-                slot_bytes,
-                expert_bytes: slot_bytes,
-            },
-        )?;
-        Ok(stats.received_bytes)
-    }
-}
-
-/// The redundant-slot buffers of every rank, as expert compute reads them.
-struct SlotView<'a> {
-    slots: &'a [Vec<f32>],
-    expert_floats: usize,
-    gate_up_floats: usize,
-}
-
-impl SlotView<'_> {
-    /// The weights of `expert`'s `instance` as held by `rank`: the main expert on its home rank,
-    /// or the redundant slot the plan streamed it into.
-    fn instance_weights<'b>(
-        &'b self,
-        block: &'b MoeBlock,
-        plan: &Plan,
-        rank: usize,
-        expert: u32,
-        instance: u32,
-    ) -> Result<[&'b [f32]; 2]> {
-        let on = plan
-            .instances(expert as usize)
-            .get(instance as usize)
-            .map(|i| i.rank as usize);
-        if on != Some(rank) {
-            return Err(EngineError::Fabric(format!(
-                "rank {rank} received tokens for instance {instance} of expert {expert}, which lives on {on:?}"
-            )));
-        }
-        if instance == 0 {
-            return Ok(block.experts[expert as usize].weights());
-        }
-        let slot = plan
-            .rank_slots(rank)
-            .iter()
-            .position(|&s| s == Some(expert))
-            .ok_or_else(|| {
-                EngineError::Fabric(format!("rank {rank} has no slot for expert {expert}"))
-            })?;
-        let floats = &self.slots[rank][slot * self.expert_floats..(slot + 1) * self.expert_floats];
-        let (gate_up, down) = floats.split_at(self.gate_up_floats);
-        Ok([gate_up, down])
-    }
-}
-
-/// Per receiving rank: bytes of the messages that came from other ranks (`recv[dst][src]`).
-fn remote_bytes(recv: &[Vec<Message>]) -> Vec<u64> {
-    recv.iter()
-        .enumerate()
-        .map(|(dst, row)| {
-            row.iter()
-                .enumerate()
-                .filter(|&(src, _)| src != dst)
-                .map(|(_, m)| m.bytes())
-                .sum()
-        })
-        .collect()
 }
 
 /// What each rank would receive without balancing: rows for its main experts from other
@@ -631,46 +585,53 @@ fn unbalanced_recv_bytes(layout: &Layout, load: &LoadMatrix, hidden: usize) -> V
     recv
 }
 
-/// Dispatch rows on the wire: the activations, and (pair, expert, instance) per row.
-fn to_message(buffers: DispatchBuffers) -> Message {
-    let mut ids = Vec::with_capacity(buffers.len() * IDS_PER_ROW);
-    for ((&p, &e), &i) in buffers
-        .pairs
+/// One layer on the GPU plane: the same relay schedule as the CPU plane, the outputs back as
+/// tensors.
+#[cfg(feature = "cuda")]
+fn gpu_layer(
+    gpu: &mut crate::gpu_plane::GpuPlane,
+    relay: &RelayConfig,
+    layer: usize,
+    work: &LayerWork<'_>,
+    phases: &mut PhaseTimes,
+) -> Result<PlaneOutput> {
+    use rackfill_kernels::cuda::moe::RankInput;
+    let expert_bytes = ((work.hidden * 2 * work.inter + work.inter * work.hidden) * 4) as u64;
+    let schedule = rackfill_balancer::relay::plan_transfers(work.plan, expert_bytes, relay);
+    let inputs: Vec<RankInput<'_>> = work
+        .routed
         .iter()
-        .zip(&buffers.experts)
-        .zip(&buffers.instances)
-    {
-        ids.extend_from_slice(&[p, e, i]);
-    }
-    Message {
-        rows: buffers.rows,
-        ids,
-    }
-}
-
-/// The receiving side of [`to_message`].
-fn from_message(message: Message) -> DispatchBuffers {
-    let column = |c: usize| -> Vec<u32> {
-        message
-            .ids
-            .chunks_exact(IDS_PER_ROW)
-            .map(|ids| ids[c])
-            .collect()
-    };
-    DispatchBuffers {
-        pairs: column(0),
-        experts: column(1),
-        instances: column(2),
-        rows: message.rows,
-    }
-}
-
-/// The bytes of an f32 slice (what the fabric moves).
-fn f32_bytes(xs: &[f32]) -> &[u8] {
-    bytemuck::cast_slice(xs)
-}
-
-/// The bytes of a mutable f32 slice.
-fn f32_bytes_mut(xs: &mut [f32]) -> &mut [u8] {
-    bytemuck::cast_slice_mut(xs)
+        .map(|(xs, routing)| RankInput {
+            x: xs,
+            experts: &routing.experts,
+            weights: &routing.weights,
+        })
+        .collect();
+    let run = gpu.run_layer(layer, work.plan, &schedule, &inputs, work.top_k)?;
+    phases.replicate = run.phases.replicate;
+    phases.dispatch = run.phases.dispatch;
+    phases.experts = run.phases.experts;
+    phases.combine = run.phases.combine;
+    let routed = run
+        .outputs
+        .into_iter()
+        .map(|rows| {
+            let tokens = rows.len() / work.hidden.max(1);
+            (!rows.is_empty())
+                .then(|| Tensor::from_vec(rows, (tokens, work.hidden), &candle_core::Device::Cpu))
+                .transpose()
+                .map_err(|e| rackfill_models::ModelError::from(e).into())
+        })
+        .collect::<Result<_>>()?;
+    let recv_bytes = run
+        .token_recv_bytes
+        .iter()
+        .zip(&run.replica_recv_bytes)
+        .map(|(tokens, replicas)| tokens + replicas)
+        .collect();
+    Ok(PlaneOutput {
+        routed,
+        recv_bytes,
+        replica_bytes: run.replica_recv_bytes.iter().sum(),
+    })
 }

@@ -1,18 +1,24 @@
 //! The EP runtime must compute what the dense single-rank path computes: for EP sizes 1, 2, 3,
 //! 4 and 8, every balancer, prompts chunked across steps and several sequences per rank, the
 //! logits of every position equal the dense logits within 1e-4 (max abs difference), and every
-//! replica slot holds its home expert's weights byte for byte after streaming.
+//! replica slot holds its home expert's weights byte for byte after streaming. With feature
+//! `cuda` on a GPU host the same holds for the GPU data plane (tolerance [`GPU_TOLERANCE`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{EpConfig, EpRuntime};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime};
 use rackfill_models::{KvCache, LogitsFor, ModelBundle, MoeModel, SequenceInput};
 
 /// Max abs logit difference allowed between EP and dense (f32 on CPU; the combine is done in the
 /// same order, so in practice the difference is zero or a few ulp).
 const TOLERANCE: f32 = 1e-4;
+
+/// The GPU plane computes experts with cuBLAS SGEMM (full f32, no TF32) and `expf`, in another
+/// summation order than the CPU GEMM: its logits may differ by accumulated rounding.
+#[cfg(feature = "cuda")]
+const GPU_TOLERANCE: f32 = 2e-3;
 
 fn builtin() -> Arc<MoeModel> {
     Arc::new(ModelBundle::builtin().expect("built-in model").model)
@@ -155,6 +161,26 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
 }
 
 fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize], chunk: usize) {
+    check_on(
+        model,
+        DataPlane::Cpu,
+        TOLERANCE,
+        ep_sizes,
+        algos,
+        lens,
+        chunk,
+    );
+}
+
+fn check_on(
+    model: Arc<MoeModel>,
+    data_plane: DataPlane,
+    tolerance: f32,
+    ep_sizes: &[usize],
+    algos: &[Algo],
+    lens: &[usize],
+    chunk: usize,
+) {
     let prompts = prompts(model.config().vocab_size, lens);
     let want = dense_logits(&model, &prompts);
     for &ep_size in ep_sizes {
@@ -164,6 +190,7 @@ fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize
                 redundant_slots: 2,
                 balancer,
                 verify_plans: true,
+                data_plane,
                 ..EpConfig::default()
             };
             let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
@@ -174,8 +201,8 @@ fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize
             }
             let diff = max_abs_diff(&got, &want);
             assert!(
-                diff <= TOLERANCE,
-                "EP {ep_size} with {balancer}: max abs logit difference {diff}"
+                diff <= tolerance,
+                "EP {ep_size} with {balancer} on {data_plane:?}: max abs logit difference {diff}"
             );
         }
     }
@@ -207,4 +234,55 @@ fn shared_experts_and_dense_layers_match_dense() {
             8,
         );
     }
+}
+
+/// The GPU data plane (device solver for quota, tile streaming, device permute, cuBLAS experts)
+/// against the dense CPU path, every balancer, plus the fixtures with shared experts and dense
+/// layers. Skips with the reason on a machine without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a
+/// missing GPU a failure.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_data_plane_matches_dense() {
+    let probe = rackfill_kernels::cuda::probe();
+    if let Err(why) = probe {
+        assert!(
+            std::env::var("RACKFILL_REQUIRE_GPU").map_or(true, |v| v != "1"),
+            "RACKFILL_REQUIRE_GPU=1 but no GPU: {why}"
+        );
+        eprintln!("gpu_data_plane_matches_dense: skipped, no CUDA GPU ({why})");
+        return;
+    }
+    let gpu = DataPlane::Gpu { ordinal: 0 };
+    check_on(
+        builtin(),
+        gpu,
+        GPU_TOLERANCE,
+        &[1, 2, 4, 8],
+        &Algo::ALL,
+        &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+        24,
+    );
+    for family in ["qwen2_moe", "deepseek_v3", "mixtral", "qwen3_moe"] {
+        check_on(
+            fixture(family),
+            gpu,
+            GPU_TOLERANCE,
+            &[3, 4],
+            &[Algo::Quota, Algo::EplbExact],
+            &[19, 7, 30, 12],
+            8,
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_data_plane_needs_the_cuda_feature() {
+    let config = EpConfig {
+        ep_size: 2,
+        data_plane: DataPlane::Gpu { ordinal: 0 },
+        ..EpConfig::default()
+    };
+    let err = EpRuntime::new(builtin(), config).err().expect("refused");
+    assert!(err.to_string().contains("--features cuda"), "{err}");
 }

@@ -382,7 +382,12 @@ pub fn combine(
     Ok(out)
 }
 
-fn check_len(what: &'static str, len: usize, expected: usize) -> Result<(), KernelError> {
+/// `len == expected`, or a [`KernelError::Length`] naming `what` (the CUDA launchers use it too).
+pub(crate) fn check_len(
+    what: &'static str,
+    len: usize,
+    expected: usize,
+) -> Result<(), KernelError> {
     if len == expected {
         Ok(())
     } else {

@@ -2,7 +2,8 @@
 //! of one block (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a
 //! GPU: the quota solver's plan equals the CPU planner's bit for bit (with the host's own
 //! shared-memory layout), the permute / group / return / combine kernels are bitwise equal to
-//! the CPU data plane, and the tile-streaming kernel fills every slot like the CPU executor.
+//! the CPU data plane, the tile-streaming kernel fills every slot like the CPU executor, and the
+//! gated activation between the expert GEMMs computes `silu(gate) * up`.
 //!
 //! This is what keeps the GPU mirror of the planner honest in CI: change quota.rs without the
 //! kernel and this fails. It cannot show cp.async, cross-GPU memory ordering or several
@@ -47,6 +48,7 @@ fn host_source() -> String {
         .unwrap_or_default();
     src += nvrtc::QUOTA_SOLVER.source;
     src += nvrtc::PERMUTE.source;
+    src += nvrtc::EXPERTS.source;
     let replicate = nvrtc::REPLICATE.source;
     let start = replicate
         .find("__device__ __forceinline__ u32 ld_acquire_sys_u32")
@@ -543,6 +545,44 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
                 *got == want,
                 "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}"
             );
+        }
+    }
+}
+
+#[test]
+fn emulated_gated_activation_is_silu_of_the_gate_times_up() {
+    let Some(exe) = emulator() else { return };
+    for (case, (rows, inter, warps)) in
+        [(1usize, 1usize, 1u32), (7, 5, 1), (13, 300, 4), (40, 64, 2)]
+            .into_iter()
+            .enumerate()
+    {
+        let mut rng = Rng(case as u64 + 900);
+        // Gates across the range where silu bends, overflows exp, and saturates.
+        let gate_up: Vec<f32> = (0..rows * 2 * inter)
+            .map(|i| {
+                if i % (2 * inter) < inter {
+                    (rng.unit() - 0.5) * 40.0
+                } else {
+                    rng.unit() * 3.0 - 1.5
+                }
+            })
+            .collect();
+        let input = format!("{rows} {inter}\n{}\n", join(&bits(&gate_up)));
+        let out = run(exe, "act", warps, &input);
+        let got = get(&out, "act");
+        assert_eq!(got.len(), rows * inter);
+        for r in 0..rows {
+            for j in 0..inter {
+                let g = f64::from(gate_up[r * 2 * inter + j]);
+                let up = f64::from(gate_up[r * 2 * inter + inter + j]);
+                let want = g / (1.0 + (-g).exp()) * up;
+                let got = f64::from(f32::from_bits(got[r * inter + j] as u32));
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "row {r} column {j}: {got} vs {want}"
+                );
+            }
         }
     }
 }

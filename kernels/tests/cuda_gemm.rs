@@ -1,12 +1,13 @@
 //! Grouped expert GEMM with cuBLAS: every group's rows times its own weight matrix, main experts
-//! and replicas alike, matches a CPU matmul; malformed groups are refused. GPU only.
+//! and replicas alike, stored either way round, matches a CPU matmul; malformed groups are
+//! refused. GPU only.
 
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
 
 use cuda_common::{gpu_or_skip, Rng};
-use rackfill_kernels::cuda::gemm::{GemmGroup, GroupedGemm};
+use rackfill_kernels::cuda::gemm::{GemmGroup, GroupedGemm, WeightOrder};
 
 #[test]
 fn grouped_gemm_matches_a_cpu_matmul() {
@@ -23,49 +24,74 @@ fn grouped_gemm_matches_a_cpu_matmul() {
         .iter()
         .map(|_| (0..n * k).map(|_| rng.unit()).collect())
         .collect();
-    let d_x = s.clone_htod(&x).unwrap();
-    let mut d_y = s.alloc_zeros::<f32>(total * n).unwrap();
-    let d_w: Vec<_> = weights.iter().map(|w| s.clone_htod(w).unwrap()).collect();
-    let mut start = 0;
-    let groups: Vec<GemmGroup> = groups_rows
+    // The same matrices stored `k x n` (pre-transposed, the engine's expert layout).
+    let transposed: Vec<Vec<f32>> = weights
         .iter()
-        .zip(&d_w)
-        .map(|(&rows, w)| {
-            let g = GemmGroup {
-                rows: start..start + rows,
-                weight: w.slice(..),
-            };
-            start += rows;
-            g
+        .map(|w| {
+            let mut t = vec![0f32; n * k];
+            for j in 0..n {
+                for i in 0..k {
+                    t[i * n + j] = w[j * k + i];
+                }
+            }
+            t
         })
         .collect();
+    let d_x = s.clone_htod(&x).unwrap();
     let gemm = GroupedGemm::new(&gpu).unwrap();
-    gemm.run(&gpu, &d_x, &mut d_y, k, n, &groups).unwrap();
-    let y = s.clone_dtoh(&d_y).unwrap();
-    let mut row = 0;
-    for (g, &rows) in groups_rows.iter().enumerate() {
-        for _ in 0..rows {
-            for j in 0..n {
-                let want: f64 = (0..k)
-                    .map(|i| f64::from(x[row * k + i]) * f64::from(weights[g][j * k + i]))
-                    .sum();
-                let got = f64::from(y[row * n + j]);
-                assert!(
-                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                    "group {g} row {row} col {j}: {got} vs {want}"
-                );
+    for (order, stored) in [
+        (WeightOrder::OutByIn, &weights),
+        (WeightOrder::InByOut, &transposed),
+    ] {
+        let mut d_y = s.alloc_zeros::<f32>(total * n).unwrap();
+        let d_w: Vec<_> = stored.iter().map(|w| s.clone_htod(w).unwrap()).collect();
+        let mut start = 0;
+        let groups: Vec<GemmGroup> = groups_rows
+            .iter()
+            .zip(&d_w)
+            .map(|(&rows, w)| {
+                let g = GemmGroup {
+                    rows: start..start + rows,
+                    weight: w.slice(..),
+                };
+                start += rows;
+                g
+            })
+            .collect();
+        gemm.run(&gpu, &d_x, &mut d_y, k, n, order, &groups)
+            .unwrap();
+        let y = s.clone_dtoh(&d_y).unwrap();
+        let mut row = 0;
+        for (g, &rows) in groups_rows.iter().enumerate() {
+            for _ in 0..rows {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|i| f64::from(x[row * k + i]) * f64::from(weights[g][j * k + i]))
+                        .sum();
+                    let got = f64::from(y[row * n + j]);
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{order:?} group {g} row {row} col {j}: {got} vs {want}"
+                    );
+                }
+                row += 1;
             }
-            row += 1;
         }
     }
+    let d_w: Vec<_> = weights.iter().map(|w| s.clone_htod(w).unwrap()).collect();
+    let mut d_y = s.alloc_zeros::<f32>(total * n).unwrap();
     let bad = [GemmGroup {
         rows: 0..total + 1,
         weight: d_w[0].slice(..),
     }];
-    assert!(gemm.run(&gpu, &d_x, &mut d_y, k, n, &bad).is_err());
+    assert!(gemm
+        .run(&gpu, &d_x, &mut d_y, k, n, WeightOrder::OutByIn, &bad)
+        .is_err());
     let short = [GemmGroup {
         rows: 0..1,
         weight: d_w[0].slice(..n * k - 1),
     }];
-    assert!(gemm.run(&gpu, &d_x, &mut d_y, k, n, &short).is_err());
+    assert!(gemm
+        .run(&gpu, &d_x, &mut d_y, k, n, WeightOrder::OutByIn, &short)
+        .is_err());
 }

@@ -9,6 +9,8 @@
 //! - [`permute`]: token permute by physical instance, grouping per expert instance, return and
 //!   weighted combine (§5.2), each bitwise equal to the CPU reference in [`crate::permute`];
 //! - [`gemm`]: grouped expert GEMM over main and replica experts with cuBLAS;
+//! - [`moe`]: all of the above as one MoE layer's data plane for ranks sharing a GPU (what the
+//!   engine runs on a GPU host);
 //! - [`bench`]: the GPU measurements of `rackfill kernels bench`.
 //!
 //! Nothing here panics on a machine without CUDA: every library is located (see [`libs`]) and
@@ -16,8 +18,10 @@
 //! used. [`probe`] answers "is there a usable GPU?" with a typed error when there is not.
 
 pub mod bench;
+mod exchange;
 pub mod gemm;
 mod libs;
+pub mod moe;
 pub mod nvrtc;
 pub mod permute;
 mod probe;

@@ -57,8 +57,16 @@ pub const PERMUTE: KernelSource = KernelSource {
     ],
 };
 
+/// The gated activation between an expert's two grouped GEMMs.
+pub const EXPERTS: KernelSource = KernelSource {
+    name: "experts",
+    file: "experts.cu",
+    source: include_str!("../../cuda/experts.cu"),
+    entry_points: &["silu_mul"],
+};
+
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 3] = [QUOTA_SOLVER, REPLICATE, PERMUTE];
+pub const SOURCES: [KernelSource; 4] = [QUOTA_SOLVER, REPLICATE, PERMUTE, EXPERTS];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.
 pub const DEFAULT_ARCHS: [&str; 2] = ["sm_90", "sm_100"];

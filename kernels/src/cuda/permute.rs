@@ -12,6 +12,7 @@
 
 use super::solver::PlanArrays;
 use super::{to_u32, CudaError, Gpu};
+use crate::permute::check_len;
 use crate::permute::InstanceGroup;
 use crate::KernelError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -525,17 +526,4 @@ pub fn combine(
         unsafe { launch.launch(rows_cfg(t32)) }?;
     }
     Ok(out)
-}
-
-fn check_len(what: &'static str, len: usize, expected: usize) -> Result<(), CudaError> {
-    if len == expected {
-        Ok(())
-    } else {
-        Err(KernelError::Length {
-            what,
-            len,
-            expected,
-        }
-        .into())
-    }
 }

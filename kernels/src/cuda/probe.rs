@@ -103,7 +103,8 @@ fn query(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
 }
 
 /// An opened device: its context, a stream, and every kernel compiled for its architecture.
-#[derive(Debug)]
+/// Cloning is cheap (shared handles): the solver, GEMM and data plane each keep one.
+#[derive(Debug, Clone)]
 pub struct Gpu {
     info: DeviceInfo,
     ctx: Arc<CudaContext>,

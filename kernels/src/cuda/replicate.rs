@@ -117,20 +117,36 @@ impl RankBuffers {
             slot_bufs.push(stream.alloc_zeros::<u8>(slot_buffer_bytes.max(1))?);
             flag_bufs.push(stream.alloc_zeros::<u32>((n as usize).max(1))?);
         }
-        let ptrs = |bufs: &[CudaSlice<u8>]| -> Vec<u64> {
-            bufs.iter().map(|b| b.device_ptr(stream).0).collect()
-        };
-        let flag_ptrs: Vec<u64> = flag_bufs.iter().map(|b| b.device_ptr(stream).0).collect();
-        // SAFETY: the buffers are owned by the returned value next to the table and never
-        // replaced; launches through `DeviceTileStream::launch` check their sizes first.
-        let table =
-            unsafe { PeerTable::from_raw(gpu, &ptrs(&homes), &ptrs(&slot_bufs), &flag_ptrs) }?;
+        let table = peer_table(gpu, &homes, &slot_bufs, &flag_bufs)?;
         Ok(Self {
             homes,
             slots: slot_bufs,
             flags: flag_bufs,
             table,
         })
+    }
+
+    /// Grows rank `r`'s ready counters to at least `flags[r]` (a later plan's relay trees may need
+    /// more than the buffers were made with), readdressing the peer table when any moved.
+    pub fn ensure_flags(&mut self, gpu: &Gpu, flags: &[u32]) -> Result<(), CudaError> {
+        if flags.len() != self.ranks() {
+            return Err(crate::KernelError::RankCount {
+                got: flags.len(),
+                ranks: self.ranks(),
+            }
+            .into());
+        }
+        let mut grown = false;
+        for (buf, &n) in self.flags.iter_mut().zip(flags) {
+            if buf.len() < n as usize {
+                *buf = gpu.stream().alloc_zeros::<u32>(n as usize)?;
+                grown = true;
+            }
+        }
+        if grown {
+            self.table = peer_table(gpu, &self.homes, &self.slots, &self.flags)?;
+        }
+        Ok(())
     }
 
     /// Zeroes every ready counter (before each distribution).
@@ -188,6 +204,24 @@ impl RankBuffers {
         }
         Ok(())
     }
+}
+
+/// The table addressing buffers that all live on `gpu`.
+fn peer_table(
+    gpu: &Gpu,
+    homes: &[CudaSlice<u8>],
+    slots: &[CudaSlice<u8>],
+    flags: &[CudaSlice<u32>],
+) -> Result<PeerTable, CudaError> {
+    let stream = gpu.stream();
+    let ptrs = |bufs: &[CudaSlice<u8>]| -> Vec<u64> {
+        bufs.iter().map(|b| b.device_ptr(stream).0).collect()
+    };
+    let flag_ptrs: Vec<u64> = flags.iter().map(|b| b.device_ptr(stream).0).collect();
+    // SAFETY: the buffers belong to the `RankBuffers` that keeps the table next to them and
+    // rebuilds it whenever one is replaced; launches through `DeviceTileStream::launch` check
+    // their sizes first.
+    unsafe { PeerTable::from_raw(gpu, &ptrs(homes), &ptrs(slots), &flag_ptrs) }
 }
 
 /// How much of each rank's buffers a task stream touches.

@@ -215,8 +215,8 @@ pub struct SolveStats {
 }
 
 /// The quota planner on the GPU, for one layout, keeping its device buffers between layers.
-pub struct GpuQuotaSolver<'g> {
-    gpu: &'g Gpu,
+pub struct GpuQuotaSolver {
+    gpu: Gpu,
     layout: Layout,
     u_min: u64,
     shape: SolverShape,
@@ -228,11 +228,11 @@ pub struct GpuQuotaSolver<'g> {
     plan: DevicePlan,
 }
 
-impl<'g> GpuQuotaSolver<'g> {
+impl GpuQuotaSolver {
     /// A solver for `layout` with the quota floor and target rule of
     /// [`rackfill_balancer::quota::QuotaPlanner::with_rule`].
     pub fn new(
-        gpu: &'g Gpu,
+        gpu: &Gpu,
         layout: &Layout,
         u_min: u64,
         rule: TargetRule,
@@ -259,7 +259,7 @@ impl<'g> GpuQuotaSolver<'g> {
             dynamic,
         )?;
         Ok(Self {
-            gpu,
+            gpu: gpu.clone(),
             layout: layout.clone(),
             u_min,
             shape,
@@ -351,7 +351,7 @@ impl<'g> GpuQuotaSolver<'g> {
     pub fn plan(&mut self, load: &LoadMatrix) -> Result<(Plan, SolveStats), CudaError> {
         self.solve(load)?;
         let stats = self.stats()?;
-        let arrays = self.plan.download(self.gpu)?;
+        let arrays = self.plan.download(&self.gpu)?;
         let plan = arrays.into_plan(&self.layout, load, self.u_min)?;
         Ok((plan, stats))
     }

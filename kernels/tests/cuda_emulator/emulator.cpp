@@ -2,7 +2,7 @@
 // is the prelude plus every kernel file, with the few spellings a host compiler cannot take
 // (dynamic shared memory declarations, inline PTX) replaced.
 //
-// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate. Inputs
+// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate, act. Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -225,6 +225,16 @@ static void replicate(unsigned warps) {
     for (u32 r = 0; r < R; ++r) print("slots", slots[r], slot_len);
 }
 
+// act: "rows inter" / gate_up bits (rows x 2 inter). Prints silu(gate) * up (rows x inter).
+static void act(unsigned warps) {
+    u32 rows, inter;
+    std::cin >> rows >> inter;
+    auto gate_up = read_f32((size_t)rows * 2 * inter);
+    std::vector<float> out((size_t)rows * inter + 1);
+    run_block(warps * 32, [&] { silu_mul(gate_up.data(), rows, inter, out.data()); });
+    print_f32("act", out, (size_t)rows * inter);
+}
+
 int main(int argc, char** argv) {
     if (argc < 3) return 2;
     std::string mode = argv[1];
@@ -233,6 +243,7 @@ int main(int argc, char** argv) {
     else if (mode == "send") send(warps);
     else if (mode == "recv") recv(warps);
     else if (mode == "replicate") replicate(warps);
+    else if (mode == "act") act(warps);
     else return 2;
     return 0;
 }

@@ -1,0 +1,488 @@
+//! A whole MoE layer's data plane on the GPU, for `R` ranks whose buffers all live on one device:
+//! what the engine runs on a GPU host instead of its CPU data plane (DESIGN.md "Data flow").
+//!
+//! Per layer, after the plan is known (solved here by [`GpuQuotaSolver`], or by any host
+//! balancer and uploaded):
+//!
+//! 1. replica weights: the relay schedule compiled to tile tasks and streamed by the persistent
+//!    kernel from the home weights into every rank's redundant slots ([`super::replicate`]);
+//! 2. token permute by cumulative quotas on every source rank ([`super::permute`]);
+//! 3. dispatch: each destination's segments copied device to device into its receive buffer,
+//!    sender after sender (the all-to-all of ranks sharing one GPU);
+//! 4. grouping by expert instance, the gate-up grouped GEMM, `silu(gate) * up`, the down grouped
+//!    GEMM (cuBLAS; main experts read the home weights, replicas their slot);
+//! 5. return: outputs back to received order and copied into each source's send layout;
+//! 6. the weighted combine in top-k order, downloaded for the shared experts and the residual.
+//!
+//! Every expert's weights are uploaded once when the plane is built: per rank, its main
+//! experts of every MoE layer, layer after layer, each as the engine stores it (`[H, 2I]`
+//! gate-up then `[I, H]` down, row-major f32). The slots are shared by all layers, as on a rack.
+
+use super::exchange::Exchange;
+use super::gemm::{weight_source, GemmGroup, GroupedGemm, WeightOrder, WeightSource};
+use super::permute::{self, DevicePlan, Received, Routed};
+use super::replicate::{DeviceTileStream, RankBuffers};
+use super::solver::GpuQuotaSolver;
+use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
+use super::{to_u32, CudaError, Gpu};
+use crate::permute::check_len;
+use crate::KernelError;
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use rackfill_balancer::quota::TargetRule;
+use rackfill_balancer::relay::TransferSchedule;
+use rackfill_balancer::{Layout, LoadMatrix, Plan, PlanViolation};
+use std::time::{Duration, Instant};
+
+/// One expert's weights as the engine stores them: `[H, 2I]` gate-up (gate columns first), then
+/// `[I, H]` down, row-major f32.
+pub type ExpertWeights<'a> = [&'a [f32]; 2];
+
+/// One source rank's routed batch, in host memory.
+#[derive(Debug, Clone, Copy)]
+pub struct RankInput<'a> {
+    /// `tokens x hidden` FFN inputs.
+    pub x: &'a [f32],
+    /// `tokens * top_k` routed experts (pair `p = token * top_k + k`).
+    pub experts: &'a [u32],
+    /// The router weights of those pairs.
+    pub weights: &'a [f32],
+}
+
+/// Wall time of each part of [`GpuMoe::run_layer`], the stream synchronised after each.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GpuPhases {
+    pub replicate: Duration,
+    pub dispatch: Duration,
+    pub experts: Duration,
+    pub combine: Duration,
+}
+
+/// What one layer produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRun {
+    /// Per rank: `tokens x hidden` routed-expert output (no shared experts), empty without tokens.
+    pub outputs: Vec<Vec<f32>>,
+    /// Per rank: bytes received from other ranks in dispatch (rows and their ids) and combine.
+    pub token_recv_bytes: Vec<u64>,
+    /// Per rank: replica weight bytes received.
+    pub replica_recv_bytes: Vec<u64>,
+    pub phases: GpuPhases,
+}
+
+/// The GPU data plane of one model: every MoE layer's experts resident, slots, solver, cuBLAS.
+pub struct GpuMoe {
+    gpu: Gpu,
+    layout: Layout,
+    hidden: usize,
+    inter: usize,
+    expert_bytes: u64,
+    /// `[moe layer][expert]`: byte offset of the expert's weights in its home rank's buffer.
+    home_offsets: Vec<Vec<u64>>,
+    buffers: RankBuffers,
+    blas: GroupedGemm,
+    solver: Option<GpuQuotaSolver>,
+    /// The plan the solver's device buffers hold (what [`Self::run_layer`] can use in place).
+    solved: Option<Plan>,
+    tile_bytes: u32,
+}
+
+impl GpuMoe {
+    /// Uploads every MoE layer's experts (`layers[l][e]`, `E` per layer, each `hidden x 2 inter`
+    /// then `inter x hidden`) for `layout`, with `layout.slots_per_rank()` slots per rank. With
+    /// `solver`, [`Self::solve`] runs the quota planner on the device with that `u_min` and rule.
+    pub fn new(
+        gpu: &Gpu,
+        layout: &Layout,
+        hidden: usize,
+        inter: usize,
+        layers: &[Vec<ExpertWeights<'_>>],
+        solver: Option<(u64, TargetRule)>,
+    ) -> Result<Self, CudaError> {
+        if hidden == 0 || inter == 0 {
+            return Err(KernelError::ZeroDimension {
+                what: "hidden and intermediate size",
+            }
+            .into());
+        }
+        let (gate_up, down) = (hidden * 2 * inter, inter * hidden);
+        let expert_bytes = ((gate_up + down) * 4) as u64;
+        let mut homes: Vec<Vec<u8>> = vec![Vec::new(); layout.ranks()];
+        let mut home_offsets = Vec::with_capacity(layers.len());
+        for experts in layers {
+            if experts.len() != layout.experts() {
+                return Err(KernelError::Length {
+                    what: "experts of a MoE layer",
+                    len: experts.len(),
+                    expected: layout.experts(),
+                }
+                .into());
+            }
+            let mut offsets = vec![0u64; layout.experts()];
+            for (rank, home) in homes.iter_mut().enumerate() {
+                for &e in layout.main_experts(rank) {
+                    let [w_gate_up, w_down] = experts[e as usize];
+                    check_len("expert gate-up weights", w_gate_up.len(), gate_up)?;
+                    check_len("expert down weights", w_down.len(), down)?;
+                    offsets[e as usize] = home.len() as u64;
+                    home.extend(w_gate_up.iter().chain(w_down).flat_map(|v| v.to_ne_bytes()));
+                }
+            }
+            home_offsets.push(offsets);
+        }
+        let slot_buffer = layout.slots_per_rank() * expert_bytes as usize;
+        let buffers = RankBuffers::new(gpu, &homes, slot_buffer, &vec![1; layout.ranks()])?;
+        let solver = solver
+            .map(|(u_min, rule)| GpuQuotaSolver::new(gpu, layout, u_min, rule))
+            .transpose()?;
+        Ok(Self {
+            gpu: gpu.clone(),
+            layout: layout.clone(),
+            hidden,
+            inter,
+            expert_bytes,
+            home_offsets,
+            buffers,
+            blas: GroupedGemm::new(gpu)?,
+            solver,
+            solved: None,
+            tile_bytes: DEFAULT_TILE_BYTES,
+        })
+    }
+
+    /// Bytes of one expert's weights (what a replica slot holds).
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes
+    }
+
+    /// Whether [`Self::solve`] is available (the plane was built with a solver).
+    pub fn has_solver(&self) -> bool {
+        self.solver.is_some()
+    }
+
+    /// What rank `rank`'s redundant slot `slot` holds now, downloaded (tests and debugging).
+    pub fn slot_contents(&self, rank: usize, slot: usize) -> Result<Vec<f32>, CudaError> {
+        let buffer = self.buffers.slots(rank).ok_or(KernelError::OutOfRange {
+            what: "rank",
+            value: rank as u64,
+            limit: self.layout.ranks() as u64,
+        })?;
+        let start = slot as u64 * self.expert_bytes;
+        let view = f32_view(buffer, start, start + self.expert_bytes)?;
+        self.gpu.context().bind_to_thread()?;
+        Ok(self.gpu.stream().clone_dtoh(&view)?)
+    }
+
+    /// Solves `load` with the device quota solver; the plan stays on the device for the next
+    /// [`Self::run_layer`] and comes back validated (bit-identical to the CPU planner's).
+    pub fn solve(&mut self, load: &LoadMatrix) -> Result<Plan, CudaError> {
+        self.gpu.context().bind_to_thread()?;
+        let solver = self.solver.as_mut().ok_or(KernelError::ZeroDimension {
+            what: "solver (the plane was built without one)",
+        })?;
+        self.solved = None;
+        let (plan, _) = solver.plan(load)?;
+        self.solved = Some(plan.clone());
+        Ok(plan)
+    }
+
+    /// Runs MoE layer `layer` (its index among the MoE layers) under `plan` and its relay
+    /// `schedule` on every rank's `inputs`.
+    pub fn run_layer(
+        &mut self,
+        layer: usize,
+        plan: &Plan,
+        schedule: &TransferSchedule,
+        inputs: &[RankInput<'_>],
+        top_k: usize,
+    ) -> Result<LayerRun, CudaError> {
+        // The engine calls from its own thread; cuBLAS needs the context current there.
+        self.gpu.context().bind_to_thread()?;
+        let ranks = self.layout.ranks();
+        if inputs.len() != ranks {
+            return Err(KernelError::RankCount {
+                got: inputs.len(),
+                ranks,
+            }
+            .into());
+        }
+        if layer >= self.home_offsets.len() {
+            return Err(KernelError::OutOfRange {
+                what: "MoE layer",
+                value: layer as u64,
+                limit: self.home_offsets.len() as u64,
+            }
+            .into());
+        }
+        if (plan.ranks(), plan.experts(), plan.slots_per_rank())
+            != (ranks, self.layout.experts(), self.layout.slots_per_rank())
+        {
+            return Err(PlanViolation::Shape.into());
+        }
+        let mut phases = GpuPhases::default();
+
+        let started = Instant::now();
+        let replica_recv_bytes = self.stream_replicas(layer, plan, schedule)?;
+        let uploaded;
+        let device_plan = match (&self.solver, &self.solved) {
+            (Some(solver), Some(solved)) if solved == plan => solver.device_plan(),
+            _ => {
+                uploaded = DevicePlan::upload(&self.gpu, plan)?;
+                &uploaded
+            }
+        };
+        self.gpu.stream().synchronize()?;
+        phases.replicate = started.elapsed();
+
+        let started = Instant::now();
+        let sources = upload_inputs(&self.gpu, inputs, self.hidden, top_k)?;
+        let dispatches = sources
+            .iter()
+            .enumerate()
+            .map(|(rank, source)| {
+                source
+                    .as_ref()
+                    .map(|s| {
+                        let routed = Routed {
+                            x: &s.x,
+                            experts: &s.experts,
+                            pairs: s.pairs,
+                            hidden: self.hidden,
+                            top_k,
+                        };
+                        permute::permute_tokens(&self.gpu, device_plan, rank, routed)
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let exchange = Exchange::new(&dispatches, ranks);
+        let received = (0..ranks)
+            .map(|dst| exchange.gather(&self.gpu, &dispatches, dst, self.hidden))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.gpu.stream().synchronize()?;
+        phases.dispatch = started.elapsed();
+
+        let started = Instant::now();
+        let mut computed = Vec::with_capacity(ranks);
+        for (rank, recv) in received.iter().enumerate() {
+            computed.push(match recv {
+                Some(recv) => Some(self.experts(layer, plan, device_plan, rank, recv)?),
+                None => None,
+            });
+        }
+        self.gpu.stream().synchronize()?;
+        phases.experts = started.elapsed();
+
+        let started = Instant::now();
+        let mut outputs = Vec::with_capacity(ranks);
+        for (src, (source, dispatch)) in sources.iter().zip(&dispatches).enumerate() {
+            let (Some(source), Some(dispatch)) = (source, dispatch) else {
+                outputs.push(Vec::new());
+                continue;
+            };
+            let returned =
+                exchange.scatter_back(&self.gpu, &computed, dispatch, src, self.hidden)?;
+            let out = permute::combine(
+                &self.gpu,
+                dispatch,
+                &returned,
+                &source.weights,
+                source.pairs / top_k,
+                top_k,
+                self.hidden,
+            )?;
+            outputs.push(self.gpu.stream().clone_dtoh(&out)?);
+        }
+        phases.combine = started.elapsed();
+        Ok(LayerRun {
+            outputs,
+            token_recv_bytes: exchange.remote_bytes(self.hidden),
+            replica_recv_bytes,
+            phases,
+        })
+    }
+
+    /// Streams the layer's replicas into the slots; returns the bytes each rank received.
+    fn stream_replicas(
+        &mut self,
+        layer: usize,
+        plan: &Plan,
+        schedule: &TransferSchedule,
+    ) -> Result<Vec<u64>, CudaError> {
+        let mut received = vec![0u64; self.layout.ranks()];
+        if plan.replicas() == 0 {
+            return Ok(received);
+        }
+        let buffers = BufferLayout {
+            expert_bytes: self.expert_bytes,
+            home_offsets: &self.home_offsets[layer],
+            slot_bytes: self.expert_bytes,
+        };
+        let tiles = tiles::compile(plan, schedule, &buffers, self.tile_bytes)?;
+        self.buffers
+            .ensure_flags(&self.gpu, &tiles.flags_per_rank)?;
+        self.buffers.reset_flags(&self.gpu)?;
+        let mut stream = DeviceTileStream::upload(&self.gpu, &tiles, self.layout.ranks())?;
+        let blocks = self.gpu.info().multiprocessors.max(1) * 2;
+        stream.launch(&self.gpu, &self.buffers, blocks, 512)?;
+        for t in &schedule.transfers {
+            received[t.dst as usize] += t.len;
+        }
+        Ok(received)
+    }
+
+    /// Expert compute on `rank`: group by instance, gate-up GEMM, activation, down GEMM; the
+    /// outputs in received order.
+    fn experts(
+        &self,
+        layer: usize,
+        plan: &Plan,
+        device_plan: &DevicePlan,
+        rank: usize,
+        recv: &super::exchange::ReceivedRows,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (h, i) = (self.hidden, self.inter);
+        let received = Received {
+            rows: &recv.rows,
+            experts: &recv.experts,
+            instances: &recv.instances,
+            len: recv.len,
+            hidden: h,
+        };
+        let grouped = permute::group_by_instance(&self.gpu, device_plan, rank, received)?;
+        let sources = grouped
+            .groups()
+            .iter()
+            .map(|g| self.instance_weights(layer, plan, rank, g.expert, g.instance))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gate_up_bytes = (h * 2 * i * 4) as u64;
+        // Part 0: gate-up, the first `gate_up_bytes` of an expert; part 1: down, the rest.
+        let gemm_groups = |part: usize| -> Result<Vec<GemmGroup<'_>>, CudaError> {
+            grouped
+                .groups()
+                .iter()
+                .zip(&sources)
+                .map(|(g, &(buffer, offset))| {
+                    let (start, end) = match part {
+                        0 => (offset, offset + gate_up_bytes),
+                        _ => (offset + gate_up_bytes, offset + self.expert_bytes),
+                    };
+                    Ok(GemmGroup {
+                        rows: g.rows.clone(),
+                        weight: f32_view(buffer, start, end)?,
+                    })
+                })
+                .collect()
+        };
+        let s = self.gpu.stream();
+        let rows = recv.len;
+        let mut gate_up = s.alloc_zeros::<f32>(rows * 2 * i)?;
+        let (g, order) = (&self.gpu, WeightOrder::InByOut);
+        self.blas.run(
+            g,
+            &grouped.rows,
+            &mut gate_up,
+            h,
+            2 * i,
+            order,
+            &gemm_groups(0)?,
+        )?;
+        let mut act = s.alloc_zeros::<f32>(rows * i)?;
+        let (rows32, i32_) = (to_u32(rows, "rows")?, to_u32(i, "intermediate size")?);
+        let mut launch = s.launch_builder(self.gpu.function("silu_mul"));
+        launch.arg(&gate_up).arg(&rows32).arg(&i32_).arg(&mut act);
+        let cfg = LaunchConfig {
+            grid_dim: (rows32.clamp(1, 65_535), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `silu_mul`; `gate_up` holds rows x 2I and `act` rows x I.
+        unsafe { launch.launch(cfg) }?;
+        let mut out = s.alloc_zeros::<f32>(rows * h)?;
+        self.blas
+            .run(g, &act, &mut out, i, h, order, &gemm_groups(1)?)?;
+        grouped.return_outputs(&self.gpu, &out)
+    }
+
+    /// Where `rank` reads the weights of `expert`'s `instance`: its home buffer for a main
+    /// expert, the slot the replica was streamed into otherwise (buffer, byte offset).
+    fn instance_weights(
+        &self,
+        layer: usize,
+        plan: &Plan,
+        rank: usize,
+        expert: u32,
+        instance: u32,
+    ) -> Result<(&CudaSlice<u8>, u64), CudaError> {
+        let misrouted = || KernelError::OutOfRange {
+            what: "expert instance on this rank",
+            value: u64::from(instance),
+            limit: plan.instances(expert as usize).len() as u64,
+        };
+        let (buffer, offset) = match weight_source(&self.layout, plan, rank, expert, instance)
+            .ok_or_else(misrouted)?
+        {
+            WeightSource::Home { .. } => (
+                self.buffers.home(rank),
+                self.home_offsets[layer][expert as usize],
+            ),
+            WeightSource::Slot { slot } => {
+                (self.buffers.slots(rank), slot as u64 * self.expert_bytes)
+            }
+        };
+        Ok((buffer.ok_or_else(misrouted)?, offset))
+    }
+}
+
+/// Bytes `start..end` of a weight buffer as f32s.
+fn f32_view(buffer: &CudaSlice<u8>, start: u64, end: u64) -> Result<CudaView<'_, f32>, CudaError> {
+    let outside = || KernelError::OutOfRange {
+        what: "expert weight bytes",
+        value: end,
+        limit: buffer.len() as u64,
+    };
+    let bytes = buffer
+        .try_slice(start as usize..end as usize)
+        .ok_or_else(outside)?;
+    // SAFETY: the bytes are f32 weights uploaded by `GpuMoe::new` or streamed from them into a
+    // slot, and `start` is a multiple of 4 (experts and their parts are whole numbers of f32s).
+    Ok(unsafe { bytes.transmute::<f32>(((end - start) / 4) as usize) }.ok_or_else(outside)?)
+}
+
+/// One source rank's inputs on the device.
+struct SourceRows {
+    x: CudaSlice<f32>,
+    experts: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    pairs: usize,
+}
+
+/// Uploads every rank's inputs (`None` for a rank without tokens: it sends nothing).
+fn upload_inputs(
+    gpu: &Gpu,
+    inputs: &[RankInput<'_>],
+    hidden: usize,
+    top_k: usize,
+) -> Result<Vec<Option<SourceRows>>, CudaError> {
+    if top_k == 0 {
+        return Err(KernelError::ZeroDimension { what: "top_k" }.into());
+    }
+    let s = gpu.stream();
+    inputs
+        .iter()
+        .map(|input| {
+            let tokens = input.x.len() / hidden;
+            check_len("x", input.x.len(), tokens * hidden)?;
+            check_len("experts", input.experts.len(), tokens * top_k)?;
+            check_len("weights", input.weights.len(), tokens * top_k)?;
+            if tokens == 0 {
+                return Ok(None);
+            }
+            Ok(Some(SourceRows {
+                x: s.clone_htod(input.x)?,
+                experts: s.clone_htod(input.experts)?,
+                weights: s.clone_htod(input.weights)?,
+                pairs: tokens * top_k,
+            }))
+        })
+        .collect()
+}
