@@ -585,8 +585,7 @@ fn unbalanced_recv_bytes(layout: &Layout, load: &LoadMatrix, hidden: usize) -> V
     recv
 }
 
-/// One layer on the GPU plane: the same relay schedule as the CPU plane, the outputs back as
-/// tensors.
+/// One layer on the GPU plane, the outputs back as tensors.
 #[cfg(feature = "cuda")]
 fn gpu_layer(
     gpu: &mut crate::gpu_plane::GpuPlane,
@@ -596,8 +595,6 @@ fn gpu_layer(
     phases: &mut PhaseTimes,
 ) -> Result<PlaneOutput> {
     use rackfill_kernels::cuda::moe::RankInput;
-    let expert_bytes = ((work.hidden * 2 * work.inter + work.inter * work.hidden) * 4) as u64;
-    let schedule = rackfill_balancer::relay::plan_transfers(work.plan, expert_bytes, relay);
     let inputs: Vec<RankInput<'_>> = work
         .routed
         .iter()
@@ -607,7 +604,7 @@ fn gpu_layer(
             weights: &routing.weights,
         })
         .collect();
-    let run = gpu.run_layer(layer, work.plan, &schedule, &inputs, work.top_k)?;
+    let run = gpu.run_layer(layer, work.plan, relay, &inputs, work.top_k)?;
     phases.replicate = run.phases.replicate;
     phases.dispatch = run.phases.dispatch;
     phases.experts = run.phases.experts;

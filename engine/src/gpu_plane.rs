@@ -7,7 +7,7 @@
 //! for the token permute; other balancers plan on the host and the plan is uploaded.
 
 use rackfill_balancer::quota::TargetRule;
-use rackfill_balancer::relay::TransferSchedule;
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan};
 use rackfill_kernels::cuda::moe::{ExpertWeights, GpuMoe, LayerRun, RankInput};
 use rackfill_kernels::cuda::{CudaError, Gpu};
@@ -71,12 +71,13 @@ impl GpuPlane {
         self.moe.solve(load).map_err(gpu_error)
     }
 
-    /// Replication, dispatch, expert compute and combine of model layer `layer`.
+    /// Replication (over `relay`'s trees, as on the CPU plane), dispatch, expert compute and
+    /// combine of model layer `layer`.
     pub(crate) fn run_layer(
         &mut self,
         layer: usize,
         plan: &Plan,
-        schedule: &TransferSchedule,
+        relay: &RelayConfig,
         inputs: &[RankInput<'_>],
         top_k: usize,
     ) -> Result<LayerRun> {
@@ -86,8 +87,9 @@ impl GpuPlane {
             .copied()
             .flatten()
             .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))?;
+        let schedule = plan_transfers(plan, self.moe.expert_bytes(), relay);
         self.moe
-            .run_layer(ordinal, plan, schedule, inputs, top_k)
+            .run_layer(ordinal, plan, &schedule, inputs, top_k)
             .map_err(gpu_error)
     }
 

@@ -22,6 +22,9 @@
 mod exec;
 mod validate;
 
+#[cfg(feature = "cuda")]
+pub(crate) use validate::{check_slot_coverage, SlotWrite};
+
 use crate::KernelError;
 use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;

@@ -14,6 +14,7 @@
 
 mod cuda_common;
 
+use cuda_common::common::random_layout;
 use cuda_common::Rng;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
@@ -233,17 +234,8 @@ fn emulated_solver_reproduces_the_cpu_planner() {
     let mut rng = Rng(2024);
     let mut replicated = 0;
     for case in 0..40 {
-        let ranks = 1 + rng.below(20) as usize;
-        let experts = 1 + rng.below(48) as usize;
-        let slots = rng.below(4) as usize;
-        let layout = if rng.below(3) == 0 {
-            let home = (0..experts)
-                .map(|_| rng.below(ranks as u64) as u32)
-                .collect();
-            Layout::with_home(ranks, home, slots).unwrap()
-        } else {
-            Layout::contiguous(ranks, experts, slots).unwrap()
-        };
+        let layout = random_layout(&mut rng, 20, 48);
+        let (ranks, experts, slots) = (layout.ranks(), layout.experts(), layout.slots_per_rank());
         let hot: Vec<usize> = (0..3).map(|_| rng.below(experts as u64) as usize).collect();
         let family = rng.below(4);
         let rows: Vec<Vec<u64>> = (0..ranks)

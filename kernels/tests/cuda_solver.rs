@@ -7,6 +7,7 @@
 
 mod cuda_common;
 
+use cuda_common::common::random_layout;
 use cuda_common::{gpu_or_skip, skewed_load, Rng};
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::{metrics, Balancer, Layout, LoadMatrix};
@@ -41,17 +42,8 @@ fn gpu_plans_equal_cpu_plans_on_random_layers() {
     let mut rng = Rng(11);
     let mut replicated = 0;
     for case in 0..200 {
-        let ranks = 1 + rng.below(40) as usize;
-        let experts = 1 + rng.below(160) as usize;
-        let slots = rng.below(4) as usize;
-        let layout = if rng.below(3) == 0 {
-            let home = (0..experts)
-                .map(|_| rng.below(ranks as u64) as u32)
-                .collect();
-            Layout::with_home(ranks, home, slots).unwrap()
-        } else {
-            Layout::contiguous(ranks, experts, slots).unwrap()
-        };
+        let layout = random_layout(&mut rng, 40, 160);
+        let (ranks, experts, slots) = (layout.ranks(), layout.experts(), layout.slots_per_rank());
         let hot = 1 + rng.below(4) as usize;
         let load = skewed_load(&mut rng, ranks, experts, hot);
         let u_min = [1, 2, 16, 200][rng.below(4) as usize];

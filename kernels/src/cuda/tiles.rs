@@ -14,7 +14,7 @@
 //! destination a slot holding the expert, each slot written once per byte and completely. A task
 //! stream that compiles can only write inside the slots the plan names.
 
-use crate::replicate::TransferFault;
+use crate::replicate::{check_slot_coverage, SlotWrite, TransferFault};
 use crate::KernelError;
 use rackfill_balancer::relay::{Transfer, TransferSchedule};
 use rackfill_balancer::Plan;
@@ -215,15 +215,6 @@ fn tile(ranks: usize, groups: &[Group], tile_bytes: u32) -> Result<TileStream, K
     Ok(out)
 }
 
-/// One slot's received byte range, for the overlap and coverage checks.
-struct SlotWrite {
-    rank: u32,
-    slot: usize,
-    start: u64,
-    end: u64,
-    index: usize,
-}
-
 /// The schedule checks of the CPU executor, resolved into buffer offsets.
 struct Checker<'a> {
     plan: &'a Plan,
@@ -323,7 +314,7 @@ impl<'a> Checker<'a> {
             });
         }
         self.writes.push(SlotWrite {
-            rank: t.dst,
+            rank: t.dst as usize,
             slot: dst_slot,
             start: t.offset,
             end,
@@ -339,35 +330,6 @@ impl<'a> Checker<'a> {
 
     /// Every slot's writes are disjoint and cover its expert exactly.
     fn check_coverage(mut self) -> Result<(), KernelError> {
-        let n_slot = self.plan.slots_per_rank();
-        let mut covered = vec![0u64; self.plan.ranks() * n_slot];
-        self.writes
-            .sort_unstable_by_key(|w| (w.rank, w.slot, w.start, w.end, w.index));
-        let mut last: Option<&SlotWrite> = None;
-        for w in self.writes.iter().filter(|w| w.end > w.start) {
-            if let Some(prev) = last {
-                if (prev.rank, prev.slot) == (w.rank, w.slot) && prev.end > w.start {
-                    return Err(KernelError::Transfer {
-                        index: w.index.max(prev.index),
-                        fault: TransferFault::Overlap { dst: w.rank },
-                    });
-                }
-            }
-            covered[w.rank as usize * n_slot + w.slot] += w.end - w.start;
-            last = Some(w);
-        }
-        for (i, (slot, &bytes)) in self.plan.slots().iter().zip(&covered).enumerate() {
-            if let Some(expert) = *slot {
-                if bytes != self.buffers.expert_bytes {
-                    return Err(KernelError::IncompleteReplica {
-                        rank: i / n_slot.max(1),
-                        expert,
-                        covered: bytes,
-                        expected: self.buffers.expert_bytes,
-                    });
-                }
-            }
-        }
-        Ok(())
+        check_slot_coverage(self.plan, &mut self.writes, self.buffers.expert_bytes)
     }
 }

@@ -102,13 +102,52 @@ pub(super) fn prepare<'w>(
     builder.finish()
 }
 
-/// A byte range a copy writes into one slot, for the disjointness and coverage checks.
-struct SlotWrite {
-    rank: usize,
-    slot: usize,
-    start: usize,
-    end: usize,
-    index: usize,
+/// One copy's byte range in a destination slot (`index`: the copy's position in the schedule).
+pub(crate) struct SlotWrite {
+    pub rank: usize,
+    pub slot: usize,
+    pub start: u64,
+    pub end: u64,
+    pub index: usize,
+}
+
+/// Checks that the writes into each slot are disjoint and that every slot the plan fills is
+/// covered exactly (`expert_bytes` bytes): the last step of validating a replica schedule, for
+/// the CPU executor and for the GPU tile compiler alike.
+pub(crate) fn check_slot_coverage(
+    plan: &Plan,
+    writes: &mut [SlotWrite],
+    expert_bytes: u64,
+) -> Result<(), KernelError> {
+    let n_slot = plan.slots_per_rank();
+    let mut covered = vec![0u64; plan.ranks() * n_slot];
+    writes.sort_unstable_by_key(|w| (w.rank, w.slot, w.start, w.end, w.index));
+    let mut last: Option<&SlotWrite> = None;
+    for w in writes.iter().filter(|w| w.end > w.start) {
+        if let Some(prev) = last {
+            if (prev.rank, prev.slot) == (w.rank, w.slot) && prev.end > w.start {
+                return Err(KernelError::Transfer {
+                    index: w.index.max(prev.index),
+                    fault: TransferFault::Overlap { dst: w.rank as u32 },
+                });
+            }
+        }
+        covered[w.rank * n_slot + w.slot] += w.end - w.start;
+        last = Some(w);
+    }
+    for (i, (slot, &bytes)) in plan.slots().iter().zip(&covered).enumerate() {
+        if let Some(expert) = *slot {
+            if bytes != expert_bytes {
+                return Err(KernelError::IncompleteReplica {
+                    rank: i / n_slot.max(1),
+                    expert,
+                    covered: bytes,
+                    expected: expert_bytes,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The bytes of one (rank, expert, chunk) an accepted copy delivers.
@@ -207,8 +246,8 @@ impl<'w> Builder<'_, 'w> {
         self.writes.push(SlotWrite {
             rank: dst_rank,
             slot: dst_slot,
-            start: offset,
-            end: offset + len,
+            start: offset as u64,
+            end: (offset + len) as u64,
             index,
         });
         let sent = &mut self.stats.sent_bytes[t.src as usize];
@@ -311,35 +350,7 @@ impl<'w> Builder<'_, 'w> {
 
     /// Checks that the copies into each slot are disjoint and cover the whole expert.
     fn finish(mut self) -> Result<Copies<'w>, KernelError> {
-        let n_slot = self.plan.slots_per_rank();
-        let mut covered = vec![0u64; self.plan.ranks() * n_slot];
-        self.writes
-            .sort_unstable_by_key(|w| (w.rank, w.slot, w.start, w.end, w.index));
-        let mut last: Option<&SlotWrite> = None;
-        for w in self.writes.iter().filter(|w| w.end > w.start) {
-            if let Some(prev) = last {
-                if (prev.rank, prev.slot) == (w.rank, w.slot) && prev.end > w.start {
-                    return Err(KernelError::Transfer {
-                        index: w.index.max(prev.index),
-                        fault: TransferFault::Overlap { dst: w.rank as u32 },
-                    });
-                }
-            }
-            covered[w.rank * n_slot + w.slot] += (w.end - w.start) as u64;
-            last = Some(w);
-        }
-        for (i, (slot, &bytes)) in self.plan.slots().iter().zip(&covered).enumerate() {
-            if let Some(expert) = *slot {
-                if bytes != self.expert_bytes as u64 {
-                    return Err(KernelError::IncompleteReplica {
-                        rank: i / n_slot.max(1),
-                        expert,
-                        covered: bytes,
-                        expected: self.expert_bytes as u64,
-                    });
-                }
-            }
-        }
+        check_slot_coverage(self.plan, &mut self.writes, self.expert_bytes as u64)?;
         Ok(Copies {
             homes: self.homes,
             copies: self.copies,

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use rackfill_balancer::LoadMatrix;
+use rackfill_balancer::{Layout, LoadMatrix};
 
 /// splitmix64: a tiny deterministic generator, enough for test data.
 pub struct Rng(pub u64);
@@ -24,6 +24,22 @@ impl Rng {
     /// In [-1, 1).
     pub fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// A layout of 1..=`max_ranks` ranks, 1..=`max_experts` experts and 0..=3 slots per rank; one
+/// in three puts every expert on a random home rank instead of contiguous blocks.
+pub fn random_layout(rng: &mut Rng, max_ranks: u64, max_experts: u64) -> Layout {
+    let ranks = 1 + rng.below(max_ranks) as usize;
+    let experts = 1 + rng.below(max_experts) as usize;
+    let slots = rng.below(4) as usize;
+    if rng.below(3) == 0 {
+        let home = (0..experts)
+            .map(|_| rng.below(ranks as u64) as u32)
+            .collect();
+        Layout::with_home(ranks, home, slots).unwrap()
+    } else {
+        Layout::contiguous(ranks, experts, slots).unwrap()
     }
 }
 
