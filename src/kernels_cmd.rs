@@ -122,6 +122,13 @@ mod imp {
             solver.warps,
             solver.load_staged
         );
+        let tiles = bench::tile_planning_latency(&gpu, 64, 256, 2, args.expert_bytes, args.reps)?;
+        println!(
+            "relay planning R=64 E=256 n_slot=2: gpu median {:.1} us (plan in place), host \
+             median {:.1} us (schedule + tile compile, plan already downloaded), {} tasks, \
+             identical to the host compiler: {}",
+            tiles.gpu_median_us, tiles.host_median_us, tiles.tasks, tiles.identical
+        );
         let dist = bench::distribution_bandwidth(&gpu, 64, 256, 2, args.expert_bytes, args.reps)?;
         println!(
             "replica distribution: {} bytes stored in {:.1} us = {:.1} GB/s; \

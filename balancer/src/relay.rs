@@ -213,8 +213,21 @@ fn transfer_edges(plan: &Plan, trees: &[RelayTree]) -> Vec<Edge> {
     edges
 }
 
-/// Expands every edge into per-chunk transfers, chunk-major. The chunk size is raised if needed so
-/// that chunk indices fit in `u32`.
+/// The chunk size in effect and the chunk count of one expert of `expert_bytes` (> 0): `chunk_bytes`
+/// (0: the whole expert), raised if needed so that chunk indices fit in `u32`. The GPU's own relay
+/// planner uses the same geometry.
+pub fn chunk_geometry(expert_bytes: u64, chunk_bytes: u64) -> (u64, u64) {
+    let min_chunk = expert_bytes.div_ceil(u64::from(u32::MAX));
+    let chunk = if chunk_bytes == 0 {
+        expert_bytes
+    } else {
+        chunk_bytes.max(min_chunk)
+    }
+    .max(1);
+    (chunk, expert_bytes.div_ceil(chunk))
+}
+
+/// Expands every edge into per-chunk transfers, chunk-major.
 fn chunk_transfers(
     plan: &Plan,
     trees: &[RelayTree],
@@ -224,13 +237,7 @@ fn chunk_transfers(
     if expert_bytes == 0 {
         return Vec::new();
     }
-    let min_chunk = expert_bytes.div_ceil(u64::from(u32::MAX));
-    let chunk = if chunk_bytes == 0 {
-        expert_bytes
-    } else {
-        chunk_bytes.max(min_chunk)
-    };
-    let n_chunks = expert_bytes.div_ceil(chunk);
+    let (chunk, n_chunks) = chunk_geometry(expert_bytes, chunk_bytes);
     let edges = transfer_edges(plan, trees);
     let mut transfers = Vec::with_capacity(edges.len().saturating_mul(n_chunks as usize));
     for c in 0..n_chunks {

@@ -83,7 +83,8 @@ pub struct EpConfig {
     pub cost: CostModel,
     /// Solve every layer's plan once per rank, each from its own copy of the gathered load, and
     /// fail unless all plans are identical (what a multi-host deployment relies on; costs `R`
-    /// solves, so tests turn it on). With the GPU solver, the host planners must agree with it.
+    /// solves, so tests turn it on). With the GPU solver, the host planners must agree with it;
+    /// on the GPU data plane, the tile stream built on the device must equal the host compiler's.
     pub verify_plans: bool,
     pub data_plane: DataPlane,
 }
@@ -493,7 +494,7 @@ impl EpRuntime {
         match &mut self.plane {
             Plane::Cpu(cpu) => cpu.run_layer(&*self.fabric, &self.config.relay, work, phases),
             #[cfg(feature = "cuda")]
-            Plane::Gpu(gpu) => gpu_layer(gpu, &self.config.relay, layer, work, phases),
+            Plane::Gpu(gpu) => gpu_layer(gpu, layer, work, phases),
         }
         .map_err(|err| match err {
             EngineError::Gpu(why) => EngineError::Gpu(format!("layer {layer}: {why}")),
@@ -517,7 +518,7 @@ impl EpRuntime {
                 let first = gathered.first().cloned().unwrap_or_default();
                 let load = LoadMatrix::from_flat(ranks, experts, first)?;
                 let started = Instant::now();
-                let plan = gpu.solve(&load)?;
+                let plan = gpu.solve(layer, &load)?;
                 let took = started.elapsed();
                 if self.config.verify_plans {
                     let (host, _, _) = self.solve_on_host(layer, gathered)?;
@@ -589,7 +590,6 @@ fn unbalanced_recv_bytes(layout: &Layout, load: &LoadMatrix, hidden: usize) -> V
 #[cfg(feature = "cuda")]
 fn gpu_layer(
     gpu: &mut crate::gpu_plane::GpuPlane,
-    relay: &RelayConfig,
     layer: usize,
     work: &LayerWork<'_>,
     phases: &mut PhaseTimes,
@@ -604,7 +604,7 @@ fn gpu_layer(
             weights: &routing.weights,
         })
         .collect();
-    let run = gpu.run_layer(layer, work.plan, relay, &inputs, work.top_k)?;
+    let run = gpu.run_layer(layer, work.plan, &inputs, work.top_k)?;
     phases.replicate = run.phases.replicate;
     phases.dispatch = run.phases.dispatch;
     phases.experts = run.phases.experts;

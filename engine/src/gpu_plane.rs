@@ -3,11 +3,11 @@
 //!
 //! The router, attention, shared experts and the residual stay where the model runs (the CPU);
 //! per MoE layer the runtime hands this plane the routed activations and gets the routed-expert
-//! outputs back. With a quota balancer the plan is solved on the device too, and stays there
-//! for the token permute; other balancers plan on the host and the plan is uploaded.
+//! outputs back. With a quota balancer the plan is solved on the device too, and the relay trees,
+//! tile tasks, replica streaming and token permute all read it there; other balancers plan on
+//! the host and the plan is uploaded.
 
 use rackfill_balancer::quota::TargetRule;
-use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan};
 use rackfill_kernels::cuda::moe::{ExpertWeights, GpuMoe, LayerRun, RankInput};
 use rackfill_kernels::cuda::{CudaError, Gpu};
@@ -49,15 +49,17 @@ impl GpuPlane {
             Algo::QuotaPaper => Some((config.settings.u_min, TargetRule::LargestSlack)),
             _ => None,
         };
-        let moe = GpuMoe::new(
+        let mut moe = GpuMoe::new(
             &gpu,
             layout,
             mc.hidden_size,
             mc.moe.intermediate_size,
             &layers,
             solver,
+            config.relay,
         )
         .map_err(gpu_error)?;
+        moe.set_verify(config.verify_plans);
         Ok(Self { moe, moe_ordinal })
     }
 
@@ -66,31 +68,34 @@ impl GpuPlane {
         self.moe.has_solver()
     }
 
-    /// Solves `load` on the device (only when [`Self::solves`]).
-    pub(crate) fn solve(&mut self, load: &LoadMatrix) -> Result<Plan> {
-        self.moe.solve(load).map_err(gpu_error)
+    /// Solves model layer `layer`'s `load` on the device (only when [`Self::solves`]) and starts
+    /// its replica distribution there.
+    pub(crate) fn solve(&mut self, layer: usize, load: &LoadMatrix) -> Result<Plan> {
+        let ordinal = self.moe_ordinal(layer)?;
+        self.moe.solve_layer(ordinal, load).map_err(gpu_error)
     }
 
-    /// Replication (over `relay`'s trees, as on the CPU plane), dispatch, expert compute and
-    /// combine of model layer `layer`.
+    /// Replication (over the relay trees of the engine's [`rackfill_balancer::relay::RelayConfig`],
+    /// as on the CPU plane), dispatch, expert compute and combine of model layer `layer`.
     pub(crate) fn run_layer(
         &mut self,
         layer: usize,
         plan: &Plan,
-        relay: &RelayConfig,
         inputs: &[RankInput<'_>],
         top_k: usize,
     ) -> Result<LayerRun> {
-        let ordinal = self
-            .moe_ordinal
+        let ordinal = self.moe_ordinal(layer)?;
+        self.moe
+            .run_layer(ordinal, plan, inputs, top_k)
+            .map_err(gpu_error)
+    }
+
+    fn moe_ordinal(&self, layer: usize) -> Result<usize> {
+        self.moe_ordinal
             .get(layer)
             .copied()
             .flatten()
-            .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))?;
-        let schedule = plan_transfers(plan, self.moe.expert_bytes(), relay);
-        self.moe
-            .run_layer(ordinal, plan, &schedule, inputs, top_k)
-            .map_err(gpu_error)
+            .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))
     }
 
     /// What rank `rank`'s redundant slot `slot` holds (a download; tests and debugging).

@@ -236,9 +236,10 @@ fn shared_experts_and_dense_layers_match_dense() {
     }
 }
 
-/// The GPU data plane (device solver for quota, tile streaming, device permute, cuBLAS experts)
-/// against the dense CPU path, every balancer, plus the fixtures with shared experts and dense
-/// layers. Skips with the reason on a machine without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a
+/// The GPU data plane (device solver for quota, relay trees and tile tasks built on the device,
+/// tile streaming, device permute, cuBLAS experts) against the dense CPU path, every balancer,
+/// plus the fixtures with shared experts and dense layers. `verify_plans` also makes every layer
+/// compare the device's tile stream with the host compiler's. Skips with the reason on a machine without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a
 /// missing GPU a failure.
 #[cfg(feature = "cuda")]
 #[test]

@@ -67,3 +67,24 @@ __device__ u64 block_max_u64(u64 v, u64* scratch) {
     __syncthreads();
     return best;
 }
+
+// The replica-distribution task stream: built by plan_tiles (tile_plan.cu) or uploaded by the
+// host (rackfill_kernels::cuda::tiles), consumed by tile_stream (replicate.cu).
+struct TileTask {
+    u64 src_offset;   // byte offset of this tile in the source buffer
+    u64 tile_offset;  // byte offset of this tile inside its chunk (added to every destination)
+    u32 src_rank;
+    u32 src_kind;     // 0: the rank's home weights, 1: the rank's slot buffer (a relay)
+    u32 len;          // bytes, <= tile_bytes
+    u32 dst_begin;    // first TileDst of the task's group
+    u32 n_dst;
+    i32 wait_flag;    // ready counter on src_rank to wait for, -1: none
+    u32 wait_target;  // tiles of the chunk: the counter's value once the chunk has landed
+    u32 reserved;
+};
+
+struct TileDst {
+    u64 offset;       // byte offset of the chunk in the destination rank's slot buffer
+    u32 rank;
+    i32 ready_flag;   // ready counter on `rank` to bump after the store, -1: none
+};

@@ -1,8 +1,9 @@
 // Replica weight distribution by persistent tile streaming (UltraEP §6.1) with chunk-streaming
 // two-stage relay trees (§6.2).
 //
-// The host compiles a relay transfer schedule (rackfill_balancer::relay::plan_transfers) into a
-// stream of tile tasks (rackfill_kernels::cuda::tiles): each task is one tile of one source chunk
+// The task stream (TileTask / TileDst, common.cuh) is built on the device from the plan by
+// `plan_tiles` (tile_plan.cu), or compiled on the host from any relay transfer schedule
+// (rackfill_kernels::cuda::tiles, the reference): each task is one tile of one source chunk
 // together with every destination that receives it, so the tile is read once, staged once in
 // shared memory and stored to all of them. A persistent grid pulls tasks from the stream with
 // one atomic counter. Each block double-buffers: while tile i is being stored, the block has
@@ -19,25 +20,6 @@
 //
 // Ranks are addressed through a peer-pointer table (home weights, slot buffer and flag array per
 // rank), so the same kernel runs with NVLink peer pointers or with several rank buffers on one GPU.
-
-struct TileTask {
-    u64 src_offset;   // byte offset of this tile in the source buffer
-    u64 tile_offset;  // byte offset of this tile inside its chunk (added to every destination)
-    u32 src_rank;
-    u32 src_kind;     // 0: the rank's home weights, 1: the rank's slot buffer (a relay)
-    u32 len;          // bytes, <= tile_bytes
-    u32 dst_begin;    // first TileDst of the task's group
-    u32 n_dst;
-    i32 wait_flag;    // ready counter on src_rank to wait for, -1: none
-    u32 wait_target;  // tiles of the chunk: the counter's value once the chunk has landed
-    u32 reserved;
-};
-
-struct TileDst {
-    u64 offset;       // byte offset of the chunk in the destination rank's slot buffer
-    u32 rank;
-    i32 ready_flag;   // ready counter on `rank` to bump after the store, -1: none
-};
 
 __device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
     u32 v;
@@ -97,7 +79,7 @@ __device__ void wait_ready(const TileTask& t, const u64* flag_base) {
     __syncthreads();
 }
 
-extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, u32 n_tasks,
+extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count,
                                        const TileDst* __restrict__ dsts, u32* next_task,
                                        const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
                                        const u64* __restrict__ flag_base, u32 tile_bytes) {
@@ -106,6 +88,7 @@ extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, u32 n
     __shared__ u32 s_ready;
     u8* stage[2] = {smem, smem + tile_bytes};
     const u32 tid = threadIdx.x, bd = blockDim.x;
+    const u32 n_tasks = *task_count;  // written on the device by plan_tiles, or uploaded
 
     if (tid == 0) s_claim = atomicAdd(next_task, 1u);
     __syncthreads();

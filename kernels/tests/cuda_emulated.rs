@@ -2,8 +2,9 @@
 //! of one block (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a
 //! GPU: the quota solver's plan equals the CPU planner's bit for bit (with the host's own
 //! shared-memory layout), the permute / group / return / combine kernels are bitwise equal to
-//! the CPU data plane, the tile-streaming kernel fills every slot like the CPU executor, and the
-//! gated activation between the expert GEMMs computes `silu(gate) * up`.
+//! the CPU data plane, the device relay planner builds the host compiler's tile stream entry for
+//! entry, the tile-streaming kernel fills every slot like the CPU executor, and the gated
+//! activation between the expert GEMMs computes `silu(gate) * up`.
 //!
 //! This is what keeps the GPU mirror of the planner honest in CI: change quota.rs without the
 //! kernel and this fails. It cannot show cp.async, cross-GPU memory ordering or several
@@ -18,10 +19,11 @@ use cuda_common::common::random_layout;
 use cuda_common::Rng;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
-use rackfill_balancer::{Balancer, Layout, LoadMatrix};
+use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_kernels::cuda::nvrtc;
 use rackfill_kernels::cuda::solver::{PlanArrays, SolverShape};
-use rackfill_kernels::cuda::tiles::{self, BufferLayout};
+use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanFault, TilePlanParams};
+use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileStream};
 use rackfill_kernels::{
     combine, distribute_replicas_sequential, group_by_instance, permute_tokens, scatter_pairs,
     DispatchBuffers, InstanceRouter,
@@ -58,6 +60,7 @@ fn host_source() -> String {
     src += &replicate[..start];
     src += "inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }\n";
     src += &replicate[end..];
+    src += nvrtc::TILE_PLAN.source;
     src = replace(
         &src,
         "extern __shared__ __align__(16) u8 smem[];",
@@ -539,6 +542,260 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
             );
         }
     }
+}
+
+/// What `plan_tiles` wrote under the emulation: the status word, or the stream.
+fn emulate_tile_planner(
+    exe: &Path,
+    params: &TilePlanParams,
+    guard: u64,
+    arrays: &PlanArrays,
+    home_offsets: &[u64],
+    warps: u32,
+) -> Result<TileStream, TilePlanFault> {
+    let p = params;
+    let (n64, n32) = p.scratch_lens();
+    let input = format!(
+        "{} {} {} {} {} {} {} {} {} {} {} {} {}\n{guard} {n64} {n32}\n{}\n{}\n{}\n{}\n",
+        p.expert_bytes,
+        p.slot_bytes,
+        p.chunk_bytes,
+        p.n_chunks,
+        p.tile_bytes,
+        p.ranks,
+        p.experts,
+        p.n_slot,
+        p.threshold,
+        p.task_capacity,
+        p.dst_capacity,
+        p.flag_capacity,
+        p.edge_capacity,
+        join(&arrays.slots),
+        join(&arrays.inst_offsets),
+        join(&arrays.inst_rank),
+        join(home_offsets)
+    );
+    let out = run(exe, "tiles", warps, &input);
+    let header = get(&out, "header");
+    if header[0] != 0 {
+        assert_eq!(&header[1..], &[0, 0, 0], "a failed plan reports no tasks");
+        return Err(TilePlanFault::from_status(header[0] as u32));
+    }
+    let tasks = get(&out, "tasks")
+        .chunks(9)
+        .map(|f| tiles::TileTask {
+            src_offset: f[0],
+            tile_offset: f[1],
+            src_rank: f[2] as u32,
+            src_kind: f[3] as u32,
+            len: f[4] as u32,
+            dst_begin: f[5] as u32,
+            n_dst: f[6] as u32,
+            wait_flag: f[7] as i32,
+            wait_target: f[8] as u32,
+            reserved: 0,
+        })
+        .collect::<Vec<_>>();
+    let dsts = get(&out, "dsts")
+        .chunks(3)
+        .map(|f| tiles::TileDst {
+            offset: f[0],
+            rank: f[1] as u32,
+            ready_flag: f[2] as i32,
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(
+        (tasks.len(), dsts.len()),
+        (header[1] as usize, header[2] as usize)
+    );
+    Ok(TileStream {
+        stored_bytes: tasks
+            .iter()
+            .map(|t| u64::from(t.len) * u64::from(t.n_dst))
+            .sum(),
+        tasks,
+        dsts,
+        flags_per_rank: get(&out, "flags").iter().map(|&f| f as u32).collect(),
+        tile_bytes: p.tile_bytes,
+    })
+}
+
+/// A plan from one of the shipped planners for a skewed load of `layout`: several hot experts,
+/// so that fan-outs cross every relay threshold the test draws.
+fn skewed_plan(rng: &mut Rng, layout: &Layout, algo: Algo) -> Plan {
+    let hot = 1 + rng.below(3) as usize;
+    let load = cuda_common::skewed_load(rng, layout.ranks(), layout.experts(), hot);
+    let settings = Settings {
+        u_min: 1 + rng.below(4),
+        ..Settings::default()
+    };
+    algo.build(&settings).plan(layout, &load).unwrap()
+}
+
+#[test]
+fn emulated_tile_planner_builds_the_host_compilers_stream() {
+    let Some(exe) = emulator() else { return };
+    let algos = [
+        Algo::Quota,
+        Algo::QuotaPaper,
+        Algo::EplbExact,
+        Algo::GreedyMove,
+    ];
+    let mut relayed = 0;
+    for case in 0..36u64 {
+        let mut rng = Rng(case + 4242);
+        let layout = random_layout(&mut rng, 24, 60);
+        let plan = skewed_plan(&mut rng, &layout, algos[case as usize % algos.len()]);
+        let expert_bytes = 16 * (1 + rng.below(200)) + rng.below(2) * rng.below(16);
+        let geometry = TileGeometry {
+            expert_bytes,
+            slot_bytes: expert_bytes + rng.below(3) * 16 + rng.below(2) * 5,
+            tile_bytes: 16 * (1 + rng.below(24)) as u32,
+            relay: RelayConfig {
+                threshold: rng.below(6) as usize,
+                chunk_bytes: [0, 48, 100, 512, 1 << 20][rng.below(5) as usize],
+            },
+        };
+        // Homes packed in layout order after a pad, so offsets differ between ranks.
+        let pad = rng.below(3) * 40;
+        let mut home_offsets = vec![0u64; layout.experts()];
+        for r in 0..layout.ranks() {
+            for (i, &e) in layout.main_experts(r).iter().enumerate() {
+                home_offsets[e as usize] = pad + i as u64 * expert_bytes;
+            }
+        }
+        let schedule = plan_transfers(&plan, expert_bytes, &geometry.relay);
+        let buffers = BufferLayout {
+            expert_bytes,
+            home_offsets: &home_offsets,
+            slot_bytes: geometry.slot_bytes,
+        };
+        let want = tiles::compile(&plan, &schedule, &buffers, geometry.tile_bytes).unwrap();
+        let params = TilePlanParams::new(&layout, &geometry).unwrap();
+        let arrays = PlanArrays::from_plan(&plan).unwrap();
+        let warps = 1 + rng.below(4) as u32;
+        let got = emulate_tile_planner(exe, &params, 0, &arrays, &home_offsets, warps);
+        let what = format!(
+            "case {case}: R={} E={} n_slot={} replicas={} {geometry:?} warps={warps}",
+            layout.ranks(),
+            layout.experts(),
+            layout.slots_per_rank(),
+            plan.replicas()
+        );
+        assert_eq!(got.as_ref(), Ok(&want), "{what}");
+        relayed += usize::from(!schedule.trees.is_empty());
+    }
+    assert!(relayed >= 12, "only {relayed} cases built relay trees");
+
+    // The paper's shape: R=64, E=256, n_slot=2, a 1 MiB expert in 256 KiB chunks.
+    let layout = Layout::contiguous(64, 256, 2).unwrap();
+    let mut rng = Rng(77);
+    let plan = skewed_plan(&mut rng, &layout, Algo::Quota);
+    let geometry = TileGeometry {
+        expert_bytes: 1 << 20,
+        slot_bytes: 1 << 20,
+        tile_bytes: 16 * 1024,
+        relay: RelayConfig {
+            threshold: 4,
+            chunk_bytes: 256 * 1024,
+        },
+    };
+    let home_offsets: Vec<u64> = (0..256).map(|e| (e % 4) << 20).collect();
+    let schedule = plan_transfers(&plan, 1 << 20, &geometry.relay);
+    assert!(!schedule.trees.is_empty(), "the paper shape should relay");
+    let buffers = BufferLayout {
+        expert_bytes: 1 << 20,
+        home_offsets: &home_offsets,
+        slot_bytes: 1 << 20,
+    };
+    let want = tiles::compile(&plan, &schedule, &buffers, 16 * 1024).unwrap();
+    let params = TilePlanParams::new(&layout, &geometry).unwrap();
+    let arrays = PlanArrays::from_plan(&plan).unwrap();
+    let got = emulate_tile_planner(exe, &params, 0, &arrays, &home_offsets, 8);
+    assert_eq!(got.as_ref(), Ok(&want), "R=64 E=256");
+}
+
+#[test]
+fn emulated_tile_planner_refuses_what_it_cannot_plan_and_plans_nothing() {
+    let Some(exe) = emulator() else { return };
+    let layout = Layout::contiguous(12, 24, 2).unwrap();
+    let mut rng = Rng(5);
+    let plan = skewed_plan(&mut rng, &layout, Algo::Quota);
+    let geometry = TileGeometry {
+        expert_bytes: 4096,
+        slot_bytes: 4096,
+        tile_bytes: 512,
+        relay: RelayConfig {
+            threshold: 2,
+            chunk_bytes: 1024,
+        },
+    };
+    let home_offsets: Vec<u64> = (0..24).map(|e| (e % 2) * 4096).collect();
+    let schedule = plan_transfers(&plan, 4096, &geometry.relay);
+    assert!(!schedule.trees.is_empty());
+    let want = tiles::compile(
+        &plan,
+        &schedule,
+        &BufferLayout {
+            expert_bytes: 4096,
+            home_offsets: &home_offsets,
+            slot_bytes: 4096,
+        },
+        512,
+    )
+    .unwrap();
+    let params = TilePlanParams::new(&layout, &geometry).unwrap();
+    let arrays = PlanArrays::from_plan(&plan).unwrap();
+    let emulate = |params: &TilePlanParams, guard: u64, arrays: &PlanArrays| {
+        emulate_tile_planner(exe, params, guard, arrays, &home_offsets, 2)
+    };
+    assert_eq!(emulate(&params, 0, &arrays).as_ref(), Ok(&want));
+    // The solver failed: its plan buffers are not read.
+    assert_eq!(emulate(&params, 3, &arrays), Err(TilePlanFault::Solver));
+    // Capacities one short of what this plan needs.
+    let short = |edit: &dyn Fn(&mut TilePlanParams)| {
+        let mut p = params;
+        edit(&mut p);
+        emulate(&p, 0, &arrays)
+    };
+    let tasks = want.tasks.len() as u32;
+    let dsts = want.dsts.len() as u32;
+    let flags = *want.flags_per_rank.iter().max().unwrap();
+    assert!(flags > 0);
+    assert_eq!(
+        short(&|p| p.task_capacity = tasks - 1),
+        Err(TilePlanFault::Tasks)
+    );
+    assert_eq!(
+        short(&|p| p.dst_capacity = dsts - 1),
+        Err(TilePlanFault::Destinations)
+    );
+    assert_eq!(
+        short(&|p| p.flag_capacity = flags - 1),
+        Err(TilePlanFault::Flags)
+    );
+    assert!(short(&|p| p.task_capacity = tasks).is_ok());
+    // Malformed plans: a replica whose rank has no slot for it, an expert twice on one rank,
+    // instance offsets that run past the replicas a layout can have.
+    let filled = arrays.slots.iter().position(|&s| s >= 0).unwrap();
+    let mut no_slot = arrays.clone();
+    no_slot.slots[filled] = -1;
+    assert_eq!(emulate(&params, 0, &no_slot), Err(TilePlanFault::Plan));
+    let mut twice = arrays.clone();
+    let e = (0..24)
+        .find(|&e| twice.inst_offsets[e + 1] - twice.inst_offsets[e] >= 3)
+        .unwrap();
+    let first = twice.inst_offsets[e] as usize + 1;
+    twice.inst_rank[first + 1] = twice.inst_rank[first];
+    // Without relay trees both copies come from the home: two identical edges.
+    let direct = TilePlanParams {
+        threshold: u32::MAX,
+        ..params
+    };
+    assert_eq!(emulate(&direct, 0, &twice), Err(TilePlanFault::Plan));
+    let mut past = arrays.clone();
+    past.inst_offsets[24] = 24 + params.edge_capacity + 1;
+    assert_eq!(emulate(&params, 0, &past), Err(TilePlanFault::Plan));
 }
 
 #[test]

@@ -1,17 +1,21 @@
 //! Replica distribution by tile streaming: the schedule compiled to tile tasks replays the CPU
 //! reference byte for byte (on the host, everywhere), bad schedules are refused before anything
 //! runs, and on a GPU the persistent kernel fills every slot exactly like the CPU reference,
-//! with direct fan-out and with relay trees, one block or many.
+//! with direct fan-out and with relay trees, one block or many; the relay planner on the device
+//! builds the host compiler's stream from the solver's plan or an uploaded one.
 
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
 
 use cuda_common::{gpu_or_skip, skewed_load, Rng};
-use rackfill_balancer::quota::QuotaPlanner;
+use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
 use rackfill_balancer::{Balancer, Layout, Plan};
+use rackfill_kernels::cuda::permute::DevicePlan;
 use rackfill_kernels::cuda::replicate::{DeviceTileStream, RankBuffers};
+use rackfill_kernels::cuda::solver::GpuQuotaSolver;
+use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanner};
 use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileStream, SRC_HOME};
 use rackfill_kernels::{distribute_replicas_sequential, KernelError, TransferFault};
 
@@ -329,4 +333,63 @@ fn gpu_launch_refuses_buffers_smaller_than_the_tasks_touch() {
     let mut device = DeviceTileStream::upload(&gpu, &stream, RANKS).unwrap();
     let ranks = RankBuffers::new(&gpu, &home_bufs, 100, &stream.flags_per_rank).unwrap();
     assert!(device.launch(&gpu, &ranks, 4, 128).is_err());
+}
+
+#[test]
+fn gpu_relay_planner_builds_the_host_stream_and_fills_slots_from_the_solvers_plan() {
+    let Some(gpu) = gpu_or_skip("gpu_relay_planner_builds_the_host_stream") else {
+        return;
+    };
+    for seed in 0..3 {
+        let (layout, plan) = plan(seed);
+        let load = skewed_load(&mut Rng(seed), RANKS, EXPERTS, 2);
+        let w = weights(seed);
+        let (home_bufs, home_offsets) = homes(&layout, &w, [0, 16, 5][seed as usize]);
+        let buffers = BufferLayout {
+            expert_bytes: EXPERT_BYTES,
+            home_offsets: &home_offsets,
+            slot_bytes: SLOT_BYTES,
+        };
+        let mut solver = GpuQuotaSolver::new(&gpu, &layout, 1, TargetRule::BestFit).unwrap();
+        let uploaded = DevicePlan::upload(&gpu, &plan).unwrap();
+        for (config, tile_bytes) in configs() {
+            let geometry = TileGeometry {
+                expert_bytes: EXPERT_BYTES,
+                slot_bytes: SLOT_BYTES,
+                tile_bytes,
+                relay: config,
+            };
+            let schedule = plan_transfers(&plan, EXPERT_BYTES, &config);
+            let want = tiles::compile(&plan, &schedule, &buffers, tile_bytes).unwrap();
+            let expected = reference(&plan, &schedule, &w);
+            let mut planner = TilePlanner::new(
+                &gpu,
+                &layout,
+                &geometry,
+                std::slice::from_ref(&home_offsets),
+            )
+            .unwrap();
+            let flags = vec![planner.flag_capacity(); RANKS];
+            let slot_buffer = SLOTS * SLOT_BYTES as usize;
+            for from_solver in [true, false] {
+                let mut ranks = RankBuffers::new(&gpu, &home_bufs, slot_buffer, &flags).unwrap();
+                if from_solver {
+                    solver.solve(&load).unwrap();
+                    let guard = Some(solver.status());
+                    planner.plan(&gpu, solver.device_plan(), guard, 0).unwrap();
+                } else {
+                    planner.plan(&gpu, &uploaded, None, 0).unwrap();
+                }
+                planner
+                    .stream(&gpu, &mut ranks, 2 * gpu.info().multiprocessors, 512)
+                    .unwrap();
+                let what = format!("seed {seed} {config:?} tile {tile_bytes} solver {from_solver}");
+                assert_eq!(planner.download(&gpu).unwrap(), want, "{what}");
+                for (r, want) in expected.iter().enumerate() {
+                    let got = gpu.stream().clone_dtoh(ranks.slots(r).unwrap()).unwrap();
+                    assert!(got == *want, "{what}: rank {r} differs");
+                }
+            }
+        }
+    }
 }

@@ -1,10 +1,12 @@
 //! The GPU measurements `rackfill kernels bench` reports (docs/gpu.md): quota-solver latency
-//! against the CPU planner, replica-distribution bandwidth against a device-to-device copy of the
-//! same bytes, and relay versus direct fan-out. Times come from CUDA events around the kernels
+//! against the CPU planner, relay planning on the device against the host's schedule and tile
+//! compiler, replica-distribution bandwidth against a device-to-device copy of the same bytes,
+//! and relay versus direct fan-out. Times come from CUDA events around the kernels
 //! alone (inputs already on the device); medians over the repetitions.
 
 use super::replicate::{DeviceTileStream, RankBuffers};
 use super::solver::GpuQuotaSolver;
+use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::{CudaError, Gpu};
 use cudarc::driver::sys::CUevent_flags;
@@ -23,6 +25,19 @@ pub struct SolverBench {
     pub inputs: usize,
     pub warps: u32,
     pub load_staged: bool,
+}
+
+/// Relay trees and tile tasks for one solved layer, on the device and on the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TilePlanBench {
+    /// `plan_tiles` on the device, reading the solver's plan in place.
+    pub gpu_median_us: f64,
+    /// `plan_transfers` + `tiles::compile` on the host (the plan already downloaded; the
+    /// download and the task upload the device path avoids are not counted).
+    pub host_median_us: f64,
+    pub tasks: usize,
+    /// Whether the device stream equals the host compiler's.
+    pub identical: bool,
 }
 
 /// Replica distribution of one skewed layer.
@@ -154,6 +169,68 @@ pub fn solver_latency(
     })
 }
 
+/// Relay planning for a skewed layer of shape `R x E`, `n_slot` slots, `expert_bytes` experts:
+/// the device planner over the solver's plan against the host path over the same plan.
+pub fn tile_planning_latency(
+    gpu: &Gpu,
+    ranks: usize,
+    experts: usize,
+    n_slot: usize,
+    expert_bytes: u64,
+    reps: usize,
+) -> Result<TilePlanBench, CudaError> {
+    let layout = Layout::contiguous(ranks, experts, n_slot)?;
+    let load = skewed_load(ranks, experts, 7);
+    let mut solver = GpuQuotaSolver::new(gpu, &layout, 1, TargetRule::BestFit)?;
+    let (plan, _) = solver.plan(&load)?;
+    let (home_offsets, _) = packed_homes(&layout, expert_bytes);
+    let geometry = TileGeometry {
+        expert_bytes,
+        slot_bytes: expert_bytes,
+        tile_bytes: DEFAULT_TILE_BYTES,
+        relay: RelayConfig::default(),
+    };
+    let mut planner =
+        TilePlanner::new(gpu, &layout, &geometry, std::slice::from_ref(&home_offsets))?;
+    let gpu_median_us = time_us(gpu, reps, || {
+        planner.plan(gpu, solver.device_plan(), Some(solver.status()), 0)
+    })?;
+    let buffers = BufferLayout {
+        expert_bytes,
+        home_offsets: &home_offsets,
+        slot_bytes: expert_bytes,
+    };
+    let mut host = Vec::with_capacity(reps);
+    let mut want = None;
+    for _ in 0..reps.max(1) {
+        let started = Instant::now();
+        let schedule = plan_transfers(&plan, expert_bytes, &geometry.relay);
+        let stream = tiles::compile(&plan, &schedule, &buffers, DEFAULT_TILE_BYTES)?;
+        host.push(started.elapsed().as_secs_f64() * 1e6);
+        want = Some(stream);
+    }
+    let got = planner.download(gpu)?;
+    Ok(TilePlanBench {
+        gpu_median_us,
+        host_median_us: median(host),
+        tasks: got.tasks.len(),
+        identical: want.as_ref() == Some(&got),
+    })
+}
+
+/// Every rank's main experts back to back: each expert's home offset, and each rank's bytes.
+fn packed_homes(layout: &Layout, expert_bytes: u64) -> (Vec<u64>, Vec<usize>) {
+    let mut home_offsets = vec![0u64; layout.experts()];
+    let mut home_bytes = Vec::with_capacity(layout.ranks());
+    for r in 0..layout.ranks() {
+        for (local, &e) in layout.main_experts(r).iter().enumerate() {
+            home_offsets[e as usize] = local as u64 * expert_bytes;
+        }
+        home_bytes.push(layout.main_experts(r).len() * expert_bytes as usize);
+    }
+    (home_offsets, home_bytes)
+}
+
 /// Buffers, tasks and a launch for distributing `plan`'s replicas on one GPU.
 struct Distribution {
     buffers: RankBuffers,
@@ -169,14 +246,7 @@ fn distribution(
     config: &RelayConfig,
 ) -> Result<Distribution, CudaError> {
     let schedule = plan_transfers(plan, expert_bytes, config);
-    let mut home_offsets = vec![0u64; layout.experts()];
-    let mut home_bytes = Vec::with_capacity(layout.ranks());
-    for r in 0..layout.ranks() {
-        for (local, &e) in layout.main_experts(r).iter().enumerate() {
-            home_offsets[e as usize] = local as u64 * expert_bytes;
-        }
-        home_bytes.push(layout.main_experts(r).len() * expert_bytes as usize);
-    }
+    let (home_offsets, home_bytes) = packed_homes(layout, expert_bytes);
     let buffers_layout = BufferLayout {
         expert_bytes,
         home_offsets: &home_offsets,

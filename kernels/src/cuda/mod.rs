@@ -4,8 +4,9 @@
 //! - [`solver`]: the quota solver (UltraEP §5.3), one cooperative thread block that reproduces
 //!   [`rackfill_balancer::quota::QuotaPlanner`]'s plan bit for bit, outputs left on the device
 //!   for the token permute;
-//! - [`tiles`] + [`replicate`]: replica weight distribution, a relay transfer schedule compiled to
-//!   device tile tasks and streamed by a persistent kernel with per-chunk ready flags (§6);
+//! - [`tile_plan`] + [`replicate`]: replica weight distribution (§6): the relay trees and tile
+//!   tasks built on the device from the plan, streamed by a persistent kernel with per-chunk
+//!   ready flags; [`tiles`] compiles any host relay schedule to the same tasks (the reference);
 //! - [`permute`]: token permute by physical instance, grouping per expert instance, return and
 //!   weighted combine (§5.2), each bitwise equal to the CPU reference in [`crate::permute`];
 //! - [`gemm`]: grouped expert GEMM over main and replica experts with cuBLAS;
@@ -27,6 +28,7 @@ pub mod permute;
 mod probe;
 pub mod replicate;
 pub mod solver;
+pub mod tile_plan;
 pub mod tiles;
 
 pub use libs::LIB_DIR_ENV;
@@ -90,6 +92,12 @@ pub enum CudaError {
     Plan(#[from] PlanViolation),
     #[error("the quota solver kernel stopped with error code {0}")]
     Solver(u64),
+    #[error("the device relay planner planned nothing: {0}")]
+    TilePlan(#[from] tile_plan::TilePlanFault),
+    #[error(
+        "MoE layer {layer}: the tile stream built on the device differs from the host compiler's"
+    )]
+    TileMismatch { layer: usize },
     #[error("{what} needs {needed} bytes of shared memory per block, the device allows {limit}")]
     SharedMemory {
         what: &'static str,

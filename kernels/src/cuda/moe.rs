@@ -4,8 +4,11 @@
 //! Per layer, after the plan is known (solved here by [`GpuQuotaSolver`], or by any host
 //! balancer and uploaded):
 //!
-//! 1. replica weights: the relay schedule compiled to tile tasks and streamed by the persistent
-//!    kernel from the home weights into every rank's redundant slots ([`super::replicate`]);
+//! 1. replica weights: the relay trees and tile tasks built on the device from the plan
+//!    ([`super::tile_plan`]) and streamed by the persistent kernel from the home weights into
+//!    every rank's redundant slots ([`super::replicate`]). With the device solver, solve, relay
+//!    planning and streaming are queued back to back ([`GpuMoe::solve_layer`]): the host's copy
+//!    of the plan is downloaded on a side stream while the replicas stream;
 //! 2. token permute by cumulative quotas on every source rank ([`super::permute`]);
 //! 3. dispatch: each destination's segments copied device to device into its receive buffer,
 //!    sender after sender (the all-to-all of ranks sharing one GPU);
@@ -21,16 +24,19 @@
 use super::exchange::Exchange;
 use super::gemm::{weight_source, GemmGroup, GroupedGemm, WeightOrder, WeightSource};
 use super::permute::{self, DevicePlan, Received, Routed};
-use super::replicate::{DeviceTileStream, RankBuffers};
+use super::replicate::RankBuffers;
 use super::solver::GpuQuotaSolver;
+use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::{to_u32, CudaError, Gpu};
 use crate::permute::check_len;
 use crate::KernelError;
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};
 use rackfill_balancer::quota::TargetRule;
-use rackfill_balancer::relay::TransferSchedule;
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Layout, LoadMatrix, Plan, PlanViolation};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One expert's weights as the engine stores them: `[H, 2I]` gate-up (gate columns first), then
@@ -48,7 +54,8 @@ pub struct RankInput<'a> {
     pub weights: &'a [f32],
 }
 
-/// Wall time of each part of [`GpuMoe::run_layer`], the stream synchronised after each.
+/// Time of each part of [`GpuMoe::run_layer`]: the replication's device time (relay planning
+/// and streaming, between two events), then wall time with the stream synchronised after each.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GpuPhases {
     pub replicate: Duration,
@@ -81,15 +88,32 @@ pub struct GpuMoe {
     buffers: RankBuffers,
     blas: GroupedGemm,
     solver: Option<GpuQuotaSolver>,
-    /// The plan the solver's device buffers hold (what [`Self::run_layer`] can use in place).
-    solved: Option<Plan>,
-    tile_bytes: u32,
+    tiles: TilePlanner,
+    relay: RelayConfig,
+    /// Where solved plans are downloaded for the host, beside the replica streaming.
+    side: Arc<CudaStream>,
+    /// The last host plan uploaded (a plan that did not come from the solver).
+    uploaded: Option<DevicePlan>,
+    /// The layer whose replicas are streaming, and its plan.
+    started: Option<Started>,
+    verify: bool,
+}
+
+/// A layer whose replication is queued: [`GpuMoe::run_layer`] goes on from there.
+struct Started {
+    layer: usize,
+    plan: Plan,
+    /// The plan is in the solver's buffers (else in `uploaded`).
+    solved: bool,
+    begin: CudaEvent,
+    end: CudaEvent,
 }
 
 impl GpuMoe {
     /// Uploads every MoE layer's experts (`layers[l][e]`, `E` per layer, each `hidden x 2 inter`
-    /// then `inter x hidden`) for `layout`, with `layout.slots_per_rank()` slots per rank. With
-    /// `solver`, [`Self::solve`] runs the quota planner on the device with that `u_min` and rule.
+    /// then `inter x hidden`) for `layout`, with `layout.slots_per_rank()` slots per rank;
+    /// replicas are distributed over `relay`'s trees. With `solver`, [`Self::solve_layer`] runs
+    /// the quota planner on the device with that `u_min` and rule.
     pub fn new(
         gpu: &Gpu,
         layout: &Layout,
@@ -97,6 +121,7 @@ impl GpuMoe {
         inter: usize,
         layers: &[Vec<ExpertWeights<'_>>],
         solver: Option<(u64, TargetRule)>,
+        relay: RelayConfig,
     ) -> Result<Self, CudaError> {
         if hidden == 0 || inter == 0 {
             return Err(KernelError::ZeroDimension {
@@ -129,8 +154,16 @@ impl GpuMoe {
             }
             home_offsets.push(offsets);
         }
+        let geometry = TileGeometry {
+            expert_bytes,
+            slot_bytes: expert_bytes,
+            tile_bytes: DEFAULT_TILE_BYTES,
+            relay,
+        };
+        let tiles = TilePlanner::new(gpu, layout, &geometry, &home_offsets)?;
         let slot_buffer = layout.slots_per_rank() * expert_bytes as usize;
-        let buffers = RankBuffers::new(gpu, &homes, slot_buffer, &vec![1; layout.ranks()])?;
+        let flags = vec![tiles.flag_capacity(); layout.ranks()];
+        let buffers = RankBuffers::new(gpu, &homes, slot_buffer, &flags)?;
         let solver = solver
             .map(|(u_min, rule)| GpuQuotaSolver::new(gpu, layout, u_min, rule))
             .transpose()?;
@@ -144,9 +177,20 @@ impl GpuMoe {
             buffers,
             blas: GroupedGemm::new(gpu)?,
             solver,
-            solved: None,
-            tile_bytes: DEFAULT_TILE_BYTES,
+            tiles,
+            relay,
+            side: gpu.stream().fork()?,
+            uploaded: None,
+            started: None,
+            verify: false,
         })
+    }
+
+    /// With `on`, every layer also downloads the tile stream the device built and fails unless
+    /// it equals what the host compiler makes of the same plan (a slow check, for tests and
+    /// `verify_plans`).
+    pub fn set_verify(&mut self, on: bool) {
+        self.verify = on;
     }
 
     /// Bytes of one expert's weights (what a replica slot holds).
@@ -154,7 +198,7 @@ impl GpuMoe {
         self.expert_bytes
     }
 
-    /// Whether [`Self::solve`] is available (the plane was built with a solver).
+    /// Whether [`Self::solve_layer`] is available (the plane was built with a solver).
     pub fn has_solver(&self) -> bool {
         self.solver.is_some()
     }
@@ -172,26 +216,76 @@ impl GpuMoe {
         Ok(self.gpu.stream().clone_dtoh(&view)?)
     }
 
-    /// Solves `load` with the device quota solver; the plan stays on the device for the next
-    /// [`Self::run_layer`] and comes back validated (bit-identical to the CPU planner's).
-    pub fn solve(&mut self, load: &LoadMatrix) -> Result<Plan, CudaError> {
+    /// Solves `load` for MoE layer `layer` with the device quota solver and queues the layer's
+    /// replica distribution right behind it: the relay trees and tile tasks are built from the
+    /// plan where the solver left it, and the weights start streaming, with no host round trip.
+    /// Returns the host's copy of the plan (validated, bit-identical to the CPU planner's),
+    /// downloaded on a side stream while the replicas stream; [`Self::run_layer`] goes on from
+    /// there.
+    pub fn solve_layer(&mut self, layer: usize, load: &LoadMatrix) -> Result<Plan, CudaError> {
         self.gpu.context().bind_to_thread()?;
-        let solver = self.solver.as_mut().ok_or(KernelError::ZeroDimension {
-            what: "solver (the plane was built without one)",
-        })?;
-        self.solved = None;
-        let (plan, _) = solver.plan(load)?;
-        self.solved = Some(plan.clone());
+        self.started = None;
+        self.solver.as_mut().ok_or_else(no_solver)?.solve(load)?;
+        let solved = self.gpu.stream().record_event(None)?;
+        let (begin, end) = self.start_replication(layer, true)?;
+        self.side.wait(&solved)?;
+        let solver = self.solver.as_ref().ok_or_else(no_solver)?;
+        let (plan, _) = solver.download(&self.side, load)?;
+        self.started = Some(Started {
+            layer,
+            plan: plan.clone(),
+            solved: true,
+            begin,
+            end,
+        });
         Ok(plan)
     }
 
-    /// Runs MoE layer `layer` (its index among the MoE layers) under `plan` and its relay
-    /// `schedule` on every rank's `inputs`.
+    /// Queues relay planning and streaming of MoE layer `layer` from the solver's plan (`solved`)
+    /// or the uploaded one; returns timing events around them.
+    fn start_replication(
+        &mut self,
+        layer: usize,
+        solved: bool,
+    ) -> Result<(CudaEvent, CudaEvent), CudaError> {
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let stream = self.gpu.stream();
+        let begin = stream.record_event(timing)?;
+        let (plan, guard) = match (solved, &self.solver, &self.uploaded) {
+            (true, Some(solver), _) => (solver.device_plan(), Some(solver.status())),
+            (false, _, Some(uploaded)) => (uploaded, None),
+            _ => return Err(no_device_plan().into()),
+        };
+        self.tiles.plan(&self.gpu, plan, guard, layer)?;
+        let blocks = self.gpu.info().multiprocessors.max(1) * 2;
+        self.tiles
+            .stream(&self.gpu, &mut self.buffers, blocks, 512)?;
+        let end = stream.record_event(timing)?;
+        Ok((begin, end))
+    }
+
+    /// The host compiler's tile stream for `plan` must equal the one the device built.
+    fn verify_tiles(&self, layer: usize, plan: &Plan) -> Result<(), CudaError> {
+        let schedule = plan_transfers(plan, self.expert_bytes, &self.relay);
+        let buffers = BufferLayout {
+            expert_bytes: self.expert_bytes,
+            home_offsets: &self.home_offsets[layer],
+            slot_bytes: self.expert_bytes,
+        };
+        let want = tiles::compile(plan, &schedule, &buffers, self.tiles.params().tile_bytes)?;
+        if self.tiles.download(&self.gpu)? != want {
+            return Err(CudaError::TileMismatch { layer });
+        }
+        Ok(())
+    }
+
+    /// Runs MoE layer `layer` (its index among the MoE layers) under `plan` on every rank's
+    /// `inputs`: after [`Self::solve_layer`] for the same layer and plan it goes on with the
+    /// replication already queued; any other plan is uploaded and distributed first.
     pub fn run_layer(
         &mut self,
         layer: usize,
         plan: &Plan,
-        schedule: &TransferSchedule,
         inputs: &[RankInput<'_>],
         top_k: usize,
     ) -> Result<LayerRun, CudaError> {
@@ -220,18 +314,38 @@ impl GpuMoe {
         }
         let mut phases = GpuPhases::default();
 
-        let started = Instant::now();
-        let replica_recv_bytes = self.stream_replicas(layer, plan, schedule)?;
-        let uploaded;
-        let device_plan = match (&self.solver, &self.solved) {
-            (Some(solver), Some(solved)) if solved == plan => solver.device_plan(),
+        let started = match self.started.take() {
+            Some(s) if s.layer == layer && s.plan == *plan => s,
             _ => {
-                uploaded = DevicePlan::upload(&self.gpu, plan)?;
-                &uploaded
+                self.uploaded = Some(DevicePlan::upload(&self.gpu, plan)?);
+                let (begin, end) = self.start_replication(layer, false)?;
+                Started {
+                    layer,
+                    plan: plan.clone(),
+                    solved: false,
+                    begin,
+                    end,
+                }
             }
         };
-        self.gpu.stream().synchronize()?;
-        phases.replicate = started.elapsed();
+        // Waits for the replication; an error here means no replica byte moved.
+        self.tiles.counts(&self.gpu)?;
+        phases.replicate = Duration::from_secs_f64(
+            f64::from(started.begin.elapsed_ms(&started.end)?.max(0.0)) / 1e3,
+        );
+        if self.verify {
+            self.verify_tiles(layer, plan)?;
+        }
+        let mut replica_recv_bytes = vec![0u64; ranks];
+        for (rank, received) in replica_recv_bytes.iter_mut().enumerate() {
+            let filled = plan.rank_slots(rank).iter().flatten().count() as u64;
+            *received = filled * self.expert_bytes;
+        }
+        let device_plan = match (started.solved, &self.solver, &self.uploaded) {
+            (true, Some(solver), _) => solver.device_plan(),
+            (false, _, Some(uploaded)) => uploaded,
+            _ => return Err(no_device_plan().into()),
+        };
 
         let started = Instant::now();
         let sources = upload_inputs(&self.gpu, inputs, self.hidden, top_k)?;
@@ -299,35 +413,6 @@ impl GpuMoe {
             replica_recv_bytes,
             phases,
         })
-    }
-
-    /// Streams the layer's replicas into the slots; returns the bytes each rank received.
-    fn stream_replicas(
-        &mut self,
-        layer: usize,
-        plan: &Plan,
-        schedule: &TransferSchedule,
-    ) -> Result<Vec<u64>, CudaError> {
-        let mut received = vec![0u64; self.layout.ranks()];
-        if plan.replicas() == 0 {
-            return Ok(received);
-        }
-        let buffers = BufferLayout {
-            expert_bytes: self.expert_bytes,
-            home_offsets: &self.home_offsets[layer],
-            slot_bytes: self.expert_bytes,
-        };
-        let tiles = tiles::compile(plan, schedule, &buffers, self.tile_bytes)?;
-        self.buffers
-            .ensure_flags(&self.gpu, &tiles.flags_per_rank)?;
-        self.buffers.reset_flags(&self.gpu)?;
-        let mut stream = DeviceTileStream::upload(&self.gpu, &tiles, self.layout.ranks())?;
-        let blocks = self.gpu.info().multiprocessors.max(1) * 2;
-        stream.launch(&self.gpu, &self.buffers, blocks, 512)?;
-        for t in &schedule.transfers {
-            received[t.dst as usize] += t.len;
-        }
-        Ok(received)
     }
 
     /// Expert compute on `rank`: group by instance, gate-up GEMM, activation, down GEMM; the
@@ -430,6 +515,18 @@ impl GpuMoe {
             }
         };
         Ok((buffer.ok_or_else(misrouted)?, offset))
+    }
+}
+
+fn no_solver() -> KernelError {
+    KernelError::ZeroDimension {
+        what: "solver (the plane was built without one)",
+    }
+}
+
+fn no_device_plan() -> KernelError {
+    KernelError::ZeroDimension {
+        what: "plan on the device",
     }
 }
 

@@ -42,6 +42,14 @@ pub const REPLICATE: KernelSource = KernelSource {
     entry_points: &["tile_stream"],
 };
 
+/// The relay trees and the tile task stream, built on the device from the plan (UltraEP §6.2).
+pub const TILE_PLAN: KernelSource = KernelSource {
+    name: "tile_plan",
+    file: "tile_plan.cu",
+    source: include_str!("../../cuda/tile_plan.cu"),
+    entry_points: &["plan_tiles"],
+};
+
 /// Token permute by physical instance, grouping, return and weighted combine (UltraEP §5.2).
 pub const PERMUTE: KernelSource = KernelSource {
     name: "permute",
@@ -66,7 +74,7 @@ pub const EXPERTS: KernelSource = KernelSource {
 };
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 4] = [QUOTA_SOLVER, REPLICATE, PERMUTE, EXPERTS];
+pub const SOURCES: [KernelSource; 5] = [QUOTA_SOLVER, REPLICATE, TILE_PLAN, PERMUTE, EXPERTS];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.
 pub const DEFAULT_ARCHS: [&str; 2] = ["sm_90", "sm_100"];

@@ -15,8 +15,9 @@ use super::{to_u32, CudaError, Gpu};
 use crate::permute::check_len;
 use crate::permute::InstanceGroup;
 use crate::KernelError;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use rackfill_balancer::{Layout, Plan};
+use std::sync::Arc;
 
 /// A plan in device memory, in the flat layout of [`PlanArrays`].
 pub struct DevicePlan {
@@ -76,9 +77,8 @@ impl DevicePlan {
         })
     }
 
-    /// Downloads the arrays (sized by the plan's own offsets).
-    pub fn download(&self, gpu: &Gpu) -> Result<PlanArrays, CudaError> {
-        let s = gpu.stream();
+    /// Downloads the arrays (sized by the plan's own offsets) on `s`.
+    pub fn download(&self, s: &Arc<CudaStream>) -> Result<PlanArrays, CudaError> {
         let inst_offsets = s.clone_dtoh(&self.inst_offsets)?;
         let split_offsets = s.clone_dtoh(&self.split_offsets)?;
         let instances = inst_offsets[self.experts] as usize;

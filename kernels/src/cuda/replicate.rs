@@ -9,7 +9,7 @@
 use super::tiles::{TileDst, TileStream, TileTask};
 use super::{to_u32, CudaError, Gpu};
 use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Device pointers of every rank's buffers, indexed by rank.
 pub struct PeerTable {
@@ -126,29 +126,6 @@ impl RankBuffers {
         })
     }
 
-    /// Grows rank `r`'s ready counters to at least `flags[r]` (a later plan's relay trees may need
-    /// more than the buffers were made with), readdressing the peer table when any moved.
-    pub fn ensure_flags(&mut self, gpu: &Gpu, flags: &[u32]) -> Result<(), CudaError> {
-        if flags.len() != self.ranks() {
-            return Err(crate::KernelError::RankCount {
-                got: flags.len(),
-                ranks: self.ranks(),
-            }
-            .into());
-        }
-        let mut grown = false;
-        for (buf, &n) in self.flags.iter_mut().zip(flags) {
-            if buf.len() < n as usize {
-                *buf = gpu.stream().alloc_zeros::<u32>(n as usize)?;
-                grown = true;
-            }
-        }
-        if grown {
-            self.table = peer_table(gpu, &self.homes, &self.slots, &self.flags)?;
-        }
-        Ok(())
-    }
-
     /// Zeroes every ready counter (before each distribution).
     pub fn reset_flags(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         for f in &mut self.flags {
@@ -172,8 +149,13 @@ impl RankBuffers {
         self.homes.len()
     }
 
+    /// The table addressing these buffers.
+    pub(crate) fn table(&self) -> &PeerTable {
+        &self.table
+    }
+
     /// Whether every buffer is large enough for `needs`.
-    fn check(&self, needs: &[RankNeeds]) -> Result<(), CudaError> {
+    pub(crate) fn check(&self, needs: &[RankNeeds]) -> Result<(), CudaError> {
         if needs.len() != self.ranks() {
             return Err(crate::KernelError::RankCount {
                 got: self.ranks(),
@@ -226,10 +208,10 @@ fn peer_table(
 
 /// How much of each rank's buffers a task stream touches.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct RankNeeds {
-    home: u64,
-    slots: u64,
-    flags: u32,
+pub(crate) struct RankNeeds {
+    pub home: u64,
+    pub slots: u64,
+    pub flags: u32,
 }
 
 fn rank_needs(stream: &TileStream, ranks: usize) -> Vec<RankNeeds> {
@@ -257,6 +239,8 @@ fn rank_needs(stream: &TileStream, ranks: usize) -> Vec<RankNeeds> {
 pub struct DeviceTileStream {
     tasks: CudaSlice<TileTask>,
     dsts: CudaSlice<TileDst>,
+    /// The task count, on the device (the kernel reads it there, as it does after `plan_tiles`).
+    count: CudaSlice<u32>,
     counter: CudaSlice<u32>,
     n_tasks: u32,
     tile_bytes: u32,
@@ -287,11 +271,13 @@ impl DeviceTileStream {
         } else {
             &stream.dsts
         };
+        let n_tasks = to_u32(stream.tasks.len(), "tile tasks")?;
         Ok(Self {
             tasks: s.clone_htod(tasks)?,
             dsts: s.clone_htod(dsts)?,
+            count: s.clone_htod(&[n_tasks])?,
             counter: s.alloc_zeros(1)?,
-            n_tasks: to_u32(stream.tasks.len(), "tile tasks")?,
+            n_tasks,
             tile_bytes: stream.tile_bytes,
             needs: rank_needs(stream, ranks),
         })
@@ -345,32 +331,67 @@ impl DeviceTileStream {
         if self.n_tasks == 0 {
             return Ok(());
         }
-        let stream = gpu.stream();
-        stream.memset_zeros(&mut self.counter)?;
-        let function = gpu.function("tile_stream");
-        let shared = 2 * self.tile_bytes;
-        function.set_attribute(
-            FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            i32::try_from(shared).unwrap_or(i32::MAX),
-        )?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks.clamp(1, self.n_tasks), 1, 1),
-            block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
-            shared_mem_bytes: shared,
+        let grid = blocks.clamp(1, self.n_tasks);
+        let buffers = TaskBuffers {
+            tasks: &self.tasks,
+            count: self.count.slice(..),
+            dsts: &self.dsts,
+            counter: &mut self.counter,
+            tile_bytes: self.tile_bytes,
         };
-        let mut launch = stream.launch_builder(function);
-        launch
-            .arg(&self.tasks)
-            .arg(&self.n_tasks)
-            .arg(&self.dsts)
-            .arg(&mut self.counter)
-            .arg(&peers.home)
-            .arg(&peers.slots)
-            .arg(&peers.flags)
-            .arg(&self.tile_bytes);
-        // SAFETY: arguments match `tile_stream`; the tasks were validated against the plan and
-        // buffer layout when compiled, and the caller vouches for the peer table.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        // SAFETY: the tasks were validated against the plan and buffer layout when compiled, and
+        // the caller vouches for the peer table.
+        unsafe { launch_tile_stream(gpu, buffers, peers, grid, threads) }
     }
+}
+
+/// A task stream in device memory, wherever it was built.
+pub(crate) struct TaskBuffers<'a> {
+    pub tasks: &'a CudaSlice<TileTask>,
+    /// One `u32`: how many of `tasks` to run.
+    pub count: CudaView<'a, u32>,
+    pub dsts: &'a CudaSlice<TileDst>,
+    /// One `u32`, the persistent grid's claim counter (zeroed here).
+    pub counter: &'a mut CudaSlice<u32>,
+    pub tile_bytes: u32,
+}
+
+/// Enqueues `tile_stream` with `blocks` persistent blocks of `threads` threads (blocks beyond
+/// the task count exit at once).
+///
+/// # Safety
+/// Every task must stay inside the buffers `peers` addresses and the ready counters be zero.
+pub(crate) unsafe fn launch_tile_stream(
+    gpu: &Gpu,
+    stream: TaskBuffers<'_>,
+    peers: &PeerTable,
+    blocks: u32,
+    threads: u32,
+) -> Result<(), CudaError> {
+    let s = gpu.stream();
+    s.memset_zeros(stream.counter)?;
+    let function = gpu.function("tile_stream");
+    let shared = 2 * stream.tile_bytes;
+    function.set_attribute(
+        FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32::try_from(shared).unwrap_or(i32::MAX),
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    let mut launch = s.launch_builder(function);
+    launch
+        .arg(stream.tasks)
+        .arg(&stream.count)
+        .arg(stream.dsts)
+        .arg(stream.counter)
+        .arg(&peers.home)
+        .arg(&peers.slots)
+        .arg(&peers.flags)
+        .arg(&stream.tile_bytes);
+    // SAFETY: arguments match `tile_stream`; the caller vouches for the tasks and the table.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
 }

@@ -9,9 +9,10 @@
 use super::permute::DevicePlan;
 use super::{to_u32, CudaError, Gpu};
 use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use rackfill_balancer::quota::TargetRule;
 use rackfill_balancer::{Instance, Layout, LoadMatrix, Plan, PlanParts, PlanViolation};
+use std::sync::Arc;
 
 /// Kernel parameters; field for field the `SolverParams` struct of `quota_solver.cu` (see there
 /// for each field). Public so that tools can run the kernel source elsewhere with the host's
@@ -331,9 +332,19 @@ impl GpuQuotaSolver {
         &self.plan
     }
 
+    /// The kernel's status words (word 0 nonzero: it failed); [`super::tile_plan`] reads them
+    /// to plan nothing after a failed solve.
+    pub fn status(&self) -> &CudaSlice<u64> {
+        &self.status
+    }
+
     /// Waits for the last solve and returns its statistics (an error if the kernel reported one).
     pub fn stats(&self) -> Result<SolveStats, CudaError> {
-        let s = self.gpu.stream().clone_dtoh(&self.status)?;
+        self.stats_on(self.gpu.stream())
+    }
+
+    fn stats_on(&self, stream: &Arc<CudaStream>) -> Result<SolveStats, CudaError> {
+        let s = stream.clone_dtoh(&self.status)?;
         if s[0] != 0 {
             return Err(CudaError::Solver(s[0]));
         }
@@ -350,8 +361,19 @@ impl GpuQuotaSolver {
     /// Solves `load` and downloads the plan, validated against the layout and load.
     pub fn plan(&mut self, load: &LoadMatrix) -> Result<(Plan, SolveStats), CudaError> {
         self.solve(load)?;
-        let stats = self.stats()?;
-        let arrays = self.plan.download(&self.gpu)?;
+        self.download(self.gpu.stream(), load)
+    }
+
+    /// Downloads the last solve's plan for `load` on `stream`, validated. On a stream other than
+    /// the GPU's, the caller orders it after the solve (an event), and the copy overlaps whatever
+    /// the GPU's stream runs next, e.g. the replica streaming of the plan.
+    pub fn download(
+        &self,
+        stream: &Arc<CudaStream>,
+        load: &LoadMatrix,
+    ) -> Result<(Plan, SolveStats), CudaError> {
+        let stats = self.stats_on(stream)?;
+        let arrays = self.plan.download(stream)?;
         let plan = arrays.into_plan(&self.layout, load, self.u_min)?;
         Ok((plan, stats))
     }

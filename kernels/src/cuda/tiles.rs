@@ -65,6 +65,10 @@ pub struct TileDst {
 unsafe impl cudarc::driver::DeviceRepr for TileTask {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for TileDst {}
+// SAFETY: all-zero bits are a valid value of each (plain integers).
+unsafe impl cudarc::driver::ValidAsZeroBits for TileTask {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::ValidAsZeroBits for TileDst {}
 
 /// Where every byte of a replica distribution comes from and goes to, as device tasks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -2,7 +2,8 @@
 // is the prelude plus every kernel file, with the few spellings a host compiler cannot take
 // (dynamic shared memory declarations, inline PTX) replaced.
 //
-// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate, act. Inputs
+// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate, tiles,
+// act. Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -219,10 +220,47 @@ static void replicate(unsigned warps) {
     std::vector<unsigned char> smem(2 * tile_bytes + 16);
     g_smem = smem.data();
     run_block(warps * 32, [&] {
-        tile_stream(tasks.data(), n_tasks, dsts.data(), &next, home_base.data(), slot_base.data(), flag_base.data(),
+        tile_stream(tasks.data(), &n_tasks, dsts.data(), &next, home_base.data(), slot_base.data(), flag_base.data(),
                     tile_bytes);
     });
     for (u32 r = 0; r < R; ++r) print("slots", slots[r], slot_len);
+}
+
+// tiles: the 14 TilePlanParams fields / "guard n64 n32" / slots[R*n_slot] / inst_offsets[E+1] /
+// inst_rank[inst_offsets[E]] / home_offsets[E]. Prints the header, the ready counters per rank,
+// then every task (9 fields) and destination (3 fields) flattened.
+static void tiles(unsigned warps) {
+    TilePlanParams p{};
+    std::cin >> p.expert_bytes >> p.slot_bytes >> p.chunk_bytes >> p.n_chunks >> p.tile_bytes >> p.ranks >>
+        p.experts >> p.n_slot >> p.threshold >> p.task_capacity >> p.dst_capacity >> p.flag_capacity >>
+        p.edge_capacity;
+    u64 guard, n64, n32;
+    std::cin >> guard >> n64 >> n32;
+    auto slots = read<i32>((size_t)p.ranks * p.n_slot);
+    auto inst_offsets = read<u32>(p.experts + 1);
+    auto inst_rank = read<u32>(inst_offsets[p.experts]);
+    auto home_offsets = read<u64>(p.experts);
+    std::vector<u64> s64(n64 + 1);
+    std::vector<u32> s32(n32 + 1), header(4), flags(p.ranks + 1);
+    std::vector<TileTask> tasks(p.task_capacity + 1);
+    std::vector<TileDst> dsts(p.dst_capacity + 1);
+    run_block(warps * 32, [&] {
+        plan_tiles(p, &guard, slots.data(), inst_offsets.data(), inst_rank.data(), home_offsets.data(), s64.data(),
+                   s32.data(), tasks.data(), dsts.data(), header.data(), flags.data());
+    });
+    print("header", header, 4);
+    print("flags", flags, p.ranks);
+    std::vector<u64> t, d;
+    for (u32 i = 0; i < header[1]; ++i) {
+        const TileTask& k = tasks[i];
+        for (u64 v : {k.src_offset, k.tile_offset, (u64)k.src_rank, (u64)k.src_kind, (u64)k.len, (u64)k.dst_begin,
+                      (u64)k.n_dst, (u64)(i64)k.wait_flag, (u64)k.wait_target})
+            t.push_back(v);
+    }
+    for (u32 i = 0; i < header[2]; ++i)
+        for (u64 v : {dsts[i].offset, (u64)dsts[i].rank, (u64)(i64)dsts[i].ready_flag}) d.push_back(v);
+    print("tasks", t, t.size());
+    print("dsts", d, d.size());
 }
 
 // act: "rows inter" / gate_up bits (rows x 2 inter). Prints silu(gate) * up (rows x inter).
@@ -243,6 +281,7 @@ int main(int argc, char** argv) {
     else if (mode == "send") send(warps);
     else if (mode == "recv") recv(warps);
     else if (mode == "replicate") replicate(warps);
+    else if (mode == "tiles") tiles(warps);
     else if (mode == "act") act(warps);
     else return 2;
     return 0;

@@ -1,0 +1,422 @@
+//! Relay trees and tile tasks built on the device (`kernels/cuda/tile_plan.cu`, UltraEP §6.2).
+//!
+//! With this, the plan goes from the quota solver to the weight streaming without visiting the
+//! host: `plan_tiles` reads the plan where the solver left it, builds the load-aware relay trees
+//! and writes the tile tasks, and `tile_stream` reads the task count from device memory. The
+//! host reference is [`super::tiles::compile`] over
+//! [`rackfill_balancer::relay::plan_transfers`]: `plan_tiles` produces the same tasks, the same
+//! destinations and the same ready counters, entry for entry (tests/cuda_emulated.rs runs the
+//! kernel source against it on random plans; tests/cuda_replicate.rs on a GPU).
+//!
+//! The device cannot allocate for the plan at hand, so [`TilePlanner::new`] sizes every buffer
+//! for the worst plan the layout allows (every slot filled); the kernel still checks each
+//! capacity and plans nothing, with a [`TilePlanFault`], rather than write past one.
+
+use super::permute::DevicePlan;
+use super::replicate::{launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers};
+use super::tiles::{TileDst, TileStream, TileTask};
+use super::{to_u32, CudaError, Gpu};
+use crate::KernelError;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
+use rackfill_balancer::Layout;
+
+/// Ranks and experts are packed into 21-bit fields of the kernel's edge keys.
+const MAX_IDS: usize = 1 << 21;
+/// Threads of the one `plan_tiles` block.
+const THREADS: u32 = 512;
+
+/// Field for field the `TilePlanParams` struct of `tile_plan.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TilePlanParams {
+    pub expert_bytes: u64,
+    pub slot_bytes: u64,
+    /// The chunk in effect ([`chunk_geometry`]).
+    pub chunk_bytes: u64,
+    pub n_chunks: u32,
+    pub tile_bytes: u32,
+    pub ranks: u32,
+    pub experts: u32,
+    pub n_slot: u32,
+    /// [`RelayConfig::threshold`].
+    pub threshold: u32,
+    pub task_capacity: u32,
+    pub dst_capacity: u32,
+    /// Ready counters per rank.
+    pub flag_capacity: u32,
+    /// Replicas a plan can have: `ranks * n_slot`.
+    pub edge_capacity: u32,
+}
+
+// SAFETY: plain `repr(C)` integers with the CUDA struct's layout.
+unsafe impl cudarc::driver::DeviceRepr for TilePlanParams {}
+
+/// What one replica distribution looks like: the expert and slot sizes, the tile, the relay
+/// settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileGeometry {
+    pub expert_bytes: u64,
+    /// Bytes between consecutive slots of a rank (at least `expert_bytes`).
+    pub slot_bytes: u64,
+    /// A positive multiple of 16.
+    pub tile_bytes: u32,
+    pub relay: RelayConfig,
+}
+
+impl TilePlanParams {
+    /// The kernel's parameters for every plan of `layout`, capacities sized for the worst one.
+    pub fn new(layout: &Layout, geometry: &TileGeometry) -> Result<Self, KernelError> {
+        let g = geometry;
+        if g.expert_bytes == 0 {
+            return Err(KernelError::ZeroDimension {
+                what: "expert_bytes",
+            });
+        }
+        if g.tile_bytes == 0 || g.tile_bytes % 16 != 0 {
+            return Err(KernelError::OutOfRange {
+                what: "tile_bytes (a positive multiple of 16)",
+                value: u64::from(g.tile_bytes),
+                limit: u64::from(u32::MAX),
+            });
+        }
+        if g.slot_bytes < g.expert_bytes {
+            return Err(KernelError::SlotTooSmall {
+                slot_bytes: g.slot_bytes as usize,
+                expert_bytes: g.expert_bytes as usize,
+            });
+        }
+        for (what, n) in [("ranks", layout.ranks()), ("experts", layout.experts())] {
+            if n >= MAX_IDS {
+                return Err(KernelError::OutOfRange {
+                    what,
+                    value: n as u64,
+                    limit: MAX_IDS as u64,
+                });
+            }
+        }
+        let overflow = |what| KernelError::Overflow { what };
+        let (chunk, n_chunks) = chunk_geometry(g.expert_bytes, g.relay.chunk_bytes);
+        let tile = u64::from(g.tile_bytes);
+        let last = g.expert_bytes - (n_chunks - 1) * chunk;
+        let tiles_per_expert = (n_chunks - 1)
+            .checked_mul(chunk.div_ceil(tile))
+            .and_then(|t| t.checked_add(last.div_ceil(tile)))
+            .ok_or(overflow("tiles per expert"))?;
+        let edges = layout.ranks() as u64 * layout.slots_per_rank() as u64;
+        let capacity =
+            |n: Option<u64>, what| n.and_then(|n| u32::try_from(n).ok()).ok_or(overflow(what));
+        let flag_capacity = capacity(
+            (layout.slots_per_rank() as u64).checked_mul(n_chunks),
+            "ready counters",
+        )?;
+        i32::try_from(flag_capacity).map_err(|_| overflow("ready counters"))?;
+        Ok(Self {
+            expert_bytes: g.expert_bytes,
+            slot_bytes: g.slot_bytes,
+            chunk_bytes: chunk,
+            n_chunks: capacity(Some(n_chunks), "chunks")?,
+            tile_bytes: g.tile_bytes,
+            ranks: to_u32(layout.ranks(), "ranks")?,
+            experts: to_u32(layout.experts(), "experts")?,
+            n_slot: to_u32(layout.slots_per_rank(), "slots per rank")?,
+            threshold: u32::try_from(g.relay.threshold).unwrap_or(u32::MAX),
+            task_capacity: capacity(edges.checked_mul(tiles_per_expert), "tile tasks")?,
+            dst_capacity: capacity(edges.checked_mul(n_chunks), "tile destinations")?,
+            flag_capacity,
+            edge_capacity: capacity(Some(edges), "replicas")?,
+        })
+    }
+
+    /// Lengths of the kernel's two scratch buffers (`u64`s, `u32`s), as `tile_plan.cu` carves
+    /// them.
+    pub fn scratch_lens(&self) -> (usize, usize) {
+        let (r, e, c) = (
+            self.ranks as usize,
+            self.experts as usize,
+            self.edge_capacity as usize,
+        );
+        (r + 4 * c, e + 2 * (e + c) + 6 * c + 1)
+    }
+}
+
+/// Why `plan_tiles` planned nothing (its status codes); no replica byte moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TilePlanFault {
+    #[error("the quota solver reported an error, so there is no plan to distribute")]
+    Solver,
+    #[error("the plan in device memory is malformed (instance offsets, ranks or slots)")]
+    Plan,
+    #[error("the plan needs more tile tasks than the planner was sized for")]
+    Tasks,
+    #[error("the plan needs more tile destinations than the planner was sized for")]
+    Destinations,
+    #[error("a relay needs more ready counters than each rank has")]
+    Flags,
+    #[error("unknown status {0}")]
+    Unknown(u32),
+}
+
+impl TilePlanFault {
+    /// The fault for a nonzero status word of the kernel.
+    pub fn from_status(status: u32) -> Self {
+        match status {
+            1 => Self::Solver,
+            2 => Self::Plan,
+            3 => Self::Tasks,
+            4 => Self::Destinations,
+            5 => Self::Flags,
+            other => Self::Unknown(other),
+        }
+    }
+}
+
+/// What a built task stream holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TilePlanCounts {
+    pub tasks: u32,
+    pub destinations: u32,
+    pub groups: u32,
+}
+
+/// The device relay planner and its task buffers, sized once for a layout and geometry.
+pub struct TilePlanner {
+    params: TilePlanParams,
+    /// `[moe layer][expert]` home offsets, flat.
+    home_offsets: CudaSlice<u64>,
+    layers: usize,
+    /// A zero status word, the guard for plans that did not come from the solver.
+    no_fault: CudaSlice<u64>,
+    scratch64: CudaSlice<u64>,
+    scratch32: CudaSlice<u32>,
+    tasks: CudaSlice<TileTask>,
+    dsts: CudaSlice<TileDst>,
+    /// status, tasks, destinations, groups.
+    header: CudaSlice<u32>,
+    flags_per_rank: CudaSlice<u32>,
+    counter: CudaSlice<u32>,
+    /// What any plan can touch per rank: every home range, every slot, the counter capacity.
+    needs: Vec<RankNeeds>,
+}
+
+impl TilePlanner {
+    /// A planner for `layout` whose expert `e` of MoE layer `l` starts at `home_offsets[l][e]` in
+    /// its home rank's weight buffer. Allocates for the worst plan.
+    pub fn new(
+        gpu: &Gpu,
+        layout: &Layout,
+        geometry: &TileGeometry,
+        home_offsets: &[Vec<u64>],
+    ) -> Result<Self, CudaError> {
+        let params = TilePlanParams::new(layout, geometry)?;
+        for offsets in home_offsets {
+            crate::permute::check_len("home offsets of a layer", offsets.len(), layout.experts())?;
+        }
+        let mut needs = vec![
+            RankNeeds {
+                home: 0,
+                slots: u64::from(params.n_slot) * params.slot_bytes,
+                flags: params.flag_capacity,
+            };
+            layout.ranks()
+        ];
+        for offsets in home_offsets {
+            for (e, &offset) in offsets.iter().enumerate() {
+                let need = &mut needs[layout.home(e)].home;
+                *need = (*need).max(offset.saturating_add(params.expert_bytes));
+            }
+        }
+        let s = gpu.stream();
+        let flat: Vec<u64> = home_offsets.iter().flatten().copied().collect();
+        let (n64, n32) = params.scratch_lens();
+        Ok(Self {
+            home_offsets: s.clone_htod(if flat.is_empty() { &[0][..] } else { &flat })?,
+            layers: home_offsets.len(),
+            no_fault: s.alloc_zeros(1)?,
+            scratch64: s.alloc_zeros(n64.max(1))?,
+            scratch32: s.alloc_zeros(n32.max(1))?,
+            tasks: s.alloc_zeros((params.task_capacity as usize).max(1))?,
+            dsts: s.alloc_zeros((params.dst_capacity as usize).max(1))?,
+            header: s.alloc_zeros(4)?,
+            flags_per_rank: s.alloc_zeros(layout.ranks().max(1))?,
+            counter: s.alloc_zeros(1)?,
+            needs,
+            params,
+        })
+    }
+
+    /// The kernel's parameters.
+    pub fn params(&self) -> &TilePlanParams {
+        &self.params
+    }
+
+    /// Ready counters every rank's flag buffer must hold for any plan.
+    pub fn flag_capacity(&self) -> u32 {
+        self.params.flag_capacity
+    }
+
+    /// Enqueues `plan_tiles` for MoE layer `layer` over `plan`. With `guard` (the solver's status
+    /// words), a solver failure plans nothing instead of reading a half-written plan.
+    pub fn plan(
+        &mut self,
+        gpu: &Gpu,
+        plan: &DevicePlan,
+        guard: Option<&CudaSlice<u64>>,
+        layer: usize,
+    ) -> Result<(), CudaError> {
+        if layer >= self.layers {
+            return Err(KernelError::OutOfRange {
+                what: "MoE layer",
+                value: layer as u64,
+                limit: self.layers as u64,
+            }
+            .into());
+        }
+        if (plan.ranks(), plan.experts())
+            != (self.params.ranks as usize, self.params.experts as usize)
+        {
+            return Err(rackfill_balancer::PlanViolation::Shape.into());
+        }
+        let e = self.params.experts as usize;
+        let offsets = self.home_offsets.slice(layer * e..(layer + 1) * e);
+        let s = gpu.stream();
+        let mut launch = s.launch_builder(gpu.function("plan_tiles"));
+        launch
+            .arg(&self.params)
+            .arg(guard.unwrap_or(&self.no_fault))
+            .arg(&plan.slots)
+            .arg(&plan.inst_offsets)
+            .arg(&plan.inst_rank)
+            .arg(&offsets)
+            .arg(&mut self.scratch64)
+            .arg(&mut self.scratch32)
+            .arg(&mut self.tasks)
+            .arg(&mut self.dsts)
+            .arg(&mut self.header)
+            .arg(&mut self.flags_per_rank);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `plan_tiles`; the scratch and output buffers have the lengths
+        // the parameters promise (allocated from them), and the plan buffers belong to a
+        // DevicePlan of the same layout (checked above), which the kernel bounds-checks.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Enqueues `tile_stream` over the tasks the last [`Self::plan`] wrote (`blocks` persistent
+    /// blocks of `threads`); the ready counters are zeroed first. Nothing moves if it failed.
+    pub fn stream(
+        &mut self,
+        gpu: &Gpu,
+        buffers: &mut RankBuffers,
+        blocks: u32,
+        threads: u32,
+    ) -> Result<(), CudaError> {
+        buffers.check(&self.needs)?;
+        buffers.reset_flags(gpu)?;
+        let tasks = TaskBuffers {
+            tasks: &self.tasks,
+            count: self.header.slice(1..2),
+            dsts: &self.dsts,
+            counter: &mut self.counter,
+            tile_bytes: self.params.tile_bytes,
+        };
+        // SAFETY: `plan_tiles` writes only tasks inside the slots and home ranges of the layout
+        // (or none), and `buffers` was just checked to be that large with enough counters.
+        unsafe { launch_tile_stream(gpu, tasks, buffers.table(), blocks, threads) }
+    }
+
+    /// Waits for the last [`Self::plan`] and returns what it built, or why it built nothing.
+    pub fn counts(&self, gpu: &Gpu) -> Result<TilePlanCounts, CudaError> {
+        let h = gpu.stream().clone_dtoh(&self.header)?;
+        if h[0] != 0 {
+            return Err(CudaError::TilePlan(TilePlanFault::from_status(h[0])));
+        }
+        Ok(TilePlanCounts {
+            tasks: h[1],
+            destinations: h[2],
+            groups: h[3],
+        })
+    }
+
+    /// Downloads the last built stream (verification against the host compiler; debugging).
+    pub fn download(&self, gpu: &Gpu) -> Result<TileStream, CudaError> {
+        let counts = self.counts(gpu)?;
+        let s = gpu.stream();
+        Ok(TileStream {
+            tasks: s.clone_dtoh(&self.tasks.slice(..counts.tasks as usize))?,
+            dsts: s.clone_dtoh(&self.dsts.slice(..counts.destinations as usize))?,
+            flags_per_rank: s
+                .clone_dtoh(&self.flags_per_rank.slice(..self.params.ranks as usize))?,
+            tile_bytes: self.params.tile_bytes,
+            stored_bytes: self.params.expert_bytes * u64::from(counts.destinations)
+                / u64::from(self.params.n_chunks),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(expert_bytes: u64, tile_bytes: u32, chunk_bytes: u64) -> TileGeometry {
+        TileGeometry {
+            expert_bytes,
+            slot_bytes: expert_bytes,
+            tile_bytes,
+            relay: RelayConfig {
+                threshold: 4,
+                chunk_bytes,
+            },
+        }
+    }
+
+    #[test]
+    fn capacities_cover_every_slot_filled_with_every_tile_of_every_chunk() {
+        let layout = Layout::contiguous(64, 256, 2).unwrap();
+        // 8 MiB experts, 1 MiB chunks, 16 KiB tiles: 64 tiles a chunk, 512 an expert.
+        let p = TilePlanParams::new(&layout, &geometry(8 << 20, 16 << 10, 1 << 20)).unwrap();
+        assert_eq!((p.chunk_bytes, p.n_chunks), (1 << 20, 8));
+        assert_eq!(p.edge_capacity, 128);
+        assert_eq!(p.task_capacity, 128 * 512);
+        assert_eq!(p.dst_capacity, 128 * 8);
+        assert_eq!(p.flag_capacity, 2 * 8);
+        // A short last chunk and a short last tile: 1000 bytes in 300-byte chunks, 128-byte
+        // tiles: three chunks of 3 tiles and one of 100 bytes in 1 tile.
+        let p = TilePlanParams::new(&layout, &geometry(1000, 128, 300)).unwrap();
+        assert_eq!((p.chunk_bytes, p.n_chunks), (300, 4));
+        assert_eq!(p.task_capacity, 128 * 10);
+        // Chunk 0: the whole expert in one chunk.
+        let p = TilePlanParams::new(&layout, &geometry(1000, 128, 0)).unwrap();
+        assert_eq!(
+            (p.chunk_bytes, p.n_chunks, p.task_capacity),
+            (1000, 1, 128 * 8)
+        );
+        let (n64, n32) = p.scratch_lens();
+        assert_eq!(
+            (n64, n32),
+            (64 + 4 * 128, 256 + 2 * (256 + 128) + 6 * 128 + 1)
+        );
+    }
+
+    #[test]
+    fn impossible_geometries_are_refused() {
+        let layout = Layout::contiguous(4, 8, 1).unwrap();
+        let refused = |g: TileGeometry| TilePlanParams::new(&layout, &g).is_err();
+        assert!(refused(geometry(0, 128, 0)));
+        assert!(refused(geometry(1000, 100, 0)));
+        assert!(refused(geometry(1000, 0, 0)));
+        assert!(refused(TileGeometry {
+            slot_bytes: 999,
+            ..geometry(1000, 128, 0)
+        }));
+        // More tile tasks than 32-bit indices reach.
+        let wide = Layout::contiguous(64, 64, 64).unwrap();
+        assert!(TilePlanParams::new(&wide, &geometry(1 << 40, 16, 0)).is_err());
+        assert_eq!(TilePlanFault::from_status(4), TilePlanFault::Destinations);
+        assert_eq!(TilePlanFault::from_status(9), TilePlanFault::Unknown(9));
+    }
+}
