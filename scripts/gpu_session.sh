@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs on a GPU host, in the repository root, with a bundle from scripts/gpu_bundle.sh: every
+# CUDA test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the figures
+# docs/gpu.md records. Writes device.txt, tests.log, kernels-bench.txt and bench-ep.txt to
+# ${OUT:-target/gpu-session}; exits non-zero if any test binary failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=$(mktemp -d)
+tar -C "$bundle" -xJf "${1:-.gpu-bundle}/bundle.tar.xz" || exit 1
+out=${OUT:-target/gpu-session}
+mkdir -p "$out"
+root=$(cat "$bundle/root")
+if [ "$root" != "$PWD" ] && [ ! -e "$root" ]; then
+  mkdir -p "$(dirname "$root")" && ln -s "$PWD" "$root"
+fi
+export RACKFILL_REQUIRE_GPU=1
+{ nvidia-smi -L; "$bundle/rackfill" kernels probe; } 2>&1 | tee "$out/device.txt"
+failed=()
+for t in "$bundle"/tests/*; do
+  echo "== $(basename "$t")" | tee -a "$out/tests.log"
+  "$t" --test-threads 1 2>&1 | tee -a "$out/tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$(basename "$t")")
+done
+"$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
+"$bundle/rackfill" bench ep --model rackfill-tiny-moe --prompts models/builtin/skew.json --ep 8 \
+  --balancers quota,none --data-planes cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
+if [ "${#failed[@]}" -ne 0 ]; then
+  echo "failed test binaries: ${failed[*]}" | tee -a "$out/tests.log"
+  exit 1
+fi
