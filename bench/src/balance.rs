@@ -446,21 +446,16 @@ impl BalanceReport {
             self.generate_ms / 1e3,
             self.wall_ms / 1e3
         );
-        if self.validation_failures > 0 {
-            let _ = writeln!(
-                out,
-                "\n**!!! {} PLANS FAILED VALIDATION !!!** (first {} below)\n",
-                self.validation_failures,
-                self.failures.len()
-            );
-            for f in &self.failures {
-                let _ = writeln!(
-                    out,
-                    "- {} on '{}' step {}: {}",
+        crate::replay_report::write_validation_failures(
+            &mut out,
+            self.validation_failures,
+            self.failures.iter().map(|f| {
+                format!(
+                    "{} on '{}' step {}: {}",
                     f.balancer, f.suite, f.step, f.error
-                );
-            }
-        }
+                )
+            }),
+        );
         for g in &self.groups {
             let title = if g.kind == g.label {
                 g.kind.clone()

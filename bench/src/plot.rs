@@ -137,25 +137,36 @@ fn draw<DB: DrawingBackend>(
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(72);
+    // The two axes are different coordinate types; everything drawn on them is shared.
     if chart.log_x {
-        let mut ctx = builder
+        let ctx = builder
             .build_cartesian_2d((bounds.x.0..bounds.x.1).log_scale(), bounds.y.0..bounds.y.1)
             .map_err(|e| err(&e))?;
-        configure_mesh(&mut ctx, chart).map_err(|e| err(&e))?;
-        draw_series(&mut ctx, chart).map_err(|e| err(&e))?;
-        finish_legend(&mut ctx, chart).map_err(|e| err(&e))?;
+        draw_chart(ctx, chart).map_err(|e| err(&e))?;
     } else {
-        let mut ctx = builder
+        let ctx = builder
             .build_cartesian_2d(bounds.x.0..bounds.x.1, bounds.y.0..bounds.y.1)
             .map_err(|e| err(&e))?;
-        configure_mesh(&mut ctx, chart).map_err(|e| err(&e))?;
-        draw_series(&mut ctx, chart).map_err(|e| err(&e))?;
-        finish_legend(&mut ctx, chart).map_err(|e| err(&e))?;
+        draw_chart(ctx, chart).map_err(|e| err(&e))?;
     }
     root.present().map_err(|e| err(&e))
 }
 
 type Ctx<'a, DB, X> = ChartContext<'a, DB, Cartesian2d<X, plotters::coord::types::RangedCoordf64>>;
+
+/// Mesh, series and legend on a built chart.
+fn draw_chart<'a, DB, X>(
+    mut ctx: Ctx<'a, DB, X>,
+    chart: &Chart,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>>
+where
+    DB: DrawingBackend + 'a,
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    configure_mesh(&mut ctx, chart)?;
+    draw_series(&mut ctx, chart)?;
+    finish_legend(&mut ctx, chart)
+}
 
 fn configure_mesh<'a, DB, X>(
     ctx: &mut Ctx<'a, DB, X>,

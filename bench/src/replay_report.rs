@@ -32,21 +32,16 @@ impl ReplayReport {
             self.rebalance_interval,
             self.wall_ms / 1e3
         );
-        if self.validation_failures > 0 {
-            let _ = writeln!(
-                out,
-                "\n**!!! {} PLANS FAILED VALIDATION !!!** (first {} below)\n",
-                self.validation_failures,
-                self.failures.len()
-            );
-            for f in &self.failures {
-                let _ = writeln!(
-                    out,
-                    "- {} on step {} layer {}: {}",
+        write_validation_failures(
+            &mut out,
+            self.validation_failures,
+            self.failures.iter().map(|f| {
+                format!(
+                    "{} on step {} layer {}: {}",
                     f.balancer, f.step, f.layer, f.error
-                );
-            }
-        }
+                )
+            }),
+        );
         let before = self.stats.first().map_or(0.0, |s| s.imbalance_before_mean);
         let _ = writeln!(
             out,
@@ -152,6 +147,26 @@ impl ReplayReport {
 
 /// A markdown table with the first column left-aligned and the others right-aligned, padded so
 /// it also reads as plain text.
+/// The loud block a report opens with when plans failed validation: the count, then the first
+/// failures kept, one bullet each.
+pub(crate) fn write_validation_failures(
+    out: &mut String,
+    total: usize,
+    shown: impl ExactSizeIterator<Item = String>,
+) {
+    if total == 0 {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\n**!!! {total} PLANS FAILED VALIDATION !!!** (first {} below)\n",
+        shown.len()
+    );
+    for line in shown {
+        let _ = writeln!(out, "- {line}");
+    }
+}
+
 pub(crate) fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
     let widths: Vec<usize> = (0..header.len())
         .map(|c| {
@@ -189,4 +204,26 @@ pub(crate) fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
         line(&mut out, &row);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_failures_are_reported_only_when_there_are_some() {
+        let mut out = String::new();
+        write_validation_failures(&mut out, 0, std::iter::empty());
+        assert!(out.is_empty());
+        let shown = ["quota on step 1 layer 2: bad".to_string(), "b".to_string()];
+        write_validation_failures(&mut out, 5, shown.into_iter());
+        assert!(
+            out.contains("**!!! 5 PLANS FAILED VALIDATION !!!** (first 2 below)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("\n- quota on step 1 layer 2: bad\n- b\n"),
+            "{out}"
+        );
+    }
 }
