@@ -6,10 +6,16 @@
 // followed by rackfill_kernels::cuda::tiles::compile entry for entry (tests/cuda_emulated.rs
 // compares them on random plans).
 //
-// One block. Thread 0 runs the greedy steps, which are sequential by nature and small (send
-// volumes, hot-expert order, relay choice, leaf attachment, group numbering: O(E + replicas *
-// sqrt(fan-out))). The sort of the copy edges and the emission of tasks and destinations, the
-// bulk of the work, are spread over every thread.
+// One block, latency first: the plan's instance arrays and every scratch array live in one arena,
+// in shared memory whenever it fits (the host decides, TilePlanner::new), so the sequential steps
+// read shared memory instead of waiting on global loads one after another. The per-expert pass
+// (send volumes, hot experts) runs on every thread; thread 0 runs only what is sequential by
+// nature and small (hot-expert order, relay choice, leaf attachment, group numbering:
+// O(hot experts * fan-out * sqrt(fan-out) + replicas)); the sort of the copy edges and the
+// emission of tasks and destinations, the bulk of the work, run on every thread again.
+//
+// Arithmetic: send volumes are plain sums; the host refuses geometries where they could exceed
+// 64 bits (2 * replicas * expert_bytes), so they equal relay.rs's saturating sums.
 //
 // Notation: an edge is one replica's delivery (stage 1: from the expert's home; stage 2: from a
 // relay), keyed (stage, expert, src, dst); a group is a run of edges with the same (stage,
@@ -30,6 +36,8 @@ struct TilePlanParams {
     u32 dst_capacity;
     u32 flag_capacity;  // ready counters per rank
     u32 edge_capacity;  // replicas a plan can have: ranks * n_slot
+    u32 arena_in_shared;  // 1: the arena is dynamic shared memory, 0: the `global_arena` argument
+    u32 reserved;
 };
 
 // header[0]: one of these; header[1..4]: tasks, destinations, groups (all zero unless TP_OK).
@@ -42,9 +50,6 @@ struct TilePlanParams {
 
 #define KEY_BITS 21u
 #define KEY_MASK ((1ull << KEY_BITS) - 1ull)
-
-__device__ __forceinline__ u64 sat_add(u64 a, u64 b) { return a + b < a ? U64_MAX : a + b; }
-__device__ __forceinline__ u64 sat_mul(u64 a, u64 b) { return b != 0 && a > U64_MAX / b ? U64_MAX : a * b; }
 
 // round(sqrt(fanout)), at least 1 (relay.rs relay_count).
 __device__ u32 relay_count(u32 fanout) {
@@ -69,34 +74,41 @@ __device__ __forceinline__ u32 key_expert(u64 k) { return (u32)((k >> (2 * KEY_B
 __device__ __forceinline__ u32 key_src(u64 k) { return (u32)((k >> KEY_BITS) & KEY_MASK); }
 __device__ __forceinline__ u32 key_dst(u64 k) { return (u32)(k & KEY_MASK); }
 
-// The scratch arrays, carved from two device buffers whose sizes the host computes from the same
-// parameters (TilePlanner::new): I = experts + edge_capacity instances at most, C edges at most.
+// The arena: the plan's instance arrays (staged) and the scratch, carved from one byte buffer in
+// this order; TilePlanParams::arena_bytes on the host computes the same size. I = experts +
+// edge_capacity instances at most, C = edge_capacity edges at most.
 struct TileScratch {
-    u64* volume;      // [R] bytes each rank sends
-    u64* key;         // [C] edge keys, by replica (instance order)
-    u64* sorted_key;  // [C] edge keys, sorted
-    u64* group_src;   // [C] byte offset of a group's chunk 0 in its source buffer
-    u64* edge_dst;    // [C] byte offset of a sorted edge's slot in its destination buffer
-    u32* hot;         // [E] experts that get a relay tree, in tree order
-    u32* parent;      // [I] rank that delivers a replica instance
-    i32* forwards;    // [I] a relay instance: its index among its rank's forwarded experts; else -1
-    u32* relays;      // [C] the current tree's relay instances
-    u32* inst_of;     // [C] instance of an edge, by replica
-    u32* sorted_inst; // [C] instance of an edge, sorted
-    u32* group_start; // [C + 1] first sorted edge of each group
-    i32* group_wait;  // [C] a relay group: the relay's forward index; else -1
-    i32* edge_ready;  // [C] a sorted edge into a relay: the relay's forward index; else -1
+    u64* volume;       // [R] bytes each rank sends
+    u64* key;          // [C] edge keys, by replica (instance order)
+    u64* sorted_key;   // [C] edge keys, sorted
+    u64* group_src;    // [C] byte offset of a group's chunk 0 in its source buffer
+    u64* edge_dst;     // [C] byte offset of a sorted edge's slot in its destination buffer
+    u32* inst_offsets; // [E + 1] staged from the plan
+    u32* inst_rank;    // [I] staged from the plan
+    i32* slots;        // [R * n_slot] staged from the plan
+    u32* hot;          // [E] experts that get a relay tree, in tree order
+    u32* parent;       // [I] rank that delivers a replica instance
+    i32* forwards;     // [I] a relay instance: its index among its rank's forwarded experts; else -1
+    u32* relays;       // [C] the current tree's relay instances
+    u32* inst_of;      // [C] instance of an edge, by replica
+    u32* sorted_inst;  // [C] instance of an edge, sorted
+    u32* group_start;  // [C + 1] first sorted edge of each group
+    i32* group_wait;   // [C] a relay group: the relay's forward index; else -1
+    i32* edge_ready;   // [C] a sorted edge into a relay: the relay's forward index; else -1
 };
 
-__device__ TileScratch carve(const TilePlanParams& p, u64* s64, u32* s32) {
+__device__ TileScratch carve(const TilePlanParams& p, u8* arena) {
     const u64 R = p.ranks, E = p.experts, C = p.edge_capacity, I = E + C;
     TileScratch s;
-    s.volume = s64;
+    s.volume = (u64*)arena;
     s.key = s.volume + R;
     s.sorted_key = s.key + C;
     s.group_src = s.sorted_key + C;
     s.edge_dst = s.group_src + C;
-    s.hot = s32;
+    s.inst_offsets = (u32*)(s.edge_dst + C);
+    s.inst_rank = s.inst_offsets + E + 1;
+    s.slots = (i32*)(s.inst_rank + I);
+    s.hot = (u32*)(s.slots + R * p.n_slot);
     s.parent = s.hot + E;
     s.forwards = (i32*)(s.parent + I);
     s.relays = (u32*)(s.forwards + I);
@@ -108,42 +120,49 @@ __device__ TileScratch carve(const TilePlanParams& p, u64* s64, u32* s32) {
     return s;
 }
 
-// Thread 0. Checks the instance arrays, charges what the plan fixes before any tree is chosen
-// (direct fan-out, and k seeding sends per hot expert) and lists the hot experts. Returns the
-// number of hot experts, or sets *status.
-__device__ u32 charge_send_volumes(const TilePlanParams& p, const u32* inst_offsets, const u32* inst_rank,
-                                   TileScratch& s, u32* forwarded, u32* status) {
-    const u32 R = p.ranks, E = p.experts;
-    for (u32 r = 0; r < R; ++r) s.volume[r] = 0, forwarded[r] = 0;
-    if (inst_offsets[0] != 0 || inst_offsets[E] < E || inst_offsets[E] - E > p.edge_capacity) {
-        *status = TP_PLAN;
-        return 0;
+// Every thread. Stages the plan's slots and instance offsets, then (once the offsets are checked)
+// its instance ranks; returns false (a malformed plan) if the offsets do not fit the arena.
+__device__ bool stage_plan(const TilePlanParams& p, const i32* slots, const u32* inst_offsets,
+                           const u32* inst_rank, TileScratch& s, u32* s_ok) {
+    const u32 tid = threadIdx.x, bd = blockDim.x, E = p.experts;
+    for (u32 i = tid; i < p.ranks * p.n_slot; i += bd) s.slots[i] = slots[i];
+    for (u32 e = tid; e <= E; e += bd) s.inst_offsets[e] = inst_offsets[e];
+    if (tid == 0) {
+        const u32 total = inst_offsets[E];
+        *s_ok = inst_offsets[0] == 0 && total >= E && total - E <= p.edge_capacity;
     }
-    u32 n_hot = 0;
-    for (u32 e = 0; e < E; ++e) {
-        const u32 begin = inst_offsets[e], end = inst_offsets[e + 1];
-        if (end <= begin || end > inst_offsets[E]) {
-            *status = TP_PLAN;
-            return 0;
+    __syncthreads();
+    if (!*s_ok) return false;
+    for (u32 j = tid; j < s.inst_offsets[E]; j += bd) s.inst_rank[j] = inst_rank[j];
+    __syncthreads();
+    return true;
+}
+
+// Every thread, one expert at a time. Checks each expert's instances, charges what the plan fixes
+// before any tree is chosen (direct fan-out, and k seeding sends per hot expert) and lists the hot
+// experts (in no particular order yet). Counts malformed experts in *bad.
+__device__ void charge_send_volumes(const TilePlanParams& p, TileScratch& s, u32* n_hot, u32* bad) {
+    const u32 R = p.ranks, E = p.experts, total = s.inst_offsets[E];
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
+        const u32 begin = s.inst_offsets[e], end = s.inst_offsets[e + 1];
+        if (end <= begin || end > total || s.inst_rank[begin] >= R) {
+            atomicAdd(bad, 1u);
+            continue;
         }
+        const u32 home = s.inst_rank[begin];
         for (u32 j = begin; j < end; ++j) {
-            if (inst_rank[j] >= R) {
-                *status = TP_PLAN;
-                return 0;
-            }
-            s.parent[j] = inst_rank[begin];
+            if (s.inst_rank[j] >= R) atomicAdd(bad, 1u);
+            s.parent[j] = home;
             s.forwards[j] = -1;
         }
         const u32 fanout = end - begin - 1;
         u32 sends = fanout;
         if (fanout > p.threshold) {
-            s.hot[n_hot++] = e;
+            s.hot[atomicAdd(n_hot, 1u)] = e;
             sends = relay_count(fanout);
         }
-        const u32 src = inst_rank[begin];
-        s.volume[src] = sat_add(s.volume[src], sat_mul(sends, p.expert_bytes));
+        if (sends > 0) atomicAdd(&s.volume[home], (u64)sends * p.expert_bytes);
     }
-    return n_hot;
 }
 
 // Thread 0. Trees are planned by descending fan-out, ties lower expert id (insertion sort: the
@@ -165,9 +184,9 @@ __device__ void order_hot_experts(const u32* inst_offsets, u32* hot, u32 n_hot) 
 // Thread 0. One hot expert's tree: its k relays are the replica ranks with the smallest send
 // volume (ties lower rank); each other replica, in instance order, hangs off the relay whose
 // volume is smallest (ties lower rank), which is charged the forward.
-__device__ void build_relay_tree(const TilePlanParams& p, const u32* inst_offsets, const u32* inst_rank, u32 e,
-                                 TileScratch& s) {
-    const u32 begin = inst_offsets[e] + 1, end = inst_offsets[e + 1];
+__device__ void build_relay_tree(const TilePlanParams& p, u32 e, TileScratch& s) {
+    const u32* inst_rank = s.inst_rank;
+    const u32 begin = s.inst_offsets[e] + 1, end = s.inst_offsets[e + 1];
     const u32 k = relay_count(end - begin);
     for (u32 chosen = 0; chosen < k; ++chosen) {
         u32 best = end;
@@ -189,15 +208,15 @@ __device__ void build_relay_tree(const TilePlanParams& p, const u32* inst_offset
             if (s.volume[r] < s.volume[b] || (s.volume[r] == s.volume[b] && r < b)) best = s.relays[i];
         }
         s.parent[j] = inst_rank[best];
-        s.volume[inst_rank[best]] = sat_add(s.volume[inst_rank[best]], p.expert_bytes);
+        s.volume[inst_rank[best]] += p.expert_bytes;
     }
 }
 
 // Every thread. One edge per replica instance, keyed (stage, expert, src, dst); then each edge's
 // place in key order, counted (ties by replica order, so the places are a permutation even for a
 // malformed plan that puts an expert twice on one rank; plan_tiles rejects equal neighbours).
-__device__ void sort_edges(const TilePlanParams& p, const u32* inst_offsets, const u32* inst_rank, TileScratch& s,
-                           u32 n_edges) {
+__device__ void sort_edges(const TilePlanParams& p, TileScratch& s, u32 n_edges) {
+    const u32 *inst_offsets = s.inst_offsets, *inst_rank = s.inst_rank;
     for (u32 e = threadIdx.x; e < p.experts; e += blockDim.x) {
         const u32 home = inst_rank[inst_offsets[e]];
         for (u32 j = inst_offsets[e] + 1; j < inst_offsets[e + 1]; ++j) {
@@ -219,9 +238,9 @@ __device__ void sort_edges(const TilePlanParams& p, const u32* inst_offsets, con
 // Thread 0. Cuts the sorted edges into groups; numbers each relay's forwarded experts in expert
 // order (its ready counters, per chunk); resolves each group's source offset. Returns the group
 // count, or sets *status.
-__device__ u32 number_groups(const TilePlanParams& p, const i32* slots, const u32* inst_offsets,
-                             const u32* inst_rank, const u64* home_offsets, TileScratch& s, u32 n_edges,
+__device__ u32 number_groups(const TilePlanParams& p, const u64* home_offsets, TileScratch& s, u32 n_edges,
                              u32* forwarded, u32* status) {
+    const u32 *inst_offsets = s.inst_offsets, *inst_rank = s.inst_rank;
     u32 groups = 0;
     for (u32 q = 0; q < n_edges; ++q) {
         const u64 k = s.sorted_key[q];
@@ -232,7 +251,7 @@ __device__ u32 number_groups(const TilePlanParams& p, const i32* slots, const u3
             s.group_wait[groups] = -1;
             s.group_src[groups] = home_offsets[e];
         } else {
-            const i32 slot = slot_of(slots, p.n_slot, src, e);
+            const i32 slot = slot_of(s.slots, p.n_slot, src, e);
             if (slot < 0) {
                 *status = TP_PLAN;
                 return 0;
@@ -251,12 +270,13 @@ __device__ u32 number_groups(const TilePlanParams& p, const i32* slots, const u3
 
 extern "C" __global__ void plan_tiles(TilePlanParams p, const u64* __restrict__ guard, const i32* __restrict__ slots,
                                       const u32* __restrict__ inst_offsets, const u32* __restrict__ inst_rank,
-                                      const u64* __restrict__ home_offsets, u64* s64, u32* s32,
+                                      const u64* __restrict__ home_offsets, u8* global_arena,
                                       TileTask* __restrict__ tasks, TileDst* __restrict__ dsts, u32* header,
                                       u32* flags_per_rank) {
-    __shared__ u32 s_status, s_hot, s_groups, s_bad;
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ u32 s_status, s_hot, s_groups, s_bad, s_ok;
     const u32 tid = threadIdx.x, bd = blockDim.x;
-    TileScratch s = carve(p, s64, s32);
+    TileScratch s = carve(p, p.arena_in_shared ? smem : global_arena);
     // flags_per_rank counts each relay's forwarded experts until the end, then their counters.
     u32* forwarded = flags_per_rank;
 
@@ -266,28 +286,40 @@ extern "C" __global__ void plan_tiles(TilePlanParams p, const u64* __restrict__ 
         s_groups = 0;
         s_bad = 0;
         for (u32 i = 0; i < 4; ++i) header[i] = 0;
-        if (s_status == TP_OK) s_hot = charge_send_volumes(p, inst_offsets, inst_rank, s, forwarded, &s_status);
-        if (s_status == TP_OK) {
-            order_hot_experts(inst_offsets, s.hot, s_hot);
-            for (u32 h = 0; h < s_hot; ++h) build_relay_tree(p, inst_offsets, inst_rank, s.hot[h], s);
-        }
     }
     __syncthreads();
     if (s_status != TP_OK) {
         if (tid == 0) header[0] = s_status;
         return;
     }
-    const u32 n_edges = inst_offsets[p.experts] - p.experts;
-    sort_edges(p, inst_offsets, inst_rank, s, n_edges);
+    if (!stage_plan(p, slots, inst_offsets, inst_rank, s, &s_ok)) {
+        if (tid == 0) header[0] = TP_PLAN;
+        return;
+    }
+    for (u32 r = tid; r < p.ranks; r += bd) s.volume[r] = 0, forwarded[r] = 0;
+    __syncthreads();
+    charge_send_volumes(p, s, &s_hot, &s_bad);
+    __syncthreads();
+    if (s_bad != 0) {
+        if (tid == 0) header[0] = TP_PLAN;
+        return;
+    }
+    if (tid == 0) {
+        order_hot_experts(s.inst_offsets, s.hot, s_hot);
+        for (u32 h = 0; h < s_hot; ++h) build_relay_tree(p, s.hot[h], s);
+    }
+    __syncthreads();
+    const u32 n_edges = s.inst_offsets[p.experts] - p.experts;
+    sort_edges(p, s, n_edges);
     __syncthreads();
     for (u32 q = tid; q < n_edges; q += bd) {
         const u64 k = s.sorted_key[q];
-        const i32 slot = slot_of(slots, p.n_slot, key_dst(k), key_expert(k));
+        const i32 slot = slot_of(s.slots, p.n_slot, key_dst(k), key_expert(k));
         if (slot < 0 || (q > 0 && s.sorted_key[q - 1] == k)) atomicAdd(&s_bad, 1u);
         s.edge_dst[q] = (u64)(slot < 0 ? 0 : slot) * p.slot_bytes;
     }
     if (tid == 0)
-        s_groups = number_groups(p, slots, inst_offsets, inst_rank, home_offsets, s, n_edges, forwarded, &s_status);
+        s_groups = number_groups(p, home_offsets, s, n_edges, forwarded, &s_status);
     __syncthreads();
     if (s_bad != 0 && s_status == TP_OK) s_status = TP_PLAN;  // the same value from every thread
     for (u32 q = tid; q < n_edges; q += bd) s.edge_ready[q] = s.forwards[s.sorted_inst[q]];

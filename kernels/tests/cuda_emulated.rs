@@ -554,9 +554,8 @@ fn emulate_tile_planner(
     warps: u32,
 ) -> Result<TileStream, TilePlanFault> {
     let p = params;
-    let (n64, n32) = p.scratch_lens();
     let input = format!(
-        "{} {} {} {} {} {} {} {} {} {} {} {} {}\n{guard} {n64} {n32}\n{}\n{}\n{}\n{}\n",
+        "{} {} {} {} {} {} {} {} {} {} {} {} {} {}\n{guard} {}\n{}\n{}\n{}\n{}\n",
         p.expert_bytes,
         p.slot_bytes,
         p.chunk_bytes,
@@ -570,6 +569,8 @@ fn emulate_tile_planner(
         p.dst_capacity,
         p.flag_capacity,
         p.edge_capacity,
+        p.arena_in_shared,
+        p.arena_bytes(),
         join(&arrays.slots),
         join(&arrays.inst_offsets),
         join(&arrays.inst_rank),
@@ -671,7 +672,11 @@ fn emulated_tile_planner_builds_the_host_compilers_stream() {
             slot_bytes: geometry.slot_bytes,
         };
         let want = tiles::compile(&plan, &schedule, &buffers, geometry.tile_bytes).unwrap();
-        let params = TilePlanParams::new(&layout, &geometry).unwrap();
+        let params = TilePlanParams {
+            // The arena in shared or in global memory: the same code either way.
+            arena_in_shared: rng.below(2) as u32,
+            ..TilePlanParams::new(&layout, &geometry).unwrap()
+        };
         let arrays = PlanArrays::from_plan(&plan).unwrap();
         let warps = 1 + rng.below(4) as u32;
         let got = emulate_tile_planner(exe, &params, 0, &arrays, &home_offsets, warps);

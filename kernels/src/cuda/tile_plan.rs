@@ -17,6 +17,7 @@ use super::replicate::{launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers};
 use super::tiles::{TileDst, TileStream, TileTask};
 use super::{to_u32, CudaError, Gpu};
 use crate::KernelError;
+use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
 use rackfill_balancer::Layout;
@@ -47,6 +48,9 @@ pub struct TilePlanParams {
     pub flag_capacity: u32,
     /// Replicas a plan can have: `ranks * n_slot`.
     pub edge_capacity: u32,
+    /// 1: the kernel's arena is dynamic shared memory; 0: a global buffer.
+    pub arena_in_shared: u32,
+    pub reserved: u32,
 }
 
 // SAFETY: plain `repr(C)` integers with the CUDA struct's layout.
@@ -111,6 +115,11 @@ impl TilePlanParams {
             "ready counters",
         )?;
         i32::try_from(flag_capacity).map_err(|_| overflow("ready counters"))?;
+        // The kernel sums send volumes without saturating: at most every replica sent and
+        // forwarded once.
+        g.expert_bytes
+            .checked_mul(2 * edges + 1)
+            .ok_or(overflow("send volumes"))?;
         Ok(Self {
             expert_bytes: g.expert_bytes,
             slot_bytes: g.slot_bytes,
@@ -125,18 +134,20 @@ impl TilePlanParams {
             dst_capacity: capacity(edges.checked_mul(n_chunks), "tile destinations")?,
             flag_capacity,
             edge_capacity: capacity(Some(edges), "replicas")?,
+            arena_in_shared: 0,
+            reserved: 0,
         })
     }
 
-    /// Lengths of the kernel's two scratch buffers (`u64`s, `u32`s), as `tile_plan.cu` carves
-    /// them.
-    pub fn scratch_lens(&self) -> (usize, usize) {
+    /// Bytes of the kernel's arena (the staged plan and its scratch), as `tile_plan.cu` carves
+    /// it: `R + 4C` `u64`s, then `2E + 3I + 7C + 2` `u32`s, with `I = E + C` instances.
+    pub fn arena_bytes(&self) -> usize {
         let (r, e, c) = (
             self.ranks as usize,
             self.experts as usize,
             self.edge_capacity as usize,
         );
-        (r + 4 * c, e + 2 * (e + c) + 6 * c + 1)
+        8 * (r + 4 * c) + 4 * (2 * e + 3 * (e + c) + 7 * c + 2)
     }
 }
 
@@ -187,8 +198,8 @@ pub struct TilePlanner {
     layers: usize,
     /// A zero status word, the guard for plans that did not come from the solver.
     no_fault: CudaSlice<u64>,
-    scratch64: CudaSlice<u64>,
-    scratch32: CudaSlice<u32>,
+    /// The arena when it does not fit in shared memory (one byte otherwise).
+    global_arena: CudaSlice<u8>,
     tasks: CudaSlice<TileTask>,
     dsts: CudaSlice<TileDst>,
     /// status, tasks, destinations, groups.
@@ -208,7 +219,20 @@ impl TilePlanner {
         geometry: &TileGeometry,
         home_offsets: &[Vec<u64>],
     ) -> Result<Self, CudaError> {
-        let params = TilePlanParams::new(layout, geometry)?;
+        let mut params = TilePlanParams::new(layout, geometry)?;
+        // Shared memory when the arena fits beside the kernel's own (the sequential steps then
+        // never wait on global loads); a global buffer otherwise.
+        let function = gpu.function("plan_tiles");
+        let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(usize::MAX);
+        let arena = params.arena_bytes();
+        let limit = gpu.info().max_shared_per_block.saturating_sub(static_bytes);
+        if arena <= limit {
+            params.arena_in_shared = 1;
+            function.set_attribute(
+                FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(arena).unwrap_or(i32::MAX),
+            )?;
+        }
         for offsets in home_offsets {
             crate::permute::check_len("home offsets of a layer", offsets.len(), layout.experts())?;
         }
@@ -228,13 +252,16 @@ impl TilePlanner {
         }
         let s = gpu.stream();
         let flat: Vec<u64> = home_offsets.iter().flatten().copied().collect();
-        let (n64, n32) = params.scratch_lens();
+        let global = if params.arena_in_shared == 1 {
+            1
+        } else {
+            arena
+        };
         Ok(Self {
             home_offsets: s.clone_htod(if flat.is_empty() { &[0][..] } else { &flat })?,
             layers: home_offsets.len(),
             no_fault: s.alloc_zeros(1)?,
-            scratch64: s.alloc_zeros(n64.max(1))?,
-            scratch32: s.alloc_zeros(n32.max(1))?,
+            global_arena: s.alloc_zeros(global)?,
             tasks: s.alloc_zeros((params.task_capacity as usize).max(1))?,
             dsts: s.alloc_zeros((params.dst_capacity as usize).max(1))?,
             header: s.alloc_zeros(4)?,
@@ -288,20 +315,25 @@ impl TilePlanner {
             .arg(&plan.inst_offsets)
             .arg(&plan.inst_rank)
             .arg(&offsets)
-            .arg(&mut self.scratch64)
-            .arg(&mut self.scratch32)
+            .arg(&mut self.global_arena)
             .arg(&mut self.tasks)
             .arg(&mut self.dsts)
             .arg(&mut self.header)
             .arg(&mut self.flags_per_rank);
+        let shared = if self.params.arena_in_shared == 1 {
+            self.params.arena_bytes() as u32
+        } else {
+            0
+        };
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
         };
-        // SAFETY: arguments match `plan_tiles`; the scratch and output buffers have the lengths
-        // the parameters promise (allocated from them), and the plan buffers belong to a
-        // DevicePlan of the same layout (checked above), which the kernel bounds-checks.
+        // SAFETY: arguments match `plan_tiles`; the arena (shared or global) and the output
+        // buffers have the sizes the parameters promise (allocated from them), and the plan
+        // buffers belong to a DevicePlan of the same layout (checked above), which the kernel
+        // bounds-checks.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
@@ -395,11 +427,8 @@ mod tests {
             (p.chunk_bytes, p.n_chunks, p.task_capacity),
             (1000, 1, 128 * 8)
         );
-        let (n64, n32) = p.scratch_lens();
-        assert_eq!(
-            (n64, n32),
-            (64 + 4 * 128, 256 + 2 * (256 + 128) + 6 * 128 + 1)
-        );
+        // R=64, C=128 u64s; 2E + 3I + 7C + 2 u32s with I = E + C = 384.
+        assert_eq!(p.arena_bytes(), 8 * 576 + 4 * (512 + 1152 + 896 + 2));
     }
 
     #[test]

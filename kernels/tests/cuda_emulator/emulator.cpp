@@ -226,28 +226,39 @@ static void replicate(unsigned warps) {
     for (u32 r = 0; r < R; ++r) print("slots", slots[r], slot_len);
 }
 
-// tiles: the 14 TilePlanParams fields / "guard n64 n32" / slots[R*n_slot] / inst_offsets[E+1] /
-// inst_rank[inst_offsets[E]] / home_offsets[E]. Prints the header, the ready counters per rank,
-// then every task (9 fields) and destination (3 fields) flattened.
+// tiles: the 14 TilePlanParams fields up to arena_in_shared / "guard arena_bytes" /
+// slots[R*n_slot] / inst_offsets[E+1] / inst_rank[inst_offsets[E]] / home_offsets[E]. Prints the
+// header, the ready counters per rank, then every task (9 fields) and destination (3 fields)
+// flattened.
 static void tiles(unsigned warps) {
     TilePlanParams p{};
     std::cin >> p.expert_bytes >> p.slot_bytes >> p.chunk_bytes >> p.n_chunks >> p.tile_bytes >> p.ranks >>
         p.experts >> p.n_slot >> p.threshold >> p.task_capacity >> p.dst_capacity >> p.flag_capacity >>
-        p.edge_capacity;
-    u64 guard, n64, n32;
-    std::cin >> guard >> n64 >> n32;
+        p.edge_capacity >> p.arena_in_shared;
+    u64 guard, arena_bytes;
+    std::cin >> guard >> arena_bytes;
     auto slots = read<i32>((size_t)p.ranks * p.n_slot);
     auto inst_offsets = read<u32>(p.experts + 1);
     auto inst_rank = read<u32>(inst_offsets[p.experts]);
     auto home_offsets = read<u64>(p.experts);
-    std::vector<u64> s64(n64 + 1);
-    std::vector<u32> s32(n32 + 1), header(4), flags(p.ranks + 1);
+    // The arena, 8-byte aligned; it stands for shared or global memory as the parameters say.
+    // 64 canary bytes after it catch a carve that outgrows TilePlanParams::arena_bytes.
+    std::vector<u64> arena(arena_bytes / 8 + 9);
+    unsigned char* bytes = (unsigned char*)arena.data();
+    std::memset(bytes + arena_bytes, 0xA5, 64);
+    g_smem = bytes;
+    std::vector<u32> header(4), flags(p.ranks + 1);
     std::vector<TileTask> tasks(p.task_capacity + 1);
     std::vector<TileDst> dsts(p.dst_capacity + 1);
     run_block(warps * 32, [&] {
-        plan_tiles(p, &guard, slots.data(), inst_offsets.data(), inst_rank.data(), home_offsets.data(), s64.data(),
-                   s32.data(), tasks.data(), dsts.data(), header.data(), flags.data());
+        plan_tiles(p, &guard, slots.data(), inst_offsets.data(), inst_rank.data(), home_offsets.data(),
+                   (u8*)arena.data(), tasks.data(), dsts.data(), header.data(), flags.data());
     });
+    for (int i = 0; i < 64; ++i)
+        if (bytes[arena_bytes + i] != 0xA5) {
+            std::cout << "overrun " << i << "\n";
+            std::exit(3);
+        }
     print("header", header, 4);
     print("flags", flags, p.ranks);
     std::vector<u64> t, d;
