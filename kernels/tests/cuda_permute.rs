@@ -12,6 +12,7 @@ use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::{Balancer, Layout, Plan};
 use rackfill_kernels::cuda::permute::{self, DevicePlan, Received, Routed};
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
+use rackfill_kernels::cuda::solver::PlanArrays;
 use rackfill_kernels::cuda::{CudaError, Gpu};
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
@@ -50,6 +51,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn round_trip(gpu: &Gpu, plan: &Plan, device_plan: &DevicePlan, batches: &[Batch], what: &str) {
     let s = gpu.stream();
     let router = InstanceRouter::new(plan);
+    let inst_offsets = PlanArrays::from_plan(plan).unwrap().inst_offsets;
     // 1. Permute on every source rank.
     let mut cpu_sent: Vec<Vec<DispatchBuffers>> = Vec::new();
     let mut gpu_sent = Vec::new();
@@ -133,7 +135,8 @@ fn round_trip(gpu: &Gpu, plan: &Plan, device_plan: &DevicePlan, batches: &[Batch
             len: n,
             hidden: HIDDEN,
         };
-        let groups = permute::group_by_instance(gpu, device_plan, dst, received).unwrap();
+        let groups =
+            permute::group_by_instance(gpu, device_plan, &inst_offsets, dst, received).unwrap();
         assert_eq!(groups.groups(), cpu.groups(), "{what}: dst {dst} groups");
         let grouped = s.clone_dtoh(&groups.rows).unwrap();
         assert_eq!(
@@ -268,9 +271,13 @@ fn gpu_permute_rejects_bad_experts_and_misrouted_rows() {
         len: 1,
         hidden: HIDDEN,
     };
+    let offsets = PlanArrays::from_plan(&plan).unwrap().inst_offsets;
     assert!(matches!(
-        permute::group_by_instance(&gpu, &device_plan, other, received),
+        permute::group_by_instance(&gpu, &device_plan, &offsets, other, received),
         Err(CudaError::DeviceInput { count: 1, .. })
     ));
-    assert!(permute::group_by_instance(&gpu, &device_plan, home_of_0, received).is_ok());
+    assert!(permute::group_by_instance(&gpu, &device_plan, &offsets, home_of_0, received).is_ok());
+    // Host offsets of another shape are refused before anything runs.
+    let short = &offsets[..offsets.len() - 1];
+    assert!(permute::group_by_instance(&gpu, &device_plan, short, home_of_0, received).is_err());
 }

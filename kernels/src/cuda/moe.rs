@@ -25,7 +25,7 @@ use super::exchange::Exchange;
 use super::gemm::{weight_source, GemmGroup, GroupedGemm, WeightOrder, WeightSource};
 use super::permute::{self, DevicePlan, Received, Routed};
 use super::replicate::RankBuffers;
-use super::solver::GpuQuotaSolver;
+use super::solver::{GpuQuotaSolver, PlanArrays};
 use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::{to_u32, CudaError, Gpu};
@@ -376,10 +376,15 @@ impl GpuMoe {
         phases.dispatch = started.elapsed();
 
         let started = Instant::now();
+        let layer_plan = LayerPlan {
+            host: plan,
+            device: device_plan,
+            inst_offsets: &PlanArrays::from_plan(plan)?.inst_offsets,
+        };
         let mut computed = Vec::with_capacity(ranks);
         for (rank, recv) in received.iter().enumerate() {
             computed.push(match recv {
-                Some(recv) => Some(self.experts(layer, plan, device_plan, rank, recv)?),
+                Some(recv) => Some(self.experts(layer, &layer_plan, rank, recv)?),
                 None => None,
             });
         }
@@ -420,8 +425,7 @@ impl GpuMoe {
     fn experts(
         &self,
         layer: usize,
-        plan: &Plan,
-        device_plan: &DevicePlan,
+        plan: &LayerPlan<'_>,
         rank: usize,
         recv: &super::exchange::ReceivedRows,
     ) -> Result<CudaSlice<f32>, CudaError> {
@@ -433,11 +437,12 @@ impl GpuMoe {
             len: recv.len,
             hidden: h,
         };
-        let grouped = permute::group_by_instance(&self.gpu, device_plan, rank, received)?;
+        let grouped =
+            permute::group_by_instance(&self.gpu, plan.device, plan.inst_offsets, rank, received)?;
         let sources = grouped
             .groups()
             .iter()
-            .map(|g| self.instance_weights(layer, plan, rank, g.expert, g.instance))
+            .map(|g| self.instance_weights(layer, plan.host, rank, g.expert, g.instance))
             .collect::<Result<Vec<_>, _>>()?;
         let gate_up_bytes = (h * 2 * i * 4) as u64;
         // Part 0: gate-up, the first `gate_up_bytes` of an expert; part 1: down, the rest.
@@ -543,6 +548,14 @@ fn f32_view(buffer: &CudaSlice<u8>, start: u64, end: u64) -> Result<CudaView<'_,
     // SAFETY: the bytes are f32 weights uploaded by `GpuMoe::new` or streamed from them into a
     // slot, and `start` is a multiple of 4 (experts and their parts are whole numbers of f32s).
     Ok(unsafe { bytes.transmute::<f32>(((end - start) / 4) as usize) }.ok_or_else(outside)?)
+}
+
+/// A layer's plan as the expert step reads it: on the host (weight sources), on the device
+/// (instance keys) and its instance offsets on the host (group sizes without a download).
+struct LayerPlan<'a> {
+    host: &'a Plan,
+    device: &'a DevicePlan,
+    inst_offsets: &'a [u32],
 }
 
 /// One source rank's inputs on the device.

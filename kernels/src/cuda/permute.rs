@@ -158,30 +158,35 @@ fn stable_rank(
         });
     }
     let mut pos = s.alloc_zeros::<u32>(n.max(1) as usize)?;
-    let mut offsets = s.alloc_zeros::<u32>(n_keys + 1)?;
-    let mut bad = s.alloc_zeros::<u32>(1)?;
+    // The offsets, then the bad-key counter: one download brings both back.
+    let mut offsets = s.alloc_zeros::<u32>(n_keys + 2)?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (warps as u32 * 32, 1, 1),
         shared_mem_bytes: ((warps + 1) * n_keys * 4) as u32,
     };
-    let mut launch = s.launch_builder(gpu.function("stable_rank_by_key"));
-    launch
-        .arg(keys)
-        .arg(&n)
-        .arg(&n_keys32)
-        .arg(&mut pos)
-        .arg(&mut offsets)
-        .arg(&mut bad);
-    // SAFETY: arguments match the kernel; `keys` holds at least `n` entries (callers' buffers).
-    unsafe { launch.launch(cfg) }?;
-    let bad = s.clone_dtoh(&bad)?[0];
+    {
+        let (mut key_offsets, mut bad) = offsets.split_at_mut(n_keys + 1);
+        let mut launch = s.launch_builder(gpu.function("stable_rank_by_key"));
+        launch
+            .arg(keys)
+            .arg(&n)
+            .arg(&n_keys32)
+            .arg(&mut pos)
+            .arg(&mut key_offsets)
+            .arg(&mut bad);
+        // SAFETY: arguments match the kernel; `keys` holds at least `n` entries (callers'
+        // buffers), `key_offsets` n_keys + 1 and `bad` one.
+        unsafe { launch.launch(cfg) }?;
+    }
+    let mut host_offsets = s.clone_dtoh(&offsets)?;
+    let bad = host_offsets.pop().unwrap_or(0);
     if bad != 0 {
         return Err(CudaError::DeviceInput { what, count: bad });
     }
     Ok(Ranked {
         pos,
-        host_offsets: s.clone_dtoh(&offsets)?,
+        host_offsets,
         offsets,
     })
 }
@@ -385,10 +390,13 @@ pub struct Received<'a> {
 }
 
 /// [`crate::group_by_instance`] on the device for rank `rank`; rows whose instance is not
-/// computed on `rank` are an error.
+/// computed on `rank` are an error. `inst_offsets` is the plan's [`PlanArrays::inst_offsets`]
+/// held on the host (the caller has the plan), so grouping downloads no plan data; it must
+/// describe the same plan as `plan`.
 pub fn group_by_instance(
     gpu: &Gpu,
     plan: &DevicePlan,
+    inst_offsets: &[u32],
     rank: usize,
     received: Received<'_>,
 ) -> Result<DeviceGroups, CudaError> {
@@ -405,9 +413,9 @@ pub fn group_by_instance(
     check_len("rows", rows.len(), (received * hidden).max(1))?;
     check_len("experts", experts.len(), received.max(1))?;
     check_len("instances", instances.len(), received.max(1))?;
+    check_len("instance offsets", inst_offsets.len(), plan.experts() + 1)?;
     let s = gpu.stream();
     let n = to_u32(received, "rows")?;
-    let inst_offsets = s.clone_dtoh(&plan.inst_offsets)?;
     let n_keys = inst_offsets[plan.experts()] as usize;
     let mut keys = s.alloc_zeros::<u32>(received.max(1))?;
     if n > 0 {
