@@ -58,6 +58,15 @@ fn homes(layout: &Layout, weights: &[Vec<u8>], pad: u64) -> (Vec<Vec<u8>>, Vec<u
     (bufs, offsets)
 }
 
+/// This file's expert and slot sizes over `home_offsets`.
+fn buffer_layout(home_offsets: &[u64]) -> BufferLayout<'_> {
+    BufferLayout {
+        expert_bytes: EXPERT_BYTES,
+        home_offsets,
+        slot_bytes: SLOT_BYTES,
+    }
+}
+
 /// The CPU reference: slot buffers after `distribute_replicas_sequential`.
 fn reference(plan: &Plan, schedule: &TransferSchedule, weights: &[Vec<u8>]) -> Vec<Vec<u8>> {
     let mut bufs = vec![vec![0u8; SLOTS * SLOT_BYTES as usize]; RANKS];
@@ -149,11 +158,7 @@ fn tile_streams_replay_the_cpu_reference() {
         let (layout, plan) = plan(seed);
         let w = weights(seed);
         let (home_bufs, home_offsets) = homes(&layout, &w, seed * 5);
-        let buffers = BufferLayout {
-            expert_bytes: EXPERT_BYTES,
-            home_offsets: &home_offsets,
-            slot_bytes: SLOT_BYTES,
-        };
+        let buffers = buffer_layout(&home_offsets);
         for (config, tile_bytes) in configs() {
             let schedule = plan_transfers(&plan, EXPERT_BYTES, &config);
             let stream = tiles::compile(&plan, &schedule, &buffers, tile_bytes).unwrap();
@@ -175,11 +180,7 @@ fn each_source_tile_is_staged_once_for_all_its_destinations() {
         .map(|e| (e % 2) as u64 * EXPERT_BYTES)
         .collect();
     let _ = layout;
-    let buffers = BufferLayout {
-        expert_bytes: EXPERT_BYTES,
-        home_offsets: &home_offsets,
-        slot_bytes: SLOT_BYTES,
-    };
+    let buffers = buffer_layout(&home_offsets);
     let direct = RelayConfig {
         threshold: usize::MAX,
         chunk_bytes: 0,
@@ -213,11 +214,7 @@ fn each_source_tile_is_staged_once_for_all_its_destinations() {
 fn bad_schedules_and_layouts_are_refused() {
     let (layout, plan) = plan(2);
     let (_, home_offsets) = homes(&layout, &weights(2), 0);
-    let buffers = BufferLayout {
-        expert_bytes: EXPERT_BYTES,
-        home_offsets: &home_offsets,
-        slot_bytes: SLOT_BYTES,
-    };
+    let buffers = buffer_layout(&home_offsets);
     let config = RelayConfig {
         threshold: 2,
         chunk_bytes: 4096,
@@ -289,11 +286,7 @@ fn gpu_tile_streaming_fills_every_slot_like_the_cpu_reference() {
         let (layout, plan) = plan(seed);
         let w = weights(seed);
         let (home_bufs, home_offsets) = homes(&layout, &w, [0, 16, 5][seed as usize]);
-        let buffers = BufferLayout {
-            expert_bytes: EXPERT_BYTES,
-            home_offsets: &home_offsets,
-            slot_bytes: SLOT_BYTES,
-        };
+        let buffers = buffer_layout(&home_offsets);
         for (config, tile_bytes) in configs() {
             let schedule = plan_transfers(&plan, EXPERT_BYTES, &config);
             let expected = reference(&plan, &schedule, &w);
@@ -323,11 +316,7 @@ fn gpu_launch_refuses_buffers_smaller_than_the_tasks_touch() {
     let (layout, plan) = plan(1);
     let w = weights(1);
     let (home_bufs, home_offsets) = homes(&layout, &w, 0);
-    let buffers = BufferLayout {
-        expert_bytes: EXPERT_BYTES,
-        home_offsets: &home_offsets,
-        slot_bytes: SLOT_BYTES,
-    };
+    let buffers = buffer_layout(&home_offsets);
     let schedule = plan_transfers(&plan, EXPERT_BYTES, &RelayConfig::default());
     let stream = tiles::compile(&plan, &schedule, &buffers, 4096).unwrap();
     let mut device = DeviceTileStream::upload(&gpu, &stream, RANKS).unwrap();
@@ -345,11 +334,7 @@ fn gpu_relay_planner_builds_the_host_stream_and_fills_slots_from_the_solvers_pla
         let load = skewed_load(&mut Rng(seed), RANKS, EXPERTS, 2);
         let w = weights(seed);
         let (home_bufs, home_offsets) = homes(&layout, &w, [0, 16, 5][seed as usize]);
-        let buffers = BufferLayout {
-            expert_bytes: EXPERT_BYTES,
-            home_offsets: &home_offsets,
-            slot_bytes: SLOT_BYTES,
-        };
+        let buffers = buffer_layout(&home_offsets);
         let mut solver = GpuQuotaSolver::new(&gpu, &layout, 1, TargetRule::BestFit).unwrap();
         let uploaded = DevicePlan::upload(&gpu, &plan).unwrap();
         for (config, tile_bytes) in configs() {
