@@ -346,6 +346,21 @@ fn emulated_permute_kernels_are_bitwise_equal_to_the_cpu_data_plane() {
                 join(&bits(w))
             );
             let out = run(exe, "send", warps, &input);
+            if !ex.is_empty() {
+                // Two routed experts out of range: reported by the ranking by destination.
+                let mut bad = ex.clone();
+                bad[0] = experts as u32;
+                bad[ex.len() - 1] = u32::MAX;
+                let input = format!(
+                    "{header}{hidden} {top_k} {r} {}\n{}\n{}\n{}\n",
+                    bad.len(),
+                    join(&bad),
+                    join(&bits(x)),
+                    join(&bits(w))
+                );
+                let want = if bad.len() == 1 { 1 } else { 2 };
+                assert_eq!(get(&run(exe, "send", warps, &input), "bad"), &[want]);
+            }
             let offsets = get(&out, "dest_offsets");
             for (d, want) in cpu.iter().enumerate() {
                 let seg = offsets[d] as usize..offsets[d + 1] as usize;

@@ -133,13 +133,22 @@ fn items_cfg(items: u32) -> LaunchConfig {
 const RANK_SHARED: usize = 48 * 1024;
 
 /// Stable counting by key on the device: position of each item among earlier items with its
-/// key, and the exclusive per-key offsets (downloaded: the caller sizes buffers with them).
+/// key, and the exclusive per-key offsets followed by the count of keys out of range.
+struct DeviceRanked {
+    pos: CudaSlice<u32>,
+    /// `n_keys + 1` offsets, then the bad-key counter: one download brings both back.
+    offsets: CudaSlice<u32>,
+}
+
+/// A [`DeviceRanked`] whose offsets the host has (it sizes buffers with them).
 struct Ranked {
     pos: CudaSlice<u32>,
     offsets: CudaSlice<u32>,
     host_offsets: Vec<u32>,
 }
 
+/// Ranks `keys` and downloads the offsets; keys out of range are a [`CudaError::DeviceInput`]
+/// about `what`.
 fn stable_rank(
     gpu: &Gpu,
     keys: &CudaSlice<u32>,
@@ -147,6 +156,26 @@ fn stable_rank(
     n_keys: usize,
     what: &'static str,
 ) -> Result<Ranked, CudaError> {
+    let DeviceRanked { pos, offsets } = stable_rank_on_device(gpu, keys, n, n_keys)?;
+    let mut host_offsets = gpu.stream().clone_dtoh(&offsets)?;
+    let bad = host_offsets.pop().unwrap_or(0);
+    if bad != 0 {
+        return Err(CudaError::DeviceInput { what, count: bad });
+    }
+    Ok(Ranked {
+        pos,
+        host_offsets,
+        offsets,
+    })
+}
+
+/// Enqueues the ranking only (no host round trip).
+fn stable_rank_on_device(
+    gpu: &Gpu,
+    keys: &CudaSlice<u32>,
+    n: u32,
+    n_keys: usize,
+) -> Result<DeviceRanked, CudaError> {
     let s = gpu.stream();
     let n_keys32 = to_u32(n_keys, "keys")?;
     let warps = (RANK_SHARED / 4 / n_keys.max(1)).saturating_sub(1).min(32);
@@ -158,7 +187,6 @@ fn stable_rank(
         });
     }
     let mut pos = s.alloc_zeros::<u32>(n.max(1) as usize)?;
-    // The offsets, then the bad-key counter: one download brings both back.
     let mut offsets = s.alloc_zeros::<u32>(n_keys + 2)?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -179,16 +207,7 @@ fn stable_rank(
         // buffers), `key_offsets` n_keys + 1 and `bad` one.
         unsafe { launch.launch(cfg) }?;
     }
-    let mut host_offsets = s.clone_dtoh(&offsets)?;
-    let bad = host_offsets.pop().unwrap_or(0);
-    if bad != 0 {
-        return Err(CudaError::DeviceInput { what, count: bad });
-    }
-    Ok(Ranked {
-        pos,
-        host_offsets,
-        offsets,
-    })
+    Ok(DeviceRanked { pos, offsets })
 }
 
 /// One source rank's all-to-all send side, on the device: rows grouped by destination rank
@@ -271,7 +290,9 @@ pub fn permute_tokens(
     check_len("experts", experts.len(), pairs.max(1))?;
     let n = to_u32(pairs, "pairs")?;
     let s = gpu.stream();
-    let by_expert = stable_rank(gpu, experts, n, plan.experts(), "routed experts")?;
+    // Not downloaded: a routed expert out of range gets no instance and no destination
+    // (`lookup_instance`), so the ranking by destination below counts and reports it.
+    let by_expert = stable_rank_on_device(gpu, experts, n, plan.experts())?;
     let mut instance = s.alloc_zeros::<u32>(pairs.max(1))?;
     let mut dest = s.alloc_zeros::<u32>(pairs.max(1))?;
     if n > 0 {

@@ -127,8 +127,9 @@ static void send(unsigned warps) {
     auto weights = read_f32(n);
     std::vector<u32> occ, unused, pos, dest_offsets, inst(n + 1), dest(n + 1);
     u32 bad;
+    // As the host does, the ranking by expert is not checked: an expert out of range gets no
+    // instance and no destination, and the ranking by destination counts it.
     rank_by_key(experts, n, plan.E, warps, occ, unused, bad);
-    if (bad) { std::cout << "bad " << bad << "\n"; return; }
     run_block(1, [&] {
         lookup_instance(experts.data(), occ.data(), n, src, plan.E, plan.inst_offsets.data(), plan.inst_rank.data(),
                         plan.split_offsets.data(), plan.cumulative.data(), inst.data(), dest.data());
