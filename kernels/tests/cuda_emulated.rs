@@ -18,7 +18,7 @@ mod cuda_common;
 use cuda_common::common::random_layout;
 use cuda_common::Rng;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
-use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_kernels::cuda::nvrtc;
 use rackfill_kernels::cuda::solver::{PlanArrays, SolverShape};
@@ -500,18 +500,7 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
         };
         let stream = tiles::compile(&plan, &schedule, &buffers, tile).unwrap();
         let slot_len = slots * slot_bytes as usize;
-        let mut expected = vec![vec![0u8; slot_len]; ranks];
-        let mut views: Vec<&mut [u8]> = expected.iter_mut().map(Vec::as_mut_slice).collect();
-        let source = |e: u32| vec![weights[e as usize].as_slice()];
-        distribute_replicas_sequential(
-            &plan,
-            &schedule,
-            expert_bytes as usize,
-            &source,
-            &mut views,
-            slot_bytes as usize,
-        )
-        .unwrap();
+        let expected = cpu_slots(&plan, &schedule, &weights, slot_bytes, slot_len);
         let mut input = format!(
             "{ranks} {} {} {tile}\n",
             stream.tasks.len(),
@@ -536,17 +525,7 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
         for d in &stream.dsts {
             writeln!(input, "{} {} {}", d.offset, d.rank, d.ready_flag).unwrap();
         }
-        writeln!(input, "{slot_len}").unwrap();
-        for (r, home) in homes.iter().enumerate() {
-            writeln!(
-                input,
-                "{} {} {}",
-                stream.flags_per_rank[r],
-                home.len(),
-                join(home)
-            )
-            .unwrap();
-        }
+        input += &rank_memory_input(slot_len, &stream.flags_per_rank, &homes);
         let out = run(exe, "replicate", warps, &input);
         assert_eq!(out.len(), ranks);
         for (r, (_, got)) in out.iter().enumerate() {
@@ -559,17 +538,48 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
     }
 }
 
-/// What `plan_tiles` wrote under the emulation: the status word, or the stream.
-fn emulate_tile_planner(
-    exe: &Path,
-    params: &TilePlanParams,
+/// The CPU executor's slot buffers (`slot_len` bytes per rank) after `schedule` for `plan`, expert
+/// `e`'s weights being `weights[e]`.
+fn cpu_slots(
+    plan: &Plan,
+    schedule: &TransferSchedule,
+    weights: &[Vec<u8>],
+    slot_bytes: u64,
+    slot_len: usize,
+) -> Vec<Vec<u8>> {
+    let mut slots = vec![vec![0u8; slot_len]; plan.ranks()];
+    let mut views: Vec<&mut [u8]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+    let source = |e: u32| vec![weights[e as usize].as_slice()];
+    distribute_replicas_sequential(
+        plan,
+        schedule,
+        weights[0].len(),
+        &source,
+        &mut views,
+        slot_bytes as usize,
+    )
+    .unwrap();
+    slots
+}
+
+/// The emulator's `RankMemory` section: slot buffer length, then per rank its ready counters and
+/// home bytes.
+fn rank_memory_input(slot_len: usize, flags: &[u32], homes: &[Vec<u8>]) -> String {
+    let mut input = format!("{slot_len}\n");
+    for (home, n_flags) in homes.iter().zip(flags) {
+        writeln!(input, "{n_flags} {} {}", home.len(), join(home)).unwrap();
+    }
+    input
+}
+
+/// The emulator's `TilePlan` section: `plan_tiles`'s parameters and the plan's arrays.
+fn tile_plan_input(
+    p: &TilePlanParams,
     guard: u64,
     arrays: &PlanArrays,
     home_offsets: &[u64],
-    warps: u32,
-) -> Result<TileStream, TilePlanFault> {
-    let p = params;
-    let input = format!(
+) -> String {
+    format!(
         "{} {} {} {} {} {} {} {} {} {} {} {} {} {}\n{guard} {}\n{}\n{}\n{}\n{}\n",
         p.expert_bytes,
         p.slot_bytes,
@@ -590,7 +600,19 @@ fn emulate_tile_planner(
         join(&arrays.inst_offsets),
         join(&arrays.inst_rank),
         join(home_offsets)
-    );
+    )
+}
+
+/// What `plan_tiles` wrote under the emulation: the status word, or the stream.
+fn emulate_tile_planner(
+    exe: &Path,
+    params: &TilePlanParams,
+    guard: u64,
+    arrays: &PlanArrays,
+    home_offsets: &[u64],
+    warps: u32,
+) -> Result<TileStream, TilePlanFault> {
+    let input = tile_plan_input(params, guard, arrays, home_offsets);
     let out = run(exe, "tiles", warps, &input);
     let header = get(&out, "header");
     if header[0] != 0 {
@@ -632,7 +654,7 @@ fn emulate_tile_planner(
         tasks,
         dsts,
         flags_per_rank: get(&out, "flags").iter().map(|&f| f as u32).collect(),
-        tile_bytes: p.tile_bytes,
+        tile_bytes: params.tile_bytes,
     })
 }
 
@@ -816,6 +838,73 @@ fn emulated_tile_planner_refuses_what_it_cannot_plan_and_plans_nothing() {
     let mut past = arrays.clone();
     past.inst_offsets[24] = 24 + params.edge_capacity + 1;
     assert_eq!(emulate(&params, 0, &past), Err(TilePlanFault::Plan));
+}
+
+#[test]
+fn emulated_device_planned_distribution_fills_slots_like_the_cpu_executor() {
+    let Some(exe) = emulator() else { return };
+    // plan_tiles, then tile_stream reading the task count where plan_tiles wrote it: the chain
+    // GpuMoe runs, against the CPU executor over the host's relay schedule.
+    let mut replicated = 0;
+    for case in 0..12u64 {
+        let mut rng = Rng(case + 9000);
+        let layout = random_layout(&mut rng, 16, 40);
+        let algo = [Algo::Quota, Algo::EplbExact, Algo::GreedyMove][case as usize % 3];
+        let plan = skewed_plan(&mut rng, &layout, algo);
+        let expert_bytes = 16 * (1 + rng.below(40)) + rng.below(2) * rng.below(16);
+        let geometry = TileGeometry {
+            expert_bytes,
+            slot_bytes: expert_bytes + rng.below(2) * 16,
+            tile_bytes: 16 * (1 + rng.below(8)) as u32,
+            relay: RelayConfig {
+                threshold: rng.below(4) as usize,
+                chunk_bytes: [0, 64, 100][rng.below(3) as usize],
+            },
+        };
+        let weights: Vec<Vec<u8>> = (0..layout.experts())
+            .map(|_| (0..expert_bytes).map(|_| rng.next() as u8).collect())
+            .collect();
+        let mut home_offsets = vec![0u64; layout.experts()];
+        let homes: Vec<Vec<u8>> = (0..layout.ranks())
+            .map(|r| {
+                let mut b = vec![0xEE; 8];
+                for &e in layout.main_experts(r) {
+                    home_offsets[e as usize] = b.len() as u64;
+                    b.extend_from_slice(&weights[e as usize]);
+                }
+                b
+            })
+            .collect();
+        let schedule = plan_transfers(&plan, expert_bytes, &geometry.relay);
+        let slot_len = layout.slots_per_rank() * geometry.slot_bytes as usize;
+        let expected = cpu_slots(&plan, &schedule, &weights, geometry.slot_bytes, slot_len);
+        let params = TilePlanParams {
+            arena_in_shared: 1,
+            ..TilePlanParams::new(&layout, &geometry).unwrap()
+        };
+        let arrays = PlanArrays::from_plan(&plan).unwrap();
+        let flags = vec![params.flag_capacity; layout.ranks()];
+        let input = tile_plan_input(&params, 0, &arrays, &home_offsets)
+            + &rank_memory_input(slot_len, &flags, &homes);
+        let out = run(exe, "distribute", 1 + rng.below(3) as u32, &input);
+        assert_eq!(get(&out, "header")[0], 0, "case {case}: status");
+        let slots: Vec<&Vec<u64>> = out
+            .iter()
+            .filter(|(name, _)| name == "slots")
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(slots.len(), layout.ranks());
+        for (r, got) in slots.iter().enumerate() {
+            let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();
+            assert!(
+                **got == want,
+                "case {case} rank {r}: {geometry:?}, {} replicas",
+                plan.replicas()
+            );
+        }
+        replicated += usize::from(plan.replicas() > 0);
+    }
+    assert!(replicated >= 8, "only {replicated} of 12 cases replicate");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 // (dynamic shared memory declarations, inline PTX) replaced.
 //
 // Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate, tiles,
-// act. Inputs
+// distribute, act. Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -184,8 +184,47 @@ static void recv(unsigned warps) {
     print_f32("back", back, (size_t)n * hidden);
 }
 
+// Every rank's home weights, slot buffer and ready counters, as tile_stream addresses them:
+// "slot_len" then per rank "n_flags n_home home bytes...".
+struct RankMemory {
+    std::vector<std::vector<u8>> homes, slots;
+    std::vector<std::vector<u32>> flags;
+    std::vector<u64> home_base, slot_base, flag_base;
+    u64 slot_len = 0;
+    void read_in(u32 R) {
+        std::cin >> slot_len;
+        homes.resize(R), slots.resize(R), flags.resize(R);
+        home_base.resize(R), slot_base.resize(R), flag_base.resize(R);
+        for (u32 r = 0; r < R; ++r) {
+            u32 n_flags, n_home;
+            std::cin >> n_flags >> n_home;
+            flags[r].assign(n_flags + 1, 0);
+            homes[r].resize(n_home + 1);
+            for (u32 i = 0; i < n_home; ++i) {
+                unsigned v;
+                std::cin >> v;
+                homes[r][i] = (u8)v;
+            }
+            slots[r].assign(slot_len, 0);
+            home_base[r] = (u64)homes[r].data();
+            slot_base[r] = (u64)slots[r].data();
+            flag_base[r] = (u64)flags[r].data();
+        }
+    }
+    // Runs tile_stream over `tasks` (`*count` of them) and prints every slot buffer.
+    void stream(unsigned warps, const TileTask* tasks, const u32* count, const TileDst* dsts, u32 tile_bytes) {
+        u32 next = 0;
+        std::vector<unsigned char> smem(2 * tile_bytes + 16);
+        g_smem = smem.data();
+        run_block(warps * 32, [&] {
+            tile_stream(tasks, count, dsts, &next, home_base.data(), slot_base.data(), flag_base.data(), tile_bytes);
+        });
+        for (auto& s : slots) print("slots", s, slot_len);
+    }
+};
+
 // replicate: "R n_tasks n_dsts tile_bytes" / tasks (9 fields each) / dsts (3 fields each) /
-// slot buffer bytes / per rank "flags home_len home bytes...". Prints every slot buffer.
+// RankMemory. Prints every slot buffer.
 static void replicate(unsigned warps) {
     u32 R, n_tasks, n_dsts, tile_bytes;
     std::cin >> R >> n_tasks >> n_dsts >> tile_bytes;
@@ -197,82 +236,87 @@ static void replicate(unsigned warps) {
             t.wait_flag >> t.wait_target;
     }
     for (u32 i = 0; i < n_dsts; ++i) std::cin >> dsts[i].offset >> dsts[i].rank >> dsts[i].ready_flag;
-    u64 slot_len;
-    std::cin >> slot_len;
-    std::vector<std::vector<u8>> homes(R), slots(R);
-    std::vector<std::vector<u32>> flags(R);
-    std::vector<u64> home_base(R), slot_base(R), flag_base(R);
-    for (u32 r = 0; r < R; ++r) {
-        u32 n_flags, n_home;
-        std::cin >> n_flags >> n_home;
-        flags[r].assign(n_flags + 1, 0);
-        homes[r].resize(n_home + 1);
-        for (u32 i = 0; i < n_home; ++i) {
-            unsigned v;
-            std::cin >> v;
-            homes[r][i] = (u8)v;
-        }
-        slots[r].assign(slot_len, 0);
-        home_base[r] = (u64)homes[r].data();
-        slot_base[r] = (u64)slots[r].data();
-        flag_base[r] = (u64)flags[r].data();
-    }
-    u32 next = 0;
-    std::vector<unsigned char> smem(2 * tile_bytes + 16);
-    g_smem = smem.data();
-    run_block(warps * 32, [&] {
-        tile_stream(tasks.data(), &n_tasks, dsts.data(), &next, home_base.data(), slot_base.data(), flag_base.data(),
-                    tile_bytes);
-    });
-    for (u32 r = 0; r < R; ++r) print("slots", slots[r], slot_len);
+    RankMemory memory;
+    memory.read_in(R);
+    memory.stream(warps, tasks.data(), &n_tasks, dsts.data(), tile_bytes);
 }
 
-// tiles: the 14 TilePlanParams fields up to arena_in_shared / "guard arena_bytes" /
-// slots[R*n_slot] / inst_offsets[E+1] / inst_rank[inst_offsets[E]] / home_offsets[E]. Prints the
-// header, the ready counters per rank, then every task (9 fields) and destination (3 fields)
-// flattened.
-static void tiles(unsigned warps) {
+// plan_tiles's inputs: the 14 TilePlanParams fields up to arena_in_shared / "guard arena_bytes" /
+// slots[R*n_slot] / inst_offsets[E+1] / inst_rank[inst_offsets[E]] / home_offsets[E].
+struct TilePlan {
     TilePlanParams p{};
-    std::cin >> p.expert_bytes >> p.slot_bytes >> p.chunk_bytes >> p.n_chunks >> p.tile_bytes >> p.ranks >>
-        p.experts >> p.n_slot >> p.threshold >> p.task_capacity >> p.dst_capacity >> p.flag_capacity >>
-        p.edge_capacity >> p.arena_in_shared;
-    u64 guard, arena_bytes;
-    std::cin >> guard >> arena_bytes;
-    auto slots = read<i32>((size_t)p.ranks * p.n_slot);
-    auto inst_offsets = read<u32>(p.experts + 1);
-    auto inst_rank = read<u32>(inst_offsets[p.experts]);
-    auto home_offsets = read<u64>(p.experts);
-    // The arena, 8-byte aligned; it stands for shared or global memory as the parameters say.
-    // 64 canary bytes after it catch a carve that outgrows TilePlanParams::arena_bytes.
-    std::vector<u64> arena(arena_bytes / 8 + 9);
-    unsigned char* bytes = (unsigned char*)arena.data();
-    std::memset(bytes + arena_bytes, 0xA5, 64);
-    g_smem = bytes;
-    std::vector<u32> header(4), flags(p.ranks + 1);
-    std::vector<TileTask> tasks(p.task_capacity + 1);
-    std::vector<TileDst> dsts(p.dst_capacity + 1);
-    run_block(warps * 32, [&] {
-        plan_tiles(p, &guard, slots.data(), inst_offsets.data(), inst_rank.data(), home_offsets.data(),
-                   (u8*)arena.data(), tasks.data(), dsts.data(), header.data(), flags.data());
-    });
-    for (int i = 0; i < 64; ++i)
-        if (bytes[arena_bytes + i] != 0xA5) {
-            std::cout << "overrun " << i << "\n";
-            std::exit(3);
-        }
-    print("header", header, 4);
-    print("flags", flags, p.ranks);
+    u64 guard = 0, arena_bytes = 0;
+    std::vector<i32> slots;
+    std::vector<u32> inst_offsets, inst_rank, header, flags;
+    std::vector<u64> home_offsets;
+    std::vector<TileTask> tasks;
+    std::vector<TileDst> dsts;
+    void read_in() {
+        std::cin >> p.expert_bytes >> p.slot_bytes >> p.chunk_bytes >> p.n_chunks >> p.tile_bytes >> p.ranks >>
+            p.experts >> p.n_slot >> p.threshold >> p.task_capacity >> p.dst_capacity >> p.flag_capacity >>
+            p.edge_capacity >> p.arena_in_shared;
+        std::cin >> guard >> arena_bytes;
+        slots = read<i32>((size_t)p.ranks * p.n_slot);
+        inst_offsets = read<u32>(p.experts + 1);
+        inst_rank = read<u32>(inst_offsets[p.experts]);
+        home_offsets = read<u64>(p.experts);
+    }
+    // Runs plan_tiles; exits 3 if it wrote past TilePlanParams::arena_bytes.
+    void run(unsigned warps) {
+        // The arena, 8-byte aligned; it stands for shared or global memory as the parameters
+        // say. 64 canary bytes after it catch a carve that outgrows arena_bytes.
+        std::vector<u64> arena(arena_bytes / 8 + 9);
+        unsigned char* bytes = (unsigned char*)arena.data();
+        std::memset(bytes + arena_bytes, 0xA5, 64);
+        g_smem = bytes;
+        header.assign(4, 0);
+        flags.assign(p.ranks + 1, 0);
+        tasks.assign(p.task_capacity + 1, TileTask{});
+        dsts.assign(p.dst_capacity + 1, TileDst{});
+        run_block(warps * 32, [&] {
+            plan_tiles(p, &guard, slots.data(), inst_offsets.data(), inst_rank.data(), home_offsets.data(), bytes,
+                       tasks.data(), dsts.data(), header.data(), flags.data());
+        });
+        for (int i = 0; i < 64; ++i)
+            if (bytes[arena_bytes + i] != 0xA5) {
+                std::cout << "overrun " << i << "\n";
+                std::exit(3);
+            }
+    }
+};
+
+// tiles: plan_tiles's inputs. Prints the header, the ready counters per rank, then every task
+// (9 fields) and destination (3 fields) flattened.
+static void tiles(unsigned warps) {
+    TilePlan plan;
+    plan.read_in();
+    plan.run(warps);
+    print("header", plan.header, 4);
+    print("flags", plan.flags, plan.p.ranks);
     std::vector<u64> t, d;
-    for (u32 i = 0; i < header[1]; ++i) {
-        const TileTask& k = tasks[i];
+    for (u32 i = 0; i < plan.header[1]; ++i) {
+        const TileTask& k = plan.tasks[i];
         for (u64 v : {k.src_offset, k.tile_offset, (u64)k.src_rank, (u64)k.src_kind, (u64)k.len, (u64)k.dst_begin,
                       (u64)k.n_dst, (u64)(i64)k.wait_flag, (u64)k.wait_target})
             t.push_back(v);
     }
-    for (u32 i = 0; i < header[2]; ++i)
-        for (u64 v : {dsts[i].offset, (u64)dsts[i].rank, (u64)(i64)dsts[i].ready_flag}) d.push_back(v);
+    for (u32 i = 0; i < plan.header[2]; ++i)
+        for (u64 v : {plan.dsts[i].offset, (u64)plan.dsts[i].rank, (u64)(i64)plan.dsts[i].ready_flag})
+            d.push_back(v);
     print("tasks", t, t.size());
     print("dsts", d, d.size());
+}
+
+// distribute: plan_tiles's inputs / RankMemory. plan_tiles, then tile_stream reading the task
+// count where plan_tiles wrote it (as on the GPU). Prints the header and every slot buffer.
+static void distribute(unsigned warps) {
+    TilePlan plan;
+    plan.read_in();
+    RankMemory memory;
+    memory.read_in(plan.p.ranks);
+    plan.run(warps);
+    print("header", plan.header, 4);
+    memory.stream(warps, plan.tasks.data(), &plan.header[1], plan.dsts.data(), plan.p.tile_bytes);
 }
 
 // act: "rows inter" / gate_up bits (rows x 2 inter). Prints silu(gate) * up (rows x inter).
@@ -294,6 +338,7 @@ int main(int argc, char** argv) {
     else if (mode == "recv") recv(warps);
     else if (mode == "replicate") replicate(warps);
     else if (mode == "tiles") tiles(warps);
+    else if (mode == "distribute") distribute(warps);
     else if (mode == "act") act(warps);
     else return 2;
     return 0;
