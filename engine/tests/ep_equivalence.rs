@@ -239,8 +239,8 @@ fn shared_experts_and_dense_layers_match_dense() {
 /// The GPU data plane (device solver for quota, relay trees and tile tasks built on the device,
 /// tile streaming, device permute, cuBLAS experts) against the dense CPU path, every balancer,
 /// plus the fixtures with shared experts and dense layers. `verify_plans` also makes every layer
-/// compare the device's tile stream with the host compiler's. Skips with the reason on a machine without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a
-/// missing GPU a failure.
+/// compare the device's tile stream with the host compiler's. Skips with the reason on a machine
+/// without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a missing GPU a failure.
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_data_plane_matches_dense() {

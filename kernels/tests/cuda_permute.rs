@@ -11,8 +11,8 @@ use cuda_common::gpu_or_skip;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::{Balancer, Layout, Plan};
 use rackfill_kernels::cuda::permute::{self, DevicePlan, Received, Routed};
+use rackfill_kernels::cuda::solver::instance_offsets;
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
-use rackfill_kernels::cuda::solver::PlanArrays;
 use rackfill_kernels::cuda::{CudaError, Gpu};
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
@@ -51,7 +51,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn round_trip(gpu: &Gpu, plan: &Plan, device_plan: &DevicePlan, batches: &[Batch], what: &str) {
     let s = gpu.stream();
     let router = InstanceRouter::new(plan);
-    let inst_offsets = PlanArrays::from_plan(plan).unwrap().inst_offsets;
+    let inst_offsets = instance_offsets(plan).unwrap();
     // 1. Permute on every source rank.
     let mut cpu_sent: Vec<Vec<DispatchBuffers>> = Vec::new();
     let mut gpu_sent = Vec::new();
@@ -271,7 +271,7 @@ fn gpu_permute_rejects_bad_experts_and_misrouted_rows() {
         len: 1,
         hidden: HIDDEN,
     };
-    let offsets = PlanArrays::from_plan(&plan).unwrap().inst_offsets;
+    let offsets = instance_offsets(&plan).unwrap();
     assert!(matches!(
         permute::group_by_instance(&gpu, &device_plan, &offsets, other, received),
         Err(CudaError::DeviceInput { count: 1, .. })

@@ -25,7 +25,7 @@ use super::exchange::Exchange;
 use super::gemm::{weight_source, GemmGroup, GroupedGemm, WeightOrder, WeightSource};
 use super::permute::{self, DevicePlan, Received, Routed};
 use super::replicate::RankBuffers;
-use super::solver::{GpuQuotaSolver, PlanArrays};
+use super::solver::{instance_offsets, GpuQuotaSolver};
 use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::{to_u32, CudaError, Gpu};
@@ -94,19 +94,18 @@ pub struct GpuMoe {
     side: Arc<CudaStream>,
     /// The last host plan uploaded (a plan that did not come from the solver).
     uploaded: Option<DevicePlan>,
-    /// The layer whose replicas are streaming, and its plan.
-    started: Option<Started>,
+    /// The layer whose replicas are streaming from the solver's plan, and that plan.
+    solved: Option<Solved>,
     verify: bool,
 }
 
-/// A layer whose replication is queued: [`GpuMoe::run_layer`] goes on from there.
-struct Started {
+/// A layer solved on the device whose replication is queued: [`GpuMoe::run_layer`] goes on from
+/// there when it is asked for the same layer and plan.
+struct Solved {
     layer: usize,
     plan: Plan,
-    /// The plan is in the solver's buffers (else in `uploaded`).
-    solved: bool,
-    begin: CudaEvent,
-    end: CudaEvent,
+    /// Timing events around the replication.
+    replication: (CudaEvent, CudaEvent),
 }
 
 impl GpuMoe {
@@ -181,7 +180,7 @@ impl GpuMoe {
             relay,
             side: gpu.stream().fork()?,
             uploaded: None,
-            started: None,
+            solved: None,
             verify: false,
         })
     }
@@ -224,19 +223,17 @@ impl GpuMoe {
     /// there.
     pub fn solve_layer(&mut self, layer: usize, load: &LoadMatrix) -> Result<Plan, CudaError> {
         self.gpu.context().bind_to_thread()?;
-        self.started = None;
+        self.solved = None;
         self.solver.as_mut().ok_or_else(no_solver)?.solve(load)?;
         let solved = self.gpu.stream().record_event(None)?;
-        let (begin, end) = self.start_replication(layer, true)?;
+        let replication = self.start_replication(layer, true)?;
         self.side.wait(&solved)?;
         let solver = self.solver.as_ref().ok_or_else(no_solver)?;
         let (plan, _) = solver.download(&self.side, load)?;
-        self.started = Some(Started {
+        self.solved = Some(Solved {
             layer,
             plan: plan.clone(),
-            solved: true,
-            begin,
-            end,
+            replication,
         });
         Ok(plan)
     }
@@ -251,11 +248,7 @@ impl GpuMoe {
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let stream = self.gpu.stream();
         let begin = stream.record_event(timing)?;
-        let (plan, guard) = match (solved, &self.solver, &self.uploaded) {
-            (true, Some(solver), _) => (solver.device_plan(), Some(solver.status())),
-            (false, _, Some(uploaded)) => (uploaded, None),
-            _ => return Err(no_device_plan().into()),
-        };
+        let (plan, guard) = plan_on_device(&self.solver, &self.uploaded, solved)?;
         self.tiles.plan(&self.gpu, plan, guard, layer)?;
         let blocks = self.gpu.info().multiprocessors.max(1) * 2;
         self.tiles
@@ -314,25 +307,17 @@ impl GpuMoe {
         }
         let mut phases = GpuPhases::default();
 
-        let started = match self.started.take() {
-            Some(s) if s.layer == layer && s.plan == *plan => s,
+        let (solved, (begin, end)) = match self.solved.take() {
+            Some(s) if s.layer == layer && s.plan == *plan => (true, s.replication),
             _ => {
                 self.uploaded = Some(DevicePlan::upload(&self.gpu, plan)?);
-                let (begin, end) = self.start_replication(layer, false)?;
-                Started {
-                    layer,
-                    plan: plan.clone(),
-                    solved: false,
-                    begin,
-                    end,
-                }
+                (false, self.start_replication(layer, false)?)
             }
         };
         // Waits for the replication; an error here means no replica byte moved.
         self.tiles.counts(&self.gpu)?;
-        phases.replicate = Duration::from_secs_f64(
-            f64::from(started.begin.elapsed_ms(&started.end)?.max(0.0)) / 1e3,
-        );
+        phases.replicate =
+            Duration::from_secs_f64(f64::from(begin.elapsed_ms(&end)?.max(0.0)) / 1e3);
         if self.verify {
             self.verify_tiles(layer, plan)?;
         }
@@ -341,11 +326,7 @@ impl GpuMoe {
             let filled = plan.rank_slots(rank).iter().flatten().count() as u64;
             *received = filled * self.expert_bytes;
         }
-        let device_plan = match (started.solved, &self.solver, &self.uploaded) {
-            (true, Some(solver), _) => solver.device_plan(),
-            (false, _, Some(uploaded)) => uploaded,
-            _ => return Err(no_device_plan().into()),
-        };
+        let (device_plan, _) = plan_on_device(&self.solver, &self.uploaded, solved)?;
 
         let started = Instant::now();
         let sources = upload_inputs(&self.gpu, inputs, self.hidden, top_k)?;
@@ -379,7 +360,7 @@ impl GpuMoe {
         let layer_plan = LayerPlan {
             host: plan,
             device: device_plan,
-            inst_offsets: &PlanArrays::from_plan(plan)?.inst_offsets,
+            inst_offsets: &instance_offsets(plan)?,
         };
         let mut computed = Vec::with_capacity(ranks);
         for (rank, recv) in received.iter().enumerate() {
@@ -529,9 +510,19 @@ fn no_solver() -> KernelError {
     }
 }
 
-fn no_device_plan() -> KernelError {
-    KernelError::ZeroDimension {
-        what: "plan on the device",
+/// The plan in device memory: the solver's (with its status words, the relay planner's guard)
+/// when `solved`, else the last uploaded one.
+fn plan_on_device<'a>(
+    solver: &'a Option<GpuQuotaSolver>,
+    uploaded: &'a Option<DevicePlan>,
+    solved: bool,
+) -> Result<(&'a DevicePlan, Option<&'a CudaSlice<u64>>), KernelError> {
+    match (solved, solver, uploaded) {
+        (true, Some(solver), _) => Ok((solver.device_plan(), Some(solver.status()))),
+        (false, _, Some(uploaded)) => Ok((uploaded, None)),
+        _ => Err(KernelError::ZeroDimension {
+            what: "plan on the device",
+        }),
     }
 }
 

@@ -379,6 +379,19 @@ impl GpuQuotaSolver {
     }
 }
 
+/// [`PlanArrays::inst_offsets`] of `plan` alone: expert `e`'s instances are
+/// `offsets[e]..offsets[e + 1]` (what grouping by instance needs, without the rest of the arrays).
+pub fn instance_offsets(plan: &Plan) -> Result<Vec<u32>, CudaError> {
+    let mut offsets = Vec::with_capacity(plan.experts() + 1);
+    let mut total = 0usize;
+    offsets.push(0);
+    for e in 0..plan.experts() {
+        total += plan.instances(e).len();
+        offsets.push(to_u32(total, "instances")?);
+    }
+    Ok(offsets)
+}
+
 /// cudarc cannot allocate zero-length buffers; kernels never read past the real length.
 fn nonempty<T: Default>(mut v: Vec<T>) -> Vec<T> {
     if v.is_empty() {
@@ -413,10 +426,10 @@ impl PlanArrays {
                 .map(|s| s.map_or(Ok(-1), i32::try_from))
                 .collect::<Result<_, _>>()
                 .map_err(|_| crate::KernelError::Overflow { what: "expert id" })?,
+            inst_offsets: instance_offsets(plan)?,
             ..Self::default()
         };
         for e in 0..plan.experts() {
-            a.inst_offsets.push(to_u32(a.inst_rank.len(), "instances")?);
             a.split_offsets.push(to_u32(a.cumulative.len(), "split")?);
             let inst = plan.instances(e);
             a.inst_rank.extend(inst.iter().map(|i| i.rank));
@@ -431,7 +444,6 @@ impl PlanArrays {
                 }
             }
         }
-        a.inst_offsets.push(to_u32(a.inst_rank.len(), "instances")?);
         a.split_offsets.push(to_u32(a.cumulative.len(), "split")?);
         Ok(a)
     }
