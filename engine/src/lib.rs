@@ -17,6 +17,7 @@ pub mod fabric;
 #[cfg(feature = "cuda")]
 mod gpu_plane;
 pub mod metrics;
+pub mod penalties;
 pub mod request;
 pub mod routing_trace;
 pub mod sampling;

@@ -5,8 +5,9 @@
 //! - the *reported* logprobs are always `log_softmax(logits)` at temperature 1, whatever the
 //!   sampling settings (this is what OpenAI and vLLM return, and what evaluation harnesses that
 //!   score prompts with `echo` + `logprobs` expect);
-//! - the *sampling* distribution is `softmax(logits / T)` restricted by top-k, then top-p, and
-//!   renormalised.
+//! - the *sampling* distribution is `softmax(logits' / T)` restricted by top-k, then min-p, then
+//!   top-p, and renormalised, where `logits'` are the logits after the request's penalties and
+//!   `logit_bias` ([`crate::penalties`]).
 //!
 //! Every function here takes untrusted numbers (logits straight out of a forward pass, parameters
 //! straight out of a request) and reports problems as [`SamplingError`] rather than panicking.
@@ -16,6 +17,8 @@ use std::cmp::Ordering;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
+
+use crate::penalties::{LogitAdjuster, MAX_LOGIT_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE};
 
 /// Largest accepted `temperature` (OpenAI's limit).
 pub const MAX_TEMPERATURE: f32 = 2.0;
@@ -63,8 +66,8 @@ fn invalid(param: &'static str, reason: String) -> SamplingError {
     SamplingError::InvalidParam { param, reason }
 }
 
-/// Per-request generation settings, named as in the OpenAI API (plus vLLM's `top_k`,
-/// `stop_token_ids`, `ignore_eos` and `prompt_logprobs`).
+/// Per-request generation settings, named as in the OpenAI API (plus vLLM's `top_k`, `min_p`,
+/// `repetition_penalty`, `stop_token_ids`, `ignore_eos` and `prompt_logprobs`).
 ///
 /// Missing fields take the [`Default`] values when deserialised, so a partial JSON object is a
 /// valid input; call [`validate`](Self::validate) before use.
@@ -77,6 +80,17 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables top-k.
     pub top_k: u32,
+    /// Drop tokens less likely than `min_p` times the most likely one, in `[0, 1]`; 0 disables.
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token generated so far, in `[-2, 2]`.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit per time it was generated, in `[-2, 2]`.
+    pub frequency_penalty: f32,
+    /// Divides positive (multiplies negative) logits of tokens in the prompt or the output;
+    /// 1 disables.
+    pub repetition_penalty: f32,
+    /// `(token, bias)` added to the logit, bias in `[-100, 100]` (OpenAI `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed for this request's RNG; the same seed and logits give the same tokens, whatever else
     /// shares the batch.
     pub seed: Option<u64>,
@@ -101,6 +115,11 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
             seed: None,
             max_tokens: 16,
             stop: Vec::new(),
@@ -113,9 +132,24 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Checks every parameter against its documented range; `vocab_size` bounds `stop_token_ids`.
+    /// Checks every parameter against its documented range; `vocab_size` bounds `stop_token_ids`
+    /// and the ids of `logit_bias`.
     pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingError> {
         self.validate_sampling()?;
+        let mut biased: Vec<u32> = self.logit_bias.iter().map(|&(id, _)| id).collect();
+        if let Some(id) = biased.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(invalid(
+                "logit_bias",
+                format!("token id {id} is outside the vocabulary of {vocab_size} tokens"),
+            ));
+        }
+        biased.sort_unstable();
+        if let Some(pair) = biased.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(invalid(
+                "logit_bias",
+                format!("token id {} is given more than once", pair[0]),
+            ));
+        }
         check_logprobs("prompt_logprobs", self.prompt_logprobs)?;
         if self.stop.len() > MAX_STOP_STRINGS {
             return Err(invalid(
@@ -156,8 +190,36 @@ impl SamplingParams {
         if !(p > 0.0 && p <= 1.0) {
             return Err(invalid("top_p", format!("must be in (0, 1], got {p}")));
         }
+        check_range("min_p", self.min_p, 0.0, 1.0)?;
+        check_range(
+            "presence_penalty",
+            self.presence_penalty,
+            -MAX_PENALTY,
+            MAX_PENALTY,
+        )?;
+        check_range(
+            "frequency_penalty",
+            self.frequency_penalty,
+            -MAX_PENALTY,
+            MAX_PENALTY,
+        )?;
+        let (low, high) = REPETITION_PENALTY_RANGE;
+        check_range("repetition_penalty", self.repetition_penalty, low, high)?;
+        for &(_, bias) in &self.logit_bias {
+            check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)?;
+        }
         check_logprobs("logprobs", self.logprobs)
     }
+}
+
+fn check_range(param: &'static str, value: f32, low: f32, high: f32) -> Result<(), SamplingError> {
+    if (low..=high).contains(&value) {
+        return Ok(());
+    }
+    Err(invalid(
+        param,
+        format!("must be in [{low}, {high}], got {value}"),
+    ))
 }
 
 fn check_logprobs(param: &'static str, n: Option<u32>) -> Result<(), SamplingError> {
@@ -214,6 +276,10 @@ pub struct Sampler {
     top_p: f64,
     /// 0 = off.
     top_k: usize,
+    /// 0 = off.
+    min_p: f64,
+    /// Penalties and bias, when the request asked for any.
+    adjuster: Option<LogitAdjuster>,
     /// Alternatives to report per token (0 when logprobs were not requested).
     top_logprobs: usize,
     rng: StdRng,
@@ -222,38 +288,63 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// A sampler for `params`, seeded with `params.seed`, or with `fallback_seed` when the request
+    /// A sampler for `params` on a sequence that starts with `prompt` (what the repetition
+    /// penalty looks at), seeded with `params.seed`, or with `fallback_seed` when the request
     /// gave none (the scheduler should draw it per request so unseeded requests differ).
     ///
-    /// Fails on the parameters that sampling itself depends on (temperature, top_p, logprobs).
-    pub fn new(params: &SamplingParams, fallback_seed: u64) -> Result<Self, SamplingError> {
+    /// Fails on the parameters that sampling itself depends on (temperature, top_p, min_p,
+    /// penalties, bias values, logprobs).
+    pub fn new(
+        params: &SamplingParams,
+        prompt: &[u32],
+        fallback_seed: u64,
+    ) -> Result<Self, SamplingError> {
         params.validate_sampling()?;
         Ok(Self {
             temperature: f64::from(params.temperature),
             top_p: f64::from(params.top_p),
             top_k: params.top_k as usize,
+            min_p: f64::from(params.min_p),
+            adjuster: LogitAdjuster::new(params, prompt),
             top_logprobs: params.logprobs.unwrap_or(0) as usize,
             rng: StdRng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
             candidates: Vec::new(),
         })
     }
 
-    /// Picks the next token from one row of logits (one entry per vocabulary id).
+    /// Picks the next token from one row of logits (one entry per vocabulary id); its logprob
+    /// and the alternatives are those of the row as given.
     pub fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, SamplingError> {
         let stats = LogitStats::of(logits)?;
-        let (token, logit) = if self.temperature == 0.0 {
-            (stats.argmax, stats.max)
-        } else {
-            self.draw(logits, &stats)
+        let token = match self.adjuster.take() {
+            None => self.pick(logits, &stats),
+            Some(mut adjuster) => {
+                let adjusted = adjuster.apply(logits);
+                let picked = LogitStats::of(adjusted).map(|s| self.pick(adjusted, &s));
+                if let Ok(token) = picked {
+                    adjuster.record(token);
+                }
+                self.adjuster = Some(adjuster);
+                picked?
+            }
         };
         Ok(TokenLogprob {
             token,
-            logprob: stats.logprob(logit),
+            logprob: stats.logprob(logits[token as usize]),
             top_logprobs: top_logprobs(logits, &stats, self.top_logprobs),
         })
     }
 
-    /// Draws from `softmax(logits / T)` after top-k and top-p; returns `(token, logit)`.
+    /// The argmax at temperature 0, else a draw.
+    fn pick(&mut self, logits: &[f32], stats: &LogitStats) -> u32 {
+        if self.temperature == 0.0 {
+            stats.argmax
+        } else {
+            self.draw(logits, stats).0
+        }
+    }
+
+    /// Draws from `softmax(logits / T)` after top-k, min-p and top-p; returns `(token, logit)`.
     fn draw(&mut self, logits: &[f32], stats: &LogitStats) -> (u32, f32) {
         let cands = &mut self.candidates;
         cands.clear();
@@ -279,6 +370,12 @@ impl Sampler {
             // costly part, and weights below f32's range are negligible next to the maximum's 1.
             c.weight = f64::from((((f64::from(c.logit) - max) * inv_t) as f32).exp());
             total += c.weight;
+        }
+        if self.min_p > 0.0 {
+            // The most likely token weighs exactly 1, so `min_p` is the weight floor.
+            let floor = self.min_p;
+            cands.retain(|c| c.weight >= floor);
+            total = cands.iter().map(|c| c.weight).sum();
         }
         if self.top_p < 1.0 {
             if !top_k_active {
@@ -451,7 +548,7 @@ mod tests {
 
     #[test]
     fn greedy_picks_argmax_and_lowest_id_on_ties() {
-        let mut s = Sampler::new(&params(0.0), 7).unwrap();
+        let mut s = Sampler::new(&params(0.0), &[], 7).unwrap();
         assert_eq!(s.sample(&FIVE).unwrap().token, 4);
         assert_eq!(s.sample(&[0.0, 5.0, 1.0, 5.0]).unwrap().token, 1);
         let logits = random_logits(50_000, 3);
@@ -473,7 +570,7 @@ mod tests {
             logprobs: Some(3),
             ..params(0.0)
         };
-        let got = Sampler::new(&p, 0).unwrap().sample(&FIVE).unwrap();
+        let got = Sampler::new(&p, &[], 0).unwrap().sample(&FIVE).unwrap();
         let expected = softmax(&FIVE, 1.0)[4].ln() as f32;
         assert!((got.logprob - expected).abs() < 1e-6);
         let ids: Vec<u32> = got.top_logprobs.iter().map(|&(t, _)| t).collect();
@@ -499,7 +596,7 @@ mod tests {
 
     #[test]
     fn bad_logits_are_errors() {
-        let mut s = Sampler::new(&params(1.0), 0).unwrap();
+        let mut s = Sampler::new(&params(1.0), &[], 0).unwrap();
         let nan = s.sample(&[0.0, f32::NAN]).unwrap_err();
         assert!(matches!(
             nan,
@@ -587,6 +684,32 @@ mod tests {
                 "stop_token_ids",
             ),
         ];
+        let with = |f: fn(&mut SamplingParams)| {
+            let mut p = ok.clone();
+            f(&mut p);
+            p
+        };
+        let cases = cases.into_iter().chain([
+            (with(|p| p.min_p = -0.1), "min_p"),
+            (with(|p| p.min_p = 1.5), "min_p"),
+            (with(|p| p.presence_penalty = 2.5), "presence_penalty"),
+            (with(|p| p.frequency_penalty = -2.5), "frequency_penalty"),
+            (
+                with(|p| p.frequency_penalty = f32::NAN),
+                "frequency_penalty",
+            ),
+            (with(|p| p.repetition_penalty = 0.0), "repetition_penalty"),
+            (
+                with(|p| p.repetition_penalty = f32::INFINITY),
+                "repetition_penalty",
+            ),
+            (with(|p| p.logit_bias = vec![(1, 101.0)]), "logit_bias"),
+            (with(|p| p.logit_bias = vec![(10, 1.0)]), "logit_bias"),
+            (
+                with(|p| p.logit_bias = vec![(2, 1.0), (2, -1.0)]),
+                "logit_bias",
+            ),
+        ]);
         for (p, param) in cases {
             let err = p.validate(10).unwrap_err();
             assert_eq!(err.param(), Some(param), "{err}");
@@ -597,10 +720,15 @@ mod tests {
             logprobs: Some(20),
             stop: vec!["a".into(); 4],
             stop_token_ids: vec![9],
+            min_p: 1.0,
+            presence_penalty: -2.0,
+            frequency_penalty: 2.0,
+            repetition_penalty: 0.01,
+            logit_bias: vec![(0, -100.0), (9, 100.0)],
             ..ok.clone()
         };
         assert_eq!(edges.validate(10), Ok(()));
-        assert!(Sampler::new(&params(3.0), 0).is_err());
+        assert!(Sampler::new(&params(3.0), &[], 0).is_err());
     }
 
     #[test]

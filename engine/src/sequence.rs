@@ -62,7 +62,7 @@ impl Sequence {
             eos,
             events,
         } = parts;
-        let sampler = Sampler::new(&params, fallback_seed)?;
+        let sampler = Sampler::new(&params, &prompt, fallback_seed)?;
         let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(eos.iter().copied());

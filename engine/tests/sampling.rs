@@ -43,7 +43,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
             seed,
             ..params(1.5)
         };
-        let mut s = Sampler::new(&p, fallback).unwrap();
+        let mut s = Sampler::new(&p, &[], fallback).unwrap();
         (0..64)
             .map(|_| s.sample(&logits).unwrap().token)
             .collect::<Vec<_>>()
@@ -62,7 +62,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
 fn top_k_one_and_tiny_top_p_equal_greedy() {
     for seed in 0..20 {
         let logits = random_logits(5000, seed);
-        let greedy = Sampler::new(&params(0.0), 0)
+        let greedy = Sampler::new(&params(0.0), &[], 0)
             .unwrap()
             .sample(&logits)
             .unwrap();
@@ -75,7 +75,10 @@ fn top_k_one_and_tiny_top_p_equal_greedy() {
             ..params(2.0)
         };
         for p in [top_k, top_p] {
-            let got = Sampler::new(&p, seed).unwrap().sample(&logits).unwrap();
+            let got = Sampler::new(&p, &[], seed)
+                .unwrap()
+                .sample(&logits)
+                .unwrap();
             assert_eq!(got, greedy);
         }
     }
@@ -83,7 +86,7 @@ fn top_k_one_and_tiny_top_p_equal_greedy() {
 
 #[test]
 fn frequencies_match_softmax_at_temperature_one() {
-    let mut s = Sampler::new(&params(1.0), 11).unwrap();
+    let mut s = Sampler::new(&params(1.0), &[], 11).unwrap();
     let freq = frequencies(&mut s, &FIVE, 20_000);
     for (f, p) in freq.iter().zip(softmax(&FIVE, 1.0)) {
         assert!((f - p).abs() < 0.015, "frequency {f} vs probability {p}");
@@ -92,8 +95,8 @@ fn frequencies_match_softmax_at_temperature_one() {
 
 #[test]
 fn temperature_scaling_sharpens_and_flattens() {
-    let mut cold = Sampler::new(&params(0.5), 5).unwrap();
-    let mut hot = Sampler::new(&params(2.0), 5).unwrap();
+    let mut cold = Sampler::new(&params(0.5), &[], 5).unwrap();
+    let mut hot = Sampler::new(&params(2.0), &[], 5).unwrap();
     let f_cold = frequencies(&mut cold, &FIVE, 20_000);
     let f_hot = frequencies(&mut hot, &FIVE, 20_000);
     for (f, p) in f_cold.iter().zip(softmax(&FIVE, 0.5)) {
@@ -112,7 +115,7 @@ fn top_k_restricts_and_renormalises() {
         top_k: 2,
         ..params(1.0)
     };
-    let mut s = Sampler::new(&p, 3).unwrap();
+    let mut s = Sampler::new(&p, &[], 3).unwrap();
     let freq = frequencies(&mut s, &FIVE, 20_000);
     let (a, b) = (FIVE[4].exp() as f64, FIVE[1].exp() as f64);
     assert!((freq[4] - a / (a + b)).abs() < 0.015);
@@ -128,7 +131,7 @@ fn top_p_keeps_the_nucleus_and_renormalises() {
         top_p: 0.7,
         ..params(1.0)
     };
-    let mut s = Sampler::new(&p, 8).unwrap();
+    let mut s = Sampler::new(&p, &[], 8).unwrap();
     let freq = frequencies(&mut s, &logits, 20_000);
     assert!((freq[0] - 0.625).abs() < 0.015 && (freq[1] - 0.375).abs() < 0.015);
     assert_eq!(freq[2] + freq[3], 0.0);
@@ -156,7 +159,7 @@ fn top_p_pruning_matches_a_full_sort() {
             top_p: 0.9,
             ..params(1.0)
         };
-        let mut s = Sampler::new(&p, seed).unwrap();
+        let mut s = Sampler::new(&p, &[], seed).unwrap();
         let mut seen = std::collections::HashSet::new();
         for _ in 0..500 {
             let t = s.sample(&logits).unwrap().token as usize;

@@ -25,6 +25,10 @@ pub struct GenerationConfig {
     pub top_p: Option<f32>,
     /// Default top-k cutoff.
     pub top_k: Option<u32>,
+    /// Default min-p cutoff.
+    pub min_p: Option<f32>,
+    /// Default repetition penalty (1 is none).
+    pub repetition_penalty: Option<f32>,
     /// Default cap on generated tokens.
     pub max_new_tokens: Option<u32>,
     /// Whether the authors sample by default (`false` means greedy).
@@ -46,6 +50,10 @@ struct RawGenerationConfig {
     top_p: Option<f32>,
     #[serde(default)]
     top_k: Option<u32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
     #[serde(default)]
     max_new_tokens: Option<u32>,
     #[serde(default)]
@@ -104,6 +112,8 @@ impl GenerationConfig {
             temperature: raw.temperature,
             top_p: raw.top_p,
             top_k: raw.top_k,
+            min_p: raw.min_p,
+            repetition_penalty: raw.repetition_penalty,
             max_new_tokens: raw.max_new_tokens,
             do_sample: raw.do_sample,
         })

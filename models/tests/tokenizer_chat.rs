@@ -472,6 +472,8 @@ fn generation_config_eos_int_or_list() {
             temperature: Some(0.6),
             top_p: Some(0.95),
             top_k: Some(20),
+            min_p: None,
+            repetition_penalty: None,
             max_new_tokens: None,
             do_sample: Some(true),
         }
@@ -483,12 +485,19 @@ fn generation_config_eos_int_or_list() {
     );
     assert_eq!(mistral.temperature, None);
     assert_eq!(GenerationConfig::load(&data("qwen2")).unwrap(), None);
-    let empty =
-        GenerationConfig::from_json_str(r#"{"eos_token_id": null, "max_new_tokens": 64}"#, "g")
-            .unwrap();
+    let empty = GenerationConfig::from_json_str(
+        r#"{"eos_token_id": null, "max_new_tokens": 64, "repetition_penalty": 1.05, "min_p": 0.0}"#,
+        "g",
+    )
+    .unwrap();
     assert_eq!(
-        (empty.eos_token_ids.len(), empty.max_new_tokens),
-        (0, Some(64))
+        (
+            empty.eos_token_ids.len(),
+            empty.max_new_tokens,
+            empty.repetition_penalty,
+            empty.min_p
+        ),
+        (0, Some(64), Some(1.05), Some(0.0))
     );
 }
 

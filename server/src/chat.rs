@@ -53,9 +53,13 @@ pub struct ChatRequest {
     #[serde(default)]
     pub ignore_eos: Option<bool>,
     #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
     pub presence_penalty: Option<f64>,
     #[serde(default)]
     pub frequency_penalty: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
     #[serde(default)]
     pub logit_bias: Option<Map<String, Value>>,
     #[serde(default)]

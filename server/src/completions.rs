@@ -57,9 +57,13 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub ignore_eos: Option<bool>,
     #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
     pub presence_penalty: Option<f64>,
     #[serde(default)]
     pub frequency_penalty: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
     #[serde(default)]
     pub logit_bias: Option<Map<String, Value>>,
     #[serde(default)]
@@ -83,6 +87,7 @@ macro_rules! common_params {
             temperature: $request.temperature,
             top_p: $request.top_p,
             top_k: $request.top_k,
+            min_p: $request.min_p,
             n: $request.n,
             stop: $request.stop.as_ref(),
             stop_token_ids: $request.stop_token_ids.as_deref(),
@@ -90,6 +95,7 @@ macro_rules! common_params {
             ignore_eos: $request.ignore_eos,
             presence_penalty: $request.presence_penalty,
             frequency_penalty: $request.frequency_penalty,
+            repetition_penalty: $request.repetition_penalty,
             logit_bias: $request.logit_bias.as_ref(),
             stream: $request.stream,
             stream_options: $request.stream_options.as_ref(),
@@ -103,6 +109,7 @@ pub(crate) struct CommonParams<'a> {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     pub n: Option<i64>,
     pub stop: Option<&'a Value>,
     pub stop_token_ids: Option<&'a [u32]>,
@@ -110,6 +117,7 @@ pub(crate) struct CommonParams<'a> {
     pub ignore_eos: Option<bool>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
     pub logit_bias: Option<&'a Map<String, Value>>,
     pub stream: Option<bool>,
     pub stream_options: Option<&'a StreamOptions>,
@@ -130,14 +138,6 @@ impl CommonParams<'_> {
         let info = state.backend().info();
         let gen = &info.generation;
         let n = v::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
-        v::unsupported_zero("presence_penalty", self.presence_penalty)?;
-        v::unsupported_zero("frequency_penalty", self.frequency_penalty)?;
-        if self.logit_bias.is_some_and(|b| !b.is_empty()) {
-            return Err(ApiError::invalid(
-                "logit_bias",
-                "`logit_bias` is not supported",
-            ));
-        }
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
             return Err(ApiError::invalid(
@@ -163,6 +163,17 @@ impl CommonParams<'_> {
             temperature: self.temperature.map_or(default_temperature, |t| t as f32),
             top_p: self.top_p.map_or(gen.top_p.unwrap_or(1.0), |p| p as f32),
             top_k,
+            min_p: self.min_p.map_or(gen.min_p.unwrap_or(0.0), |p| p as f32),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
+            repetition_penalty: self
+                .repetition_penalty
+                .map_or(gen.repetition_penalty.unwrap_or(1.0), |p| p as f32),
+            logit_bias: self
+                .logit_bias
+                .map(v::logit_bias)
+                .transpose()?
+                .unwrap_or_default(),
             seed: self.seed.map(|s| s as u64),
             max_tokens: 0,
             stop: v::stop_strings(self.stop)?,

@@ -5,9 +5,9 @@
 //!
 //! | route | what |
 //! | --- | --- |
-//! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`) |
+//! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`); penalties, `logit_bias`, `min_p` (README) |
 //! | `POST /v1/chat/completions` | system/user/assistant messages through the model's chat template; `logprobs` + `top_logprobs`, `stream` |
-//! | `GET /v1/models` | the served model |
+//! | `GET /v1/models`, `GET /v1/models/{id}` | the served model (404 `model_not_found` for another id) |
 //! | `GET /health` | 200 `{"status":"ok"}`, 503 when the engine is down or the server is draining |
 //! | `GET /metrics` | Prometheus text: HTTP, latency (vLLM buckets) and the engine's balancing metrics |
 //! | `GET /version` | `{"name":"rackfill","version":...}` |
@@ -60,7 +60,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ::metrics::{counter, gauge, histogram};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -70,7 +70,7 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
 use rackfill_models::ModelBundle;
-use serde_json::json;
+use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
@@ -257,6 +257,7 @@ pub(crate) fn random_id() -> String {
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
@@ -463,20 +464,30 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
 }
 
 async fn models(State(state): State<AppState>) -> Response {
+    Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{model}` (the id may hold slashes, as Hugging Face ids do): the served
+/// model's card, or 404 `model_not_found` for any other id.
+async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if id != state.backend().info().name {
+        return ApiError::ModelNotFound(id.chars().take(256).collect()).into_response();
+    }
+    Json(model_card(&state)).into_response()
+}
+
+/// The served model as an OpenAI model object (plus vLLM's `root`, `parent`, `max_model_len`).
+fn model_card(state: &AppState) -> Value {
     let info = state.backend().info();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": info.name,
-            "object": "model",
-            "created": info.created,
-            "owned_by": "rackfill",
-            "root": info.name,
-            "parent": null,
-            "max_model_len": info.max_context,
-        }],
-    }))
-    .into_response()
+    json!({
+        "id": info.name,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "rackfill",
+        "root": info.name,
+        "parent": null,
+        "max_model_len": info.max_context,
+    })
 }
 
 async fn not_found(request: Request) -> Response {

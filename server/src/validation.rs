@@ -6,7 +6,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use rackfill_engine::EngineError;
 use serde::de::DeserializeOwned;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 /// A request that cannot be served, with the HTTP status and OpenAI error fields it maps to.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -266,16 +266,26 @@ pub fn int_in(param: &str, value: i64, min: i64, max: i64) -> Result<i64, ApiErr
     }
 }
 
-/// Penalties and biases rackfill does not implement: accepted only at their neutral values, so
-/// that a client relying on them learns it at once.
-pub fn unsupported_zero(param: &str, value: Option<f64>) -> Result<(), ApiError> {
-    match value {
-        Some(v) if v != 0.0 => Err(ApiError::invalid(
-            param,
-            format!("`{param}` is not supported (only 0 is accepted), got {v}"),
-        )),
-        _ => Ok(()),
-    }
+/// `logit_bias`: token ids (as strings, the JSON object's keys) to numbers. Ranges and ids
+/// beyond the vocabulary are checked with the other sampling parameters.
+pub fn logit_bias(map: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    map.iter()
+        .map(|(key, value)| {
+            let token = key.trim().parse::<u32>().map_err(|_| {
+                ApiError::invalid(
+                    format!("logit_bias.{key}"),
+                    format!("`logit_bias` keys must be token ids, got `{key}`"),
+                )
+            })?;
+            let bias = value.as_f64().ok_or_else(|| {
+                ApiError::invalid(
+                    format!("logit_bias.{key}"),
+                    format!("`logit_bias` values must be numbers, got {value}"),
+                )
+            })?;
+            Ok((token, bias as f32))
+        })
+        .collect()
 }
 
 /// The requested model must be the served one (an absent `model` means the served one).

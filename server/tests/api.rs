@@ -106,6 +106,102 @@ async fn completions_n_and_seed() {
     server.shutdown().await.unwrap();
 }
 
+/// Penalties, `min_p` and `logit_bias` change which tokens are drawn; the logprobs stay the
+/// model's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_min_p_and_logit_bias_steer_sampling() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let greedy_request = json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                "ignore_eos": true, "logprobs": 1});
+    let (status, greedy) = server.post("/v1/completions", &greedy_request).await;
+    assert_eq!(status, 200, "{greedy}");
+    let first = &greedy["choices"][0]["logprobs"]["top_logprobs"][0];
+    let first_token = greedy["choices"][0]["logprobs"]["tokens"][0].clone();
+    let first_logprob = greedy["choices"][0]["logprobs"]["token_logprobs"][0].clone();
+    assert_eq!(first[first_token.as_str().unwrap()], first_logprob);
+
+    // min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 1, "min_p": 1.0,
+                    "ignore_eos": true, "logprobs": 1}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(choice_texts(&body), choice_texts(&greedy));
+
+    // A +100 bias forces one token everywhere.
+    let backend = server.state.backend();
+    let forced = *backend.tokenize(" fox", false).unwrap().last().unwrap();
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+                    "logit_bias": {forced.to_string(): 100}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        choice_texts(&body)[0],
+        backend.detokenize(&[forced; 4]).unwrap()
+    );
+
+    // A -100 bias on the greedy first token moves the pick, but the reported alternatives are
+    // still the model's: the banned token stays the most likely one, with its logprob.
+    let mut stream = backend
+        .submit(GenerateRequest {
+            prompt: backend.tokenize(PROMPT, true).unwrap(),
+            params: SamplingParams {
+                temperature: 0.0,
+                max_tokens: 1,
+                ..SamplingParams::default()
+            },
+        })
+        .unwrap();
+    let mut greedy_id = None;
+    while let Some(event) = stream.events.recv().await {
+        if let Event::Token(token) = event {
+            greedy_id = Some(token.token);
+        }
+    }
+    let greedy_id = greedy_id.expect("one greedy token");
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": true,
+                    "logprobs": 1,
+                    "logit_bias": {greedy_id.to_string(): -100}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let logprobs = &body["choices"][0]["logprobs"];
+    assert_ne!(logprobs["tokens"][0], first_token);
+    assert_eq!(
+        logprobs["top_logprobs"][0][first_token.as_str().unwrap()],
+        first_logprob
+    );
+
+    // Penalties are accepted on both routes and keep greedy decoding deterministic.
+    let penalised = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": true, "presence_penalty": 1.5,
+                           "frequency_penalty": 2.0, "repetition_penalty": 1.3});
+    let (status, a) = server.post("/v1/completions", &penalised).await;
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = server.post("/v1/completions", &penalised).await;
+    assert_eq!(choice_texts(&a), choice_texts(&b));
+    let (status, chat) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "presence_penalty": -1, "frequency_penalty": 0.5, "min_p": 0.05,
+                    "logit_bias": {"5": -5}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{chat}");
+    server.shutdown().await.unwrap();
+}
+
 /// lm-eval-harness style scoring: `echo` + `logprobs` + `max_tokens: 0` returns the prompt with
 /// one logprob per prompt token, the first `null`, the rest equal to the engine's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -423,6 +519,21 @@ async fn models_health_version_metrics_and_request_ids() {
     assert_eq!(models["data"][0]["id"], BUILTIN_MODEL_NAME);
     assert_eq!(models["data"][0]["object"], "model");
     assert_eq!(models["data"][0]["max_model_len"], 4096);
+    let (status, card) = server
+        .get(&format!("/v1/models/{BUILTIN_MODEL_NAME}"))
+        .await;
+    assert_eq!(status, 200, "{card}");
+    let card: Value = serde_json::from_str(&card).unwrap();
+    assert_eq!(card, models["data"][0]);
+    // Ids may hold slashes (Hugging Face ids); an unknown one is a 404 naming it.
+    let (status, missing) = server.get("/v1/models/Qwen/Qwen3-30B-A3B").await;
+    assert_eq!(status, 404);
+    let missing: Value = serde_json::from_str(&missing).unwrap();
+    assert_eq!(missing["error"]["code"], "model_not_found");
+    assert!(missing["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`Qwen/Qwen3-30B-A3B`"));
 
     let (status, health) = server.get("/health").await;
     assert_eq!(status, 200, "{health}");
@@ -786,11 +897,67 @@ async fn bad_inputs_table() {
             Some("invalid_value"),
         ),
         (
-            "presence_penalty",
+            "presence_penalty out of range",
             C,
-            body(json!({"prompt": "x", "presence_penalty": 1})),
+            body(json!({"prompt": "x", "presence_penalty": 2.5})),
             400,
             Some("presence_penalty"),
+            Some("invalid_value"),
+        ),
+        (
+            "frequency_penalty out of range",
+            CHAT,
+            body(json!({"messages": user, "frequency_penalty": -3})),
+            400,
+            Some("frequency_penalty"),
+            Some("invalid_value"),
+        ),
+        (
+            "repetition_penalty zero",
+            C,
+            body(json!({"prompt": "x", "repetition_penalty": 0})),
+            400,
+            Some("repetition_penalty"),
+            Some("invalid_value"),
+        ),
+        (
+            "min_p above one",
+            C,
+            body(json!({"prompt": "x", "min_p": 1.5})),
+            400,
+            Some("min_p"),
+            Some("invalid_value"),
+        ),
+        (
+            "logit_bias key not a token id",
+            C,
+            body(json!({"prompt": "x", "logit_bias": {"cat": 1}})),
+            400,
+            Some("logit_bias.cat"),
+            Some("invalid_value"),
+        ),
+        (
+            "logit_bias value not a number",
+            CHAT,
+            body(json!({"messages": user, "logit_bias": {"5": "up"}})),
+            400,
+            Some("logit_bias.5"),
+            Some("invalid_value"),
+        ),
+        (
+            "logit_bias out of range",
+            C,
+            body(json!({"prompt": "x", "logit_bias": {"5": 101}})),
+            400,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            "logit_bias id outside the vocabulary",
+            C,
+            body(json!({"prompt": "x", "logit_bias": {"4096": 1}})),
+            400,
+            Some("logit_bias"),
             Some("invalid_value"),
         ),
         (
@@ -1036,6 +1203,10 @@ async fn nothing_panics_on_odd_inputs() {
         "user",
         "best_of",
         "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
         "suffix",
         "stop_token_ids",
         "ignore_eos",
