@@ -11,12 +11,15 @@
 // (cp.async on sm_80+).
 //
 // Relays: a stage-1 tile that lands on a relay bumps the relay's per-chunk ready counter once the
-// bytes are visible system-wide (every thread fences, the block synchronises, one thread adds).
+// bytes are visible system-wide (the block synchronises, then one thread fences and adds).
 // A stage-2 task (relay -> leaves) waits until its chunk's counter reaches the chunk's tile
 // count, so a relay forwards chunk c while chunk c+1 is still arriving, with no global barrier.
 // Tasks are ordered so that every producer precedes its consumers in the stream; the block
 // holding the earliest unfinished task never waits, so the grid cannot deadlock, whatever the
-// residency.
+// residency. A relay counter that still falls short after TILE_STALL_NS (a broken stream, never a
+// slow one) stops the waiting block and raises the stall word next to the claim counter, and
+// every other waiting block stops when it sees it: the host reports an error instead of the GPU
+// spinning forever.
 //
 // Ranks are addressed through a peer-pointer table (home weights, slot buffer and flag array per
 // rank), so the same kernel runs with NVLink peer pointers or with several rank buffers on one GPU.
@@ -25,6 +28,19 @@ __device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+// How long a block waits for a relay chunk before it declares the stream broken: far beyond the
+// time to stream every byte before it (milliseconds), short enough to fail a test run.
+#ifndef TILE_STALL_NS
+#define TILE_STALL_NS 5000000000ull
+#endif
+
+// Nanoseconds of the GPU's global timer.
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
@@ -69,23 +85,39 @@ __device__ void issue_load(const TileTask& t, const u64* home_base, const u64* s
     cp_async_commit();
 }
 
-// Blocks until the relay chunk a task forwards has fully landed (block-uniform).
-__device__ void wait_ready(const TileTask& t, const u64* flag_base) {
-    if (t.wait_flag < 0) return;
+// Blocks until the relay chunk a task forwards has fully landed (block-uniform). False when it
+// did not within TILE_STALL_NS, or another block found the stream broken: `stalled` is then set
+// and the block must stop. `s_ok` is the block's shared word for the verdict.
+__device__ bool wait_ready(const TileTask& t, const u64* flag_base, u32* stalled, u32* s_ok) {
+    if (t.wait_flag < 0) return true;
     if (threadIdx.x == 0) {
         const u32* flag = (const u32*)flag_base[t.src_rank] + t.wait_flag;
-        while (ld_acquire_sys_u32(flag) < t.wait_target) __nanosleep(64);
+        const u64 start = global_ns();
+        u32 ok = 1;
+        while (ld_acquire_sys_u32(flag) < t.wait_target) {
+            if (ld_acquire_sys_u32(stalled) != 0 || global_ns() - start > TILE_STALL_NS) {
+                atomicExch(stalled, 1u);
+                ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+        *s_ok = ok;
     }
     __syncthreads();
+    return *s_ok != 0;
 }
 
-extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count,
-                                       const TileDst* __restrict__ dsts, u32* next_task,
-                                       const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
-                                       const u64* __restrict__ flag_base, u32 tile_bytes) {
+// `next_task` holds two words: the claim counter, then the stall word (both zeroed by the host).
+extern "C" __global__ void __launch_bounds__(1024)
+    tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count,
+                const TileDst* __restrict__ dsts, u32* next_task, const u64* __restrict__ home_base,
+                const u64* __restrict__ slot_base, const u64* __restrict__ flag_base, u32 tile_bytes) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ u32 s_claim;
     __shared__ u32 s_ready;
+    __shared__ u32 s_ok;
+    u32* stalled = next_task + 1;
     u8* stage[2] = {smem, smem + tile_bytes};
     const u32 tid = threadIdx.x, bd = blockDim.x;
     const u32 n_tasks = *task_count;  // written on the device by plan_tiles, or uploaded
@@ -95,7 +127,7 @@ extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, const
     u32 cur = s_claim;
     u32 buf = 0;
     if (cur < n_tasks) {
-        wait_ready(tasks[cur], flag_base);
+        if (!wait_ready(tasks[cur], flag_base, stalled, &s_ok)) return;
         issue_load(tasks[cur], home_base, slot_base, stage[0]);
     }
     while (cur < n_tasks) {
@@ -130,16 +162,23 @@ extern "C" __global__ void tile_stream(const TileTask* __restrict__ tasks, const
                 for (u32 i = tid; i < t.len; i += bd) out[i] = st[i];
             }
         }
-        __threadfence_system();
-        __syncthreads();  // every thread's stores of this tile are visible system-wide
+        __syncthreads();  // every thread's stores of this tile are done
         if (tid == 0) {
+            // Release: the barrier orders the block's stores before this thread's system-scope
+            // fence, the fence orders them before the counter bumps a relay acquires.
+            bool fenced = false;
             for (u32 d = 0; d < t.n_dst; ++d) {
                 const TileDst dst = dsts[t.dst_begin + d];
-                if (dst.ready_flag >= 0) atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
+                if (dst.ready_flag < 0) continue;
+                if (!fenced) {
+                    __threadfence_system();
+                    fenced = true;
+                }
+                atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
             }
         }
         if (nxt < n_tasks && !prefetched) {
-            wait_ready(tasks[nxt], flag_base);
+            if (!wait_ready(tasks[nxt], flag_base, stalled, &s_ok)) return;
             issue_load(tasks[nxt], home_base, slot_base, stage[buf ^ 1]);
         }
         cur = nxt;

@@ -268,7 +268,8 @@ __device__ u32 number_groups(const TilePlanParams& p, const u64* home_offsets, T
     return groups;
 }
 
-extern "C" __global__ void plan_tiles(TilePlanParams p, const u64* __restrict__ guard, const i32* __restrict__ slots,
+// Launched with 512 threads (TilePlanner): the bound lets the compiler use up to 128 registers.
+extern "C" __global__ void __launch_bounds__(512) plan_tiles(TilePlanParams p, const u64* __restrict__ guard, const i32* __restrict__ slots,
                                       const u32* __restrict__ inst_offsets, const u32* __restrict__ inst_rank,
                                       const u64* __restrict__ home_offsets, u8* global_arena,
                                       TileTask* __restrict__ tasks, TileDst* __restrict__ dsts, u32* header,

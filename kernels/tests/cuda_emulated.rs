@@ -52,14 +52,23 @@ fn host_source() -> String {
     src += nvrtc::QUOTA_SOLVER.source;
     src += nvrtc::PERMUTE.source;
     src += nvrtc::EXPERTS.source;
-    let replicate = nvrtc::REPLICATE.source;
-    let start = replicate
-        .find("__device__ __forceinline__ u32 ld_acquire_sys_u32")
-        .expect("emulation: ld_acquire_sys_u32 is gone");
-    let end = start + replicate[start..].find("\n}\n").expect("function end") + 3;
-    src += &replicate[..start];
-    src += "inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }\n";
-    src += &replicate[end..];
+    // Inline PTX has host stand-ins; a stalled relay gives up after 50 ms instead of 5 s.
+    let mut replicate = nvrtc::REPLICATE.source.to_string();
+    for (signature, host) in [
+        (
+            "__device__ __forceinline__ u32 ld_acquire_sys_u32",
+            "inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }\n",
+        ),
+        ("__device__ __forceinline__ u64 global_ns", "inline u64 global_ns() { return host_ns(); }\n"),
+    ] {
+        let start = replicate
+            .find(signature)
+            .unwrap_or_else(|| panic!("emulation: '{signature}' is gone from the kernels"));
+        let end = start + replicate[start..].find("\n}\n").expect("function end") + 3;
+        replicate.replace_range(start..end, host);
+    }
+    src += "#define TILE_STALL_NS 50000000ull\n";
+    src += &replicate;
     src += nvrtc::TILE_PLAN.source;
     src = replace(
         &src,
@@ -445,8 +454,9 @@ fn emulated_permute_kernels_are_bitwise_equal_to_the_cpu_data_plane() {
 }
 
 #[test]
-fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
+fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_broken_relay() {
     let Some(exe) = emulator() else { return };
+    let mut stalled = 0;
     for case in 0..20u64 {
         let mut rng = Rng(case + 7);
         let ranks = 3 + rng.below(14) as usize;
@@ -498,44 +508,76 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor() {
             home_offsets: &offsets,
             slot_bytes,
         };
-        let stream = tiles::compile(&plan, &schedule, &buffers, tile).unwrap();
+        let mut stream = tiles::compile(&plan, &schedule, &buffers, tile).unwrap();
         let slot_len = slots * slot_bytes as usize;
         let expected = cpu_slots(&plan, &schedule, &weights, slot_bytes, slot_len);
-        let mut input = format!(
-            "{ranks} {} {} {tile}\n",
-            stream.tasks.len(),
-            stream.dsts.len()
-        );
-        for t in &stream.tasks {
-            writeln!(
-                input,
-                "{} {} {} {} {} {} {} {} {}",
-                t.src_offset,
-                t.tile_offset,
-                t.src_rank,
-                t.src_kind,
-                t.len,
-                t.dst_begin,
-                t.n_dst,
-                t.wait_flag,
-                t.wait_target
-            )
-            .unwrap();
-        }
-        for d in &stream.dsts {
-            writeln!(input, "{} {} {}", d.offset, d.rank, d.ready_flag).unwrap();
-        }
-        input += &rank_memory_input(slot_len, &stream.flags_per_rank, &homes);
+        let input = replicate_input(&stream, slot_len, &homes);
         let out = run(exe, "replicate", warps, &input);
-        assert_eq!(out.len(), ranks);
-        for (r, (_, got)) in out.iter().enumerate() {
+        assert_eq!(get(&out, "stalled"), [0], "case {case}");
+        let got = slot_buffers(&out);
+        assert_eq!(got.len(), ranks);
+        for (r, got) in got.iter().enumerate() {
             let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();
             assert!(
-                *got == want,
+                **got == want,
                 "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}"
             );
         }
+
+        // A relay counter that can never reach its target (a broken stream): the kernel gives
+        // up after its stall limit and raises the stall word instead of spinning forever.
+        if let Some(waiting) = stream.tasks.iter_mut().find(|t| t.wait_flag >= 0) {
+            waiting.wait_target += 1_000;
+            let out = run(
+                exe,
+                "replicate",
+                warps,
+                &replicate_input(&stream, slot_len, &homes),
+            );
+            assert_eq!(get(&out, "stalled"), [1], "case {case}");
+            stalled += 1;
+        }
     }
+    assert!(stalled >= 3, "only {stalled} cases had a relay to break");
+}
+
+/// The emulator's `replicate` input: the stream, then every rank's memory.
+fn replicate_input(stream: &TileStream, slot_len: usize, homes: &[Vec<u8>]) -> String {
+    let mut input = format!(
+        "{} {} {} {}\n",
+        stream.flags_per_rank.len(),
+        stream.tasks.len(),
+        stream.dsts.len(),
+        stream.tile_bytes
+    );
+    for t in &stream.tasks {
+        writeln!(
+            input,
+            "{} {} {} {} {} {} {} {} {}",
+            t.src_offset,
+            t.tile_offset,
+            t.src_rank,
+            t.src_kind,
+            t.len,
+            t.dst_begin,
+            t.n_dst,
+            t.wait_flag,
+            t.wait_target
+        )
+        .unwrap();
+    }
+    for d in &stream.dsts {
+        writeln!(input, "{} {} {}", d.offset, d.rank, d.ready_flag).unwrap();
+    }
+    input + &rank_memory_input(slot_len, &stream.flags_per_rank, homes)
+}
+
+/// Every rank's slot buffer as the emulator printed it.
+fn slot_buffers(out: &[(String, Vec<u64>)]) -> Vec<&Vec<u64>> {
+    out.iter()
+        .filter(|(name, _)| name == "slots")
+        .map(|(_, v)| v)
+        .collect()
 }
 
 /// The CPU executor's slot buffers (`slot_len` bytes per rank) after `schedule` for `plan`, expert
@@ -888,11 +930,8 @@ fn emulated_device_planned_distribution_fills_slots_like_the_cpu_executor() {
             + &rank_memory_input(slot_len, &flags, &homes);
         let out = run(exe, "distribute", 1 + rng.below(3) as u32, &input);
         assert_eq!(get(&out, "header")[0], 0, "case {case}: status");
-        let slots: Vec<&Vec<u64>> = out
-            .iter()
-            .filter(|(name, _)| name == "slots")
-            .map(|(_, v)| v)
-            .collect();
+        assert_eq!(get(&out, "stalled"), [0], "case {case}");
+        let slots = slot_buffers(&out);
         assert_eq!(slots.len(), layout.ranks());
         for (r, got) in slots.iter().enumerate() {
             let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();

@@ -169,8 +169,61 @@ fn tile_streams_replay_the_cpu_reference() {
             );
             let moved: u64 = schedule.transfers.iter().map(|t| t.len).sum();
             assert_eq!(stream.stored_bytes, moved);
+            stream.check_runnable(RANKS).unwrap();
         }
     }
+}
+
+/// What the kernel would misread, or wait on forever, is refused before upload; a compiled
+/// stream always passes (above).
+#[test]
+fn streams_the_kernel_cannot_run_are_refused() {
+    let (_, plan) = plan(3);
+    let w = weights(3);
+    let (_, home_offsets) = homes(&Layout::contiguous(RANKS, EXPERTS, SLOTS).unwrap(), &w, 0);
+    let relayed = RelayConfig {
+        threshold: 2,
+        chunk_bytes: 8192,
+    };
+    let schedule = plan_transfers(&plan, EXPERT_BYTES, &relayed);
+    let good = tiles::compile(&plan, &schedule, &buffer_layout(&home_offsets), 4096).unwrap();
+    good.check_runnable(RANKS).unwrap();
+    let waiter = good.tasks.iter().position(|t| t.wait_flag >= 0).unwrap();
+    let producer = good.dsts.iter().position(|d| d.ready_flag >= 0).unwrap();
+    type Corrupt = fn(&mut TileStream, usize, usize);
+    let cases: [(&str, Corrupt); 8] = [
+        ("tile of 100 bytes", |s, _, _| s.tile_bytes = 100),
+        ("tile longer than tile_bytes", |s, _, _| {
+            s.tasks[0].len = 4097
+        }),
+        ("source rank", |s, _, _| s.tasks[0].src_rank = RANKS as u32),
+        ("destinations past the end", |s, _, _| {
+            s.tasks[0].n_dst = s.dsts.len() as u32 + 1
+        }),
+        ("destination rank", |s, _, p| s.dsts[p].rank = RANKS as u32),
+        ("ready counter", |s, _, p| s.dsts[p].ready_flag = i32::MAX),
+        ("unreachable wait", |s, w, _| s.tasks[w].wait_target += 1),
+        ("wait before its producers", |s, w, _| {
+            let t = s.tasks.remove(w);
+            s.tasks.insert(0, t);
+        }),
+    ];
+    for (what, corrupt) in cases {
+        let mut bad = good.clone();
+        corrupt(&mut bad, waiter, producer);
+        let err = bad.check_runnable(RANKS).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                rackfill_kernels::cuda::CudaError::UnrunnableTask { .. }
+            ),
+            "{what}: {err}"
+        );
+    }
+    assert!(matches!(
+        good.check_runnable(RANKS - 1).unwrap_err(),
+        rackfill_kernels::cuda::CudaError::Kernel(KernelError::RankCount { .. })
+    ));
 }
 
 #[test]
@@ -299,6 +352,7 @@ fn gpu_tile_streaming_fills_every_slot_like_the_cpu_reference() {
                         .unwrap();
                 ranks.reset_flags(&gpu).unwrap();
                 device.launch(&gpu, &ranks, blocks, threads).unwrap();
+                device.finish(&gpu).unwrap();
                 for (r, want) in expected.iter().enumerate() {
                     let got = gpu.stream().clone_dtoh(ranks.slots(r).unwrap()).unwrap();
                     assert!(got == *want, "seed {seed} {config:?} tile {tile_bytes} blocks {blocks}: rank {r} differs");
@@ -369,6 +423,7 @@ fn gpu_relay_planner_builds_the_host_stream_and_fills_slots_from_the_solvers_pla
                     .stream(&gpu, &mut ranks, 2 * gpu.info().multiprocessors, 512)
                     .unwrap();
                 let what = format!("seed {seed} {config:?} tile {tile_bytes} solver {from_solver}");
+                planner.finish(&gpu).unwrap();
                 assert_eq!(planner.download(&gpu).unwrap(), want, "{what}");
                 for (r, want) in expected.iter().enumerate() {
                     let got = gpu.stream().clone_dtoh(ranks.slots(r).unwrap()).unwrap();

@@ -264,10 +264,12 @@ fn distribution(
 
 fn time_distribution(gpu: &Gpu, d: &mut Distribution, reps: usize) -> Result<f64, CudaError> {
     let blocks = gpu.info().multiprocessors * 2;
-    time_us(gpu, reps, || {
+    let us = time_us(gpu, reps, || {
         d.buffers.reset_flags(gpu)?;
         d.stream.launch(gpu, &d.buffers, blocks, 512)
-    })
+    })?;
+    d.stream.finish(gpu)?;
+    Ok(us)
 }
 
 /// Distribution of a skewed layer's replicas, `expert_bytes` per expert, and a device-to-device

@@ -75,11 +75,15 @@ pub enum CudaError {
     #[error(transparent)]
     Compile(#[from] nvrtc::CompileFailure),
     #[error(
-        "the CUDA driver supports CUDA {driver}, an older major version than NVRTC {nvrtc}, so it \
-         cannot load its code: upgrade the driver, or point {LIB_DIR_ENV} at an NVRTC of the \
-         driver's major version (e.g. `pip install nvidia-cuda-nvrtc-cu12`)"
+        "the CUDA driver supports CUDA {driver}; rackfill needs a CUDA {needed} driver or newer \
+         (its driver bindings are CUDA 13's, and NVRTC {nvrtc} compiles the kernels): upgrade \
+         the driver"
     )]
-    DriverTooOld { driver: String, nvrtc: String },
+    DriverTooOld {
+        driver: String,
+        needed: String,
+        nvrtc: String,
+    },
     #[error("CUDA driver call failed: {0}")]
     Driver(String),
     #[error("cuBLAS failed: {0}")]
@@ -111,6 +115,13 @@ pub enum CudaError {
         len: u64,
         needed: u64,
     },
+    #[error(
+        "replica streaming stalled: a relay chunk never became ready (a broken tile stream); \
+         the slots of this layer cannot be trusted"
+    )]
+    TileStreamStalled,
+    #[error("tile task {task}: {reason}")]
+    UnrunnableTask { task: usize, reason: String },
     #[error("{what}: the device reported {count} out-of-range entries")]
     DeviceInput { what: &'static str, count: u32 },
 }
@@ -123,6 +134,20 @@ impl From<cudarc::driver::DriverError> for CudaError {
 
 /// Runs `f`, turning a panic inside cudarc (a library or entry point that could not be loaded)
 /// into an error message. cudarc panics instead of returning errors in exactly those cases.
+/// Lets `function` take `bytes` of dynamic shared memory at its next launch. Set right before
+/// each launch: the attribute belongs to the kernel handle, which every clone of a [`Gpu`]
+/// shares, so a value set once by a constructor could be lowered by another user's.
+pub(crate) fn allow_dynamic_shared(
+    function: &cudarc::driver::CudaFunction,
+    bytes: u32,
+) -> Result<(), CudaError> {
+    function.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32::try_from(bytes).unwrap_or(i32::MAX),
+    )?;
+    Ok(())
+}
+
 pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
         payload

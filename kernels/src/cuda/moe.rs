@@ -314,8 +314,9 @@ impl GpuMoe {
                 (false, self.start_replication(layer, false)?)
             }
         };
-        // Waits for the replication; an error here means no replica byte moved.
-        self.tiles.counts(&self.gpu)?;
+        // Waits for the replication: an error here means no replica byte moved (nothing planned)
+        // or the slots cannot be trusted (a stalled relay).
+        self.tiles.finish(&self.gpu)?;
         phases.replicate =
             Duration::from_secs_f64(f64::from(begin.elapsed_ms(&end)?.max(0.0)) / 1e3);
         if self.verify {

@@ -102,6 +102,9 @@ fn query(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
     })
 }
 
+/// The CUDA major version of cudarc's driver bindings (feature `cuda-13000`).
+const BINDINGS_MAJOR: i32 = 13;
+
 /// An opened device: its context, a stream, and every kernel compiled for its architecture.
 /// Cloning is cheap (shared handles): the solver, GEMM and data plane each keep one.
 #[derive(Debug, Clone)]
@@ -119,16 +122,21 @@ impl Gpu {
         let info = probe_device(ordinal)?;
         let (major, minor) = nvrtc::nvrtc_version().map_err(nvrtc::CompileFailure::from)?;
         // Kernels load as CUBINs, which any driver of NVRTC's major version runs (minor
-        // version compatibility); PTX would need a driver at least as new as NVRTC.
-        if info.driver_version / 1000 < major {
+        // version compatibility); PTX would need a driver at least as new as NVRTC. cudarc's
+        // bindings are CUDA 13's: an older driver lacks entry points they call (e.g.
+        // `cuEventElapsedTime_v2`, 12.8+), and a missing one would panic mid-layer.
+        let needed = major.max(BINDINGS_MAJOR);
+        if info.driver_version / 1000 < needed {
             return Err(CudaError::DriverTooOld {
                 driver: version_string(info.driver_version),
+                needed: format!("{needed}.0"),
                 nvrtc: format!("{major}.{minor}"),
             });
         }
         let arch = info.arch();
         let (ctx, stream) = guard(|| -> Result<_, CudaError> {
             let ctx = CudaContext::new(ordinal)?;
+            retain_pool_memory(&ctx)?;
             let stream = ctx.new_stream()?;
             Ok((ctx, stream))
         })
@@ -165,6 +173,25 @@ impl Gpu {
         // Every entry point of every source was loaded in `open`, and callers name only those.
         &self.functions[name]
     }
+}
+
+/// Keeps device memory freed into the stream-ordered pool there instead of returning it to the
+/// OS at every synchronisation (the pool's default threshold is 0): each layer allocates and
+/// frees its scratch buffers, which would otherwise be mapped afresh layer after layer.
+fn retain_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the device handle is the context's; the driver writes a pool handle it owns.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+    let mut threshold = u64::MAX;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: the release threshold is a cuuint64_t, read from `value` during the call.
+    unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&mut threshold as *mut u64).cast()) }
+        .result()?;
+    Ok(())
 }
 
 fn load_source(

@@ -2,13 +2,14 @@
 //!
 //! Ranks are reached through a [`PeerTable`]: for every rank, the device addresses of its home
 //! (main expert) weights, its redundant-slot buffer and its ready-counter array. With NVLink peer
-//! access enabled those are other GPUs' buffers (unified addressing makes them plain pointers);
+//! access enabled those are other GPUs' buffers (unified addressing makes them plain pointers;
+//! peer access covers `cuMemAlloc` memory, while buffers from a stream-ordered pool, as cudarc
+//! allocates them, also need `cuMemPoolSetAccess` for the reading device);
 //! [`RankBuffers`] instead keeps every rank's buffers on one GPU, which runs the same kernel
 //! over the same task stream: how the data plane is tested on a single device.
 
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{to_u32, CudaError, Gpu};
-use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Device pointers of every rank's buffers, indexed by rank.
@@ -23,7 +24,8 @@ impl PeerTable {
     /// A table from raw device addresses (`home[r]`, `slots[r]`, `flags[r]` for rank `r`).
     ///
     /// # Safety
-    /// Every address must stay valid, and be accessible from the launching device, for as long as
+    /// Every address must stay valid, and be accessible from the launching device (peer access
+    /// enabled; for memory-pool allocations, pool access granted), for as long as
     /// kernels use the table; each buffer must be at least as large as the task streams launched
     /// with it address (the home weights up to the largest home offset plus `expert_bytes`, the
     /// slot buffer `n_slot * slot_bytes`, the flag array the stream's `flags_per_rank[r]`
@@ -248,18 +250,10 @@ pub struct DeviceTileStream {
 }
 
 impl DeviceTileStream {
-    /// Uploads a task stream compiled for a plan of `ranks` ranks.
+    /// Uploads a task stream for `ranks` ranks, after [`TileStream::check_runnable`]: a stream
+    /// the kernel would misread or wait on forever is refused here.
     pub fn upload(gpu: &Gpu, stream: &TileStream, ranks: usize) -> Result<Self, CudaError> {
-        if stream.flags_per_rank.len() != ranks
-            || stream.tasks.iter().any(|t| t.src_rank as usize >= ranks)
-            || stream.dsts.iter().any(|d| d.rank as usize >= ranks)
-        {
-            return Err(crate::KernelError::RankCount {
-                got: stream.flags_per_rank.len(),
-                ranks,
-            }
-            .into());
-        }
+        stream.check_runnable(ranks)?;
         let s = gpu.stream();
         let tasks: &[TileTask] = if stream.tasks.is_empty() {
             &[TileTask::default()]
@@ -276,7 +270,7 @@ impl DeviceTileStream {
             tasks: s.clone_htod(tasks)?,
             dsts: s.clone_htod(dsts)?,
             count: s.clone_htod(&[n_tasks])?,
-            counter: s.alloc_zeros(1)?,
+            counter: s.alloc_zeros(2)?,
             n_tasks,
             tile_bytes: stream.tile_bytes,
             needs: rank_needs(stream, ranks),
@@ -291,6 +285,12 @@ impl DeviceTileStream {
     /// Whether there is nothing to copy.
     pub fn is_empty(&self) -> bool {
         self.n_tasks == 0
+    }
+
+    /// Waits for the last launch; fails if a relay chunk never became ready (the kernel gave
+    /// up instead of spinning: the stream was broken).
+    pub fn finish(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        check_not_stalled(gpu, &self.counter)
     }
 
     /// Runs the stream over ranks that all live on this GPU, after checking every buffer is
@@ -351,9 +351,20 @@ pub(crate) struct TaskBuffers<'a> {
     /// One `u32`: how many of `tasks` to run.
     pub count: CudaView<'a, u32>,
     pub dsts: &'a CudaSlice<TileDst>,
-    /// One `u32`, the persistent grid's claim counter (zeroed here).
+    /// Two `u32`s, zeroed here: the persistent grid's claim counter and the stall word
+    /// ([`check_not_stalled`]).
     pub counter: &'a mut CudaSlice<u32>,
     pub tile_bytes: u32,
+}
+
+/// Waits for the stream that used `counter` ([`TaskBuffers::counter`]) and fails if its stall
+/// word is raised.
+pub(crate) fn check_not_stalled(gpu: &Gpu, counter: &CudaSlice<u32>) -> Result<(), CudaError> {
+    let words = gpu.stream().clone_dtoh(counter)?;
+    match words.get(1) {
+        Some(0) => Ok(()),
+        _ => Err(CudaError::TileStreamStalled),
+    }
 }
 
 /// Enqueues `tile_stream` with `blocks` persistent blocks of `threads` threads (blocks beyond
@@ -372,10 +383,7 @@ pub(crate) unsafe fn launch_tile_stream(
     s.memset_zeros(stream.counter)?;
     let function = gpu.function("tile_stream");
     let shared = 2 * stream.tile_bytes;
-    function.set_attribute(
-        FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32::try_from(shared).unwrap_or(i32::MAX),
-    )?;
+    allow_dynamic_shared(function, shared)?;
     let cfg = LaunchConfig {
         grid_dim: (blocks.max(1), 1, 1),
         block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),

@@ -7,8 +7,7 @@
 //! [`Plan`], validated, equal to the CPU planner's for the same input.
 
 use super::permute::DevicePlan;
-use super::{to_u32, CudaError, Gpu};
-use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use rackfill_balancer::quota::TargetRule;
 use rackfill_balancer::{Instance, Layout, LoadMatrix, Plan, PlanParts, PlanViolation};
@@ -254,11 +253,6 @@ impl GpuQuotaSolver {
         offsets.push(to_u32(mains.len(), "main offsets")?);
         let capacity = shape.params.cumulative_capacity as usize;
         let plan = DevicePlan::alloc(gpu, layout, capacity)?;
-        let dynamic = i32::try_from(shape.shared_bytes).unwrap_or(i32::MAX);
-        function.set_attribute(
-            FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            dynamic,
-        )?;
         Ok(Self {
             gpu: gpu.clone(),
             layout: layout.clone(),
@@ -301,8 +295,10 @@ impl GpuQuotaSolver {
             block_dim: (self.shape.params.warps * 32, 1, 1),
             shared_mem_bytes: self.shape.shared_bytes as u32,
         };
+        let function = self.gpu.function("quota_solve");
+        allow_dynamic_shared(function, cfg.shared_mem_bytes)?;
         let p = &mut self.plan;
-        let mut launch = stream.launch_builder(self.gpu.function("quota_solve"));
+        let mut launch = stream.launch_builder(function);
         launch
             .arg(&self.shape.params)
             .arg(&self.load)

@@ -13,11 +13,12 @@
 //! capacity and plans nothing, with a [`TilePlanFault`], rather than write past one.
 
 use super::permute::DevicePlan;
-use super::replicate::{launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers};
+use super::replicate::{
+    check_not_stalled, launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers,
+};
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{to_u32, CudaError, Gpu};
+use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
 use crate::KernelError;
-use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
 use rackfill_balancer::Layout;
@@ -228,10 +229,6 @@ impl TilePlanner {
         let limit = gpu.info().max_shared_per_block.saturating_sub(static_bytes);
         if arena <= limit {
             params.arena_in_shared = 1;
-            function.set_attribute(
-                FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                i32::try_from(arena).unwrap_or(i32::MAX),
-            )?;
         }
         for offsets in home_offsets {
             crate::permute::check_len("home offsets of a layer", offsets.len(), layout.experts())?;
@@ -266,7 +263,7 @@ impl TilePlanner {
             dsts: s.alloc_zeros((params.dst_capacity as usize).max(1))?,
             header: s.alloc_zeros(4)?,
             flags_per_rank: s.alloc_zeros(layout.ranks().max(1))?,
-            counter: s.alloc_zeros(1)?,
+            counter: s.alloc_zeros(2)?,
             needs,
             params,
         })
@@ -307,7 +304,8 @@ impl TilePlanner {
         let e = self.params.experts as usize;
         let offsets = self.home_offsets.slice(layer * e..(layer + 1) * e);
         let s = gpu.stream();
-        let mut launch = s.launch_builder(gpu.function("plan_tiles"));
+        let function = gpu.function("plan_tiles");
+        let mut launch = s.launch_builder(function);
         launch
             .arg(&self.params)
             .arg(guard.unwrap_or(&self.no_fault))
@@ -330,6 +328,7 @@ impl TilePlanner {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
+        allow_dynamic_shared(function, shared)?;
         // SAFETY: arguments match `plan_tiles`; the arena (shared or global) and the output
         // buffers have the sizes the parameters promise (allocated from them), and the plan
         // buffers belong to a DevicePlan of the same layout (checked above), which the kernel
@@ -372,6 +371,14 @@ impl TilePlanner {
             destinations: h[2],
             groups: h[3],
         })
+    }
+
+    /// Waits for the last [`Self::stream`] and returns what the planner built; fails if the
+    /// planner built nothing or the stream stalled on a relay chunk.
+    pub fn finish(&self, gpu: &Gpu) -> Result<TilePlanCounts, CudaError> {
+        let counts = self.counts(gpu)?;
+        check_not_stalled(gpu, &self.counter)?;
+        Ok(counts)
     }
 
     /// Downloads the last built stream (verification against the host compiler; debugging).

@@ -14,6 +14,7 @@
 //! destination a slot holding the expert, each slot written once per byte and completely. A task
 //! stream that compiles can only write inside the slots the plan names.
 
+use super::CudaError;
 use crate::replicate::{check_slot_coverage, SlotWrite, TransferFault};
 use crate::KernelError;
 use rackfill_balancer::relay::{Transfer, TransferSchedule};
@@ -81,6 +82,92 @@ pub struct TileStream {
     pub tile_bytes: u32,
     /// Bytes stored in total (each tile once per destination).
     pub stored_bytes: u64,
+}
+
+impl TileStream {
+    /// Checks what the tile-streaming kernel assumes of any stream it runs, compiled here,
+    /// downloaded or built by hand: ranks, destinations and ready counters in range, tiles no
+    /// longer than `tile_bytes` (a positive multiple of 16, so both halves of the double buffer
+    /// stay 16-byte aligned), and every wait met by producer tiles earlier in the stream (what
+    /// the kernel's freedom from deadlock rests on).
+    pub fn check_runnable(&self, ranks: usize) -> Result<(), CudaError> {
+        let fault = |task: usize, reason: String| CudaError::UnrunnableTask { task, reason };
+        if self.flags_per_rank.len() != ranks {
+            return Err(KernelError::RankCount {
+                got: self.flags_per_rank.len(),
+                ranks,
+            }
+            .into());
+        }
+        let tile = self.tile_bytes;
+        if tile == 0 || tile % 16 != 0 {
+            return Err(fault(
+                0,
+                format!("tile_bytes {tile} is not a positive multiple of 16"),
+            ));
+        }
+        let counter = |rank: u32, flag: i32| -> Result<Option<(u32, u32)>, String> {
+            let Ok(flag) = u32::try_from(flag) else {
+                return Ok(None);
+            };
+            match self.flags_per_rank.get(rank as usize) {
+                Some(&n) if flag < n => Ok(Some((rank, flag))),
+                Some(&n) => Err(format!(
+                    "rank {rank} has {n} ready counters, not {}",
+                    flag + 1
+                )),
+                None => Err(format!("rank {rank} is out of range ({ranks} ranks)")),
+            }
+        };
+        // Bumps each (rank, counter) gets from the tasks so far.
+        let mut landed: HashMap<(u32, u32), u64> = HashMap::new();
+        for (i, t) in self.tasks.iter().enumerate() {
+            if t.src_rank as usize >= ranks || t.src_kind > SRC_SLOT {
+                return Err(fault(
+                    i,
+                    format!("source rank {} kind {}", t.src_rank, t.src_kind),
+                ));
+            }
+            if t.len > tile {
+                return Err(fault(
+                    i,
+                    format!("{} bytes exceed the {tile}-byte tile", t.len),
+                ));
+            }
+            let end = t.dst_begin as usize + t.n_dst as usize;
+            let Some(dsts) = self.dsts.get(t.dst_begin as usize..end) else {
+                return Err(fault(
+                    i,
+                    format!("destinations end at {end}, past {}", self.dsts.len()),
+                ));
+            };
+            if let Some(key) = counter(t.src_rank, t.wait_flag).map_err(|r| fault(i, r))? {
+                let have = landed.get(&key).copied().unwrap_or(0);
+                if have < u64::from(t.wait_target) {
+                    return Err(fault(
+                        i,
+                        format!(
+                            "waits for counter {} of rank {} to reach {}; earlier tasks bump it \
+                             {have} times",
+                            key.1, key.0, t.wait_target
+                        ),
+                    ));
+                }
+            }
+            for d in dsts {
+                if d.rank as usize >= ranks {
+                    return Err(fault(
+                        i,
+                        format!("destination rank {} is out of range", d.rank),
+                    ));
+                }
+                if let Some(key) = counter(d.rank, d.ready_flag).map_err(|r| fault(i, r))? {
+                    *landed.entry(key).or_insert(0) += 1;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How ranks' buffers are addressed: the home weights of expert `e` start at `home_offsets[e]`

@@ -211,20 +211,23 @@ struct RankMemory {
             flag_base[r] = (u64)flags[r].data();
         }
     }
-    // Runs tile_stream over `tasks` (`*count` of them) and prints every slot buffer.
+    // Runs tile_stream over `tasks` (`*count` of them); prints the stall word, then every slot
+    // buffer.
     void stream(unsigned warps, const TileTask* tasks, const u32* count, const TileDst* dsts, u32 tile_bytes) {
-        u32 next = 0;
+        std::vector<u32> next(2, 0);  // claim counter, stall word
         std::vector<unsigned char> smem(2 * tile_bytes + 16);
         g_smem = smem.data();
         run_block(warps * 32, [&] {
-            tile_stream(tasks, count, dsts, &next, home_base.data(), slot_base.data(), flag_base.data(), tile_bytes);
+            tile_stream(tasks, count, dsts, next.data(), home_base.data(), slot_base.data(), flag_base.data(),
+                        tile_bytes);
         });
+        print("stalled", std::vector<u32>{next[1]}, 1);
         for (auto& s : slots) print("slots", s, slot_len);
     }
 };
 
 // replicate: "R n_tasks n_dsts tile_bytes" / tasks (9 fields each) / dsts (3 fields each) /
-// RankMemory. Prints every slot buffer.
+// RankMemory. Prints the stall word and every slot buffer.
 static void replicate(unsigned warps) {
     u32 R, n_tasks, n_dsts, tile_bytes;
     std::cin >> R >> n_tasks >> n_dsts >> tile_bytes;
