@@ -373,9 +373,14 @@ quota_solve(const SolverParams params, const u64* __restrict__ load, const u32* 
             u64* out_cumulative) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ Control ctl;
-    const SolverParams& p = params;
+    // The parameters in shared memory: helpers reach them through a pointer, and a pointer to a
+    // kernel parameter would force a copy into (slow) local memory per thread.
+    __shared__ SolverParams shared_params;
+    if (threadIdx.x == 0) shared_params = params;
+    __syncthreads();
+    const SolverParams& p = shared_params;
     Shared s;
-    s.p = &params;
+    s.p = &shared_params;
     s.base = smem;
     s.load_g = load;
     const u32 tid = threadIdx.x, bd = blockDim.x;

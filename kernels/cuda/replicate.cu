@@ -74,14 +74,13 @@ __device__ __forceinline__ const u8* task_source(const TileTask& t, const u64* h
     return (const u8*)(base + t.src_offset);
 }
 
-// Starts loading a task's tile into `stage`: 16-byte cp.async when aligned, else plain bytes.
+// Starts loading a task's tile into `stage`: 16-byte cp.async over the aligned body (all of it
+// when the source is 16-byte aligned) and plain bytes for the rest.
 __device__ void issue_load(const TileTask& t, const u64* home_base, const u64* slot_base, u8* stage) {
     const u8* src = task_source(t, home_base, slot_base);
-    if ((((u64)src | t.len) & 15ull) == 0) {
-        for (u32 i = threadIdx.x; i < t.len / 16; i += blockDim.x) cp_async_16(stage + 16 * i, src + 16 * i);
-    } else {
-        for (u32 i = threadIdx.x; i < t.len; i += blockDim.x) stage[i] = src[i];
-    }
+    const u32 body = ((u64)src & 15ull) == 0 ? t.len & ~15u : 0;
+    for (u32 i = threadIdx.x; i < body / 16; i += blockDim.x) cp_async_16(stage + 16 * i, src + 16 * i);
+    for (u32 i = body + threadIdx.x; i < t.len; i += blockDim.x) stage[i] = src[i];
     cp_async_commit();
 }
 
@@ -156,11 +155,9 @@ extern "C" __global__ void __launch_bounds__(1024)
         for (u32 d = 0; d < t.n_dst; ++d) {
             const TileDst dst = dsts[t.dst_begin + d];
             u8* out = (u8*)(slot_base[dst.rank] + dst.offset + t.tile_offset);
-            if ((((u64)out | t.len) & 15ull) == 0) {
-                for (u32 i = tid; i < t.len / 16; i += bd) ((uint4*)out)[i] = ((const uint4*)st)[i];
-            } else {
-                for (u32 i = tid; i < t.len; i += bd) out[i] = st[i];
-            }
+            const u32 body = ((u64)out & 15ull) == 0 ? t.len & ~15u : 0;
+            for (u32 i = tid; i < body / 16; i += bd) ((uint4*)out)[i] = ((const uint4*)st)[i];
+            for (u32 i = body + tid; i < t.len; i += bd) out[i] = st[i];
         }
         __syncthreads();  // every thread's stores of this tile are done
         if (tid == 0) {
