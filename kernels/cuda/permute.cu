@@ -17,9 +17,9 @@
 // Stable counting: out_pos[i] = number of j < i with keys[j] == keys[i]; out_offsets = exclusive
 // prefix of the per-key counts (n_keys + 1 entries). Keys >= n_keys are counted in *out_bad and
 // get out_pos NONE. One block; dynamic shared memory: (warps + 1) * n_keys u32.
-extern "C" __global__ void __launch_bounds__(1024) stable_rank_by_key(const u32* __restrict__ keys, u32 n, u32 n_keys,
-                                              u32* __restrict__ out_pos, u32* __restrict__ out_offsets,
-                                              u32* out_bad) {
+extern "C" __global__ void __launch_bounds__(1024)
+stable_rank_by_key(const u32* __restrict__ keys, u32 n, u32 n_keys, u32* __restrict__ out_pos,
+                   u32* __restrict__ out_offsets, u32* out_bad) {
     extern __shared__ u32 shm[];
     const u32 tid = threadIdx.x, bd = blockDim.x, warps = bd >> 5, w = warp_id();
     u32* running = shm;          // per key: items seen in earlier tiles

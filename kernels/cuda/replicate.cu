@@ -109,9 +109,9 @@ __device__ bool wait_ready(const TileTask& t, const u64* flag_base, u32* stalled
 
 // `next_task` holds two words: the claim counter, then the stall word (both zeroed by the host).
 extern "C" __global__ void __launch_bounds__(1024)
-    tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count,
-                const TileDst* __restrict__ dsts, u32* next_task, const u64* __restrict__ home_base,
-                const u64* __restrict__ slot_base, const u64* __restrict__ flag_base, u32 tile_bytes) {
+tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count, const TileDst* __restrict__ dsts,
+            u32* next_task, const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
+            const u64* __restrict__ flag_base, u32 tile_bytes) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ u32 s_claim;
     __shared__ u32 s_ready;

@@ -269,11 +269,11 @@ __device__ u32 number_groups(const TilePlanParams& p, const u64* home_offsets, T
 }
 
 // Launched with 512 threads (TilePlanner): the bound lets the compiler use up to 128 registers.
-extern "C" __global__ void __launch_bounds__(512) plan_tiles(TilePlanParams p, const u64* __restrict__ guard, const i32* __restrict__ slots,
-                                      const u32* __restrict__ inst_offsets, const u32* __restrict__ inst_rank,
-                                      const u64* __restrict__ home_offsets, u8* global_arena,
-                                      TileTask* __restrict__ tasks, TileDst* __restrict__ dsts, u32* header,
-                                      u32* flags_per_rank) {
+extern "C" __global__ void __launch_bounds__(512)
+plan_tiles(TilePlanParams p, const u64* __restrict__ guard, const i32* __restrict__ slots,
+           const u32* __restrict__ inst_offsets, const u32* __restrict__ inst_rank,
+           const u64* __restrict__ home_offsets, u8* global_arena, TileTask* __restrict__ tasks,
+           TileDst* __restrict__ dsts, u32* header, u32* flags_per_rank) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ u32 s_status, s_hot, s_groups, s_bad, s_ok;
     const u32 tid = threadIdx.x, bd = blockDim.x;
