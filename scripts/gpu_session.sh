@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a GPU host, in the repository root, with a bundle from scripts/gpu_bundle.sh: every
 # CUDA test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the figures
-# docs/gpu.md records. Writes device.txt, tests.log, kernels-bench.txt and bench-ep.txt to
-# ${OUT:-target/gpu-session}; exits non-zero if any test binary failed.
+# docs/gpu.md records, then the tile-streaming tests under compute-sanitizer. Writes device.txt,
+# tests.log, kernels-bench.txt, bench-ep.txt and sanitizer-*.txt to ${OUT:-target/gpu-session};
+# exits non-zero if any test binary or sanitizer run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(mktemp -d)
@@ -24,6 +25,24 @@ done
 "$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
 "$bundle/rackfill" bench ep --model rackfill-tiny-moe --prompts models/builtin/skew.json --ep 8 \
   --balancers quota,none --data-planes cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
+# What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
+# barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
+# host has it. Last and time-bounded, so the figures above never wait on it; a timeout is
+# reported, not counted as a failure.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+replicate=$(ls "$bundle"/tests/cuda_replicate-* 2>/dev/null | head -1)
+if [ -n "$sanitizer" ] && [ -n "$replicate" ]; then
+  for tool in memcheck racecheck synccheck; do
+    timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
+      > "$out/sanitizer-$tool.txt" 2>&1
+    status=$?
+    echo "compute-sanitizer --tool $tool: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" \
+      | tee -a "$out/tests.log"
+    [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || failed+=("sanitizer-$tool")
+  done
+else
+  echo "compute-sanitizer not found: the sanitizer runs are skipped" | tee -a "$out/tests.log"
+fi
 if [ "${#failed[@]}" -ne 0 ]; then
   echo "failed test binaries: ${failed[*]}" | tee -a "$out/tests.log"
   exit 1
