@@ -88,9 +88,11 @@ impl LogitAdjuster {
                 }
             }
         }
-        for (&token, &count) in &self.generated {
-            if let Some(l) = row.get_mut(token as usize) {
-                *l -= self.frequency * count as f32 + self.presence;
+        if self.frequency != 0.0 || self.presence != 0.0 {
+            for (&token, &count) in &self.generated {
+                if let Some(l) = row.get_mut(token as usize) {
+                    *l -= self.frequency * count as f32 + self.presence;
+                }
             }
         }
         for &(token, bias) in &self.bias {

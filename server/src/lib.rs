@@ -470,10 +470,10 @@ async fn models(State(state): State<AppState>) -> Response {
 /// `GET /v1/models/{model}` (the id may hold slashes, as Hugging Face ids do): the served
 /// model's card, or 404 `model_not_found` for any other id.
 async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    if id != state.backend().info().name {
-        return ApiError::ModelNotFound(id.chars().take(256).collect()).into_response();
+    match validation::check_model(Some(&id), &state.backend().info().name) {
+        Ok(()) => Json(model_card(&state)).into_response(),
+        Err(err) => err.into_response(),
     }
-    Json(model_card(&state)).into_response()
 }
 
 /// The served model as an OpenAI model object (plus vLLM's `root`, `parent`, `max_model_len`).

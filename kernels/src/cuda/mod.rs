@@ -132,8 +132,6 @@ impl From<cudarc::driver::DriverError> for CudaError {
     }
 }
 
-/// Runs `f`, turning a panic inside cudarc (a library or entry point that could not be loaded)
-/// into an error message. cudarc panics instead of returning errors in exactly those cases.
 /// Lets `function` take `bytes` of dynamic shared memory at its next launch. Set right before
 /// each launch: the attribute belongs to the kernel handle, which every clone of a [`Gpu`]
 /// shares, so a value set once by a constructor could be lowered by another user's.
@@ -148,6 +146,8 @@ pub(crate) fn allow_dynamic_shared(
     Ok(())
 }
 
+/// Runs `f`, turning a panic inside cudarc (a library or entry point that could not be loaded)
+/// into an error message. cudarc panics instead of returning errors in exactly those cases.
 pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
         payload
