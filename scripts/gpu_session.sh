@@ -28,12 +28,13 @@ done
 # What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
 # barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
 # host has it. Last and time-bounded, so the figures above never wait on it; a timeout is
-# reported, not counted as a failure.
+# reported, not counted as a failure. The sanitizers slow kernels many times over, so a relay wait
+# gets a minute before tile_stream calls the stream broken (RACKFILL_TILE_STALL_MS; default 5 s).
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 replicate=$(ls "$bundle"/tests/cuda_replicate-* 2>/dev/null | head -1)
 if [ -n "$sanitizer" ] && [ -n "$replicate" ]; then
   for tool in memcheck racecheck synccheck; do
-    timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
+    RACKFILL_TILE_STALL_MS=60000 timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
       > "$out/sanitizer-$tool.txt" 2>&1
     status=$?
     echo "compute-sanitizer --tool $tool: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" \

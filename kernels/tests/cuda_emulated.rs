@@ -1,14 +1,15 @@
 //! The real CUDA kernel sources, compiled as host C++ against a thread-per-CUDA-thread emulation
-//! of one block (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a
-//! GPU: the quota solver's plan equals the CPU planner's bit for bit (with the host's own
-//! shared-memory layout), the permute / group / return / combine kernels are bitwise equal to
-//! the CPU data plane, the device relay planner builds the host compiler's tile stream entry for
-//! entry, the tile-streaming kernel fills every slot like the CPU executor, and the gated
-//! activation between the expert GEMMs computes `silu(gate) * up`.
+//! (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a GPU: the
+//! quota solver's plan equals the CPU planner's bit for bit (with the host's own shared-memory
+//! layout), the permute / group / return / combine kernels are bitwise equal to the CPU data
+//! plane, the device relay planner builds the host compiler's tile stream entry for entry, the
+//! tile-streaming kernel fills every slot like the CPU executor (as a grid of up to four
+//! concurrent blocks, relay chunks crossing blocks), and the gated activation between the expert
+//! GEMMs computes `silu(gate) * up`.
 //!
 //! This is what keeps the GPU mirror of the planner honest in CI: change quota.rs without the
-//! kernel and this fails. It cannot show cp.async, cross-GPU memory ordering or several
-//! concurrent blocks; the GPU tests (cuda_solver, cuda_permute, cuda_replicate) do. Needs a C++20
+//! kernel and this fails. It cannot show cp.async, the GPU's weaker memory ordering or memory
+//! across GPUs; the GPU tests (cuda_solver, cuda_permute, cuda_replicate) do. Needs a C++20
 //! compiler (`$CXX`, else `c++`); without one it prints why and passes.
 
 #![cfg(feature = "cuda")]
@@ -118,11 +119,43 @@ fn emulator() -> Option<&'static Path> {
         .as_deref()
 }
 
-/// Runs one emulation; returns its named output lines.
+/// Runs one emulation of a single block; returns its named output lines.
 fn run(exe: &Path, mode: &str, warps: u32, input: &str) -> Vec<(String, Vec<u64>)> {
+    run_args(exe, &[mode, &warps.to_string()], input)
+}
+
+/// How `tile_stream` runs under the emulation: `blocks` concurrent blocks (forked processes
+/// sharing the device memory) of `warps` warps, every system-scope fence held back
+/// `fence_delay_us` so that relay consumers in other blocks find chunks still in flight.
+#[derive(Debug, Clone, Copy)]
+struct Grid {
+    warps: u32,
+    blocks: u32,
+    fence_delay_us: u32,
+}
+
+impl Grid {
+    /// One to four blocks of one to three warps; a grid of several blocks gets a fence delay.
+    fn random(rng: &mut Rng) -> Self {
+        let blocks = 1 + rng.below(4) as u32;
+        Self {
+            warps: 1 + rng.below(3) as u32,
+            blocks,
+            fence_delay_us: if blocks > 1 { 200 } else { 0 },
+        }
+    }
+}
+
+/// Runs `mode` (`replicate` or `distribute`) with `tile_stream` on `grid`.
+fn run_grid(exe: &Path, mode: &str, grid: Grid, input: &str) -> Vec<(String, Vec<u64>)> {
+    let args = [grid.warps, grid.blocks, grid.fence_delay_us].map(|v| v.to_string());
+    run_args(exe, &[mode, &args[0], &args[1], &args[2]], input)
+}
+
+fn run_args(exe: &Path, args: &[&str], input: &str) -> Vec<(String, Vec<u64>)> {
+    let mode = args[0];
     let mut child = Command::new(exe)
-        .arg(mode)
-        .arg(warps.to_string())
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -457,6 +490,7 @@ fn emulated_permute_kernels_are_bitwise_equal_to_the_cpu_data_plane() {
 fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_broken_relay() {
     let Some(exe) = emulator() else { return };
     let mut stalled = 0;
+    let mut relay_grids = RelayGrids::default();
     for case in 0..20u64 {
         let mut rng = Rng(case + 7);
         let ranks = 3 + rng.below(14) as usize;
@@ -470,7 +504,7 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_brok
             threshold: rng.below(4) as usize,
             chunk_bytes: [0, 64, 100, 1 << 20][rng.below(4) as usize],
         };
-        let warps = 1 + rng.below(3) as u32;
+        let grid = Grid::random(&mut rng);
         let layout = Layout::contiguous(ranks, experts, slots).unwrap();
         let hot = rng.below(experts as u64) as usize;
         let rows: Vec<Vec<u64>> = (0..ranks)
@@ -512,33 +546,67 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_brok
         let slot_len = slots * slot_bytes as usize;
         let expected = cpu_slots(&plan, &schedule, &weights, slot_bytes, slot_len);
         let input = replicate_input(&stream, slot_len, &homes);
-        let out = run(exe, "replicate", warps, &input);
-        assert_eq!(get(&out, "stalled"), [0], "case {case}");
+        let out = run_grid(exe, "replicate", grid, &input);
+        assert_eq!(get(&out, "stalled"), [0], "case {case}, {grid:?}");
+        relay_grids.count(grid, &stream, &out);
         let got = slot_buffers(&out);
         assert_eq!(got.len(), ranks);
         for (r, got) in got.iter().enumerate() {
             let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();
             assert!(
                 **got == want,
-                "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}"
+                "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}, {grid:?}"
             );
         }
 
         // A relay counter that can never reach its target (a broken stream): the kernel gives
-        // up after its stall limit and raises the stall word instead of spinning forever.
+        // up after its stall limit and raises the stall word instead of spinning forever, and
+        // with several blocks every one of them stops (the emulation returns).
         if let Some(waiting) = stream.tasks.iter_mut().find(|t| t.wait_flag >= 0) {
             waiting.wait_target += 1_000;
-            let out = run(
-                exe,
-                "replicate",
-                warps,
-                &replicate_input(&stream, slot_len, &homes),
-            );
-            assert_eq!(get(&out, "stalled"), [1], "case {case}");
+            let input = replicate_input(&stream, slot_len, &homes);
+            let out = run_grid(exe, "replicate", grid, &input);
+            assert_eq!(get(&out, "stalled"), [1], "case {case}, {grid:?}");
             stalled += 1;
         }
     }
     assert!(stalled >= 3, "only {stalled} cases had a relay to break");
+    relay_grids.check();
+}
+
+/// Multi-block runs of streams with relays, and how often their blocks waited for a relay chunk:
+/// the check that the concurrent grid really exercised cross-block waits, not just ran blocks
+/// that never met.
+#[derive(Default)]
+struct RelayGrids {
+    runs: usize,
+    backoffs: u64,
+}
+
+impl RelayGrids {
+    fn count(&mut self, grid: Grid, stream: &TileStream, out: &[(String, Vec<u64>)]) {
+        if grid.blocks > 1 && stream.tasks.iter().any(|t| t.wait_flag >= 0) {
+            self.runs += 1;
+            self.backoffs += get(out, "backoffs")[0];
+        }
+    }
+
+    fn check(&self) {
+        eprintln!(
+            "emulated tile_stream: {} multi-block runs with relays, {} relay-wait back-offs",
+            self.runs, self.backoffs
+        );
+        assert!(
+            self.runs >= 3,
+            "only {} multi-block runs had relays",
+            self.runs
+        );
+        assert!(
+            self.backoffs > 0,
+            "no block ever waited for a relay chunk in {} multi-block runs",
+            self.runs
+        );
+    }
 }
 
 /// The emulator's `replicate` input: the stream, then every rank's memory.
@@ -928,16 +996,17 @@ fn emulated_device_planned_distribution_fills_slots_like_the_cpu_executor() {
         let flags = vec![params.flag_capacity; layout.ranks()];
         let input = tile_plan_input(&params, 0, &arrays, &home_offsets)
             + &rank_memory_input(slot_len, &flags, &homes);
-        let out = run(exe, "distribute", 1 + rng.below(3) as u32, &input);
+        let grid = Grid::random(&mut rng);
+        let out = run_grid(exe, "distribute", grid, &input);
         assert_eq!(get(&out, "header")[0], 0, "case {case}: status");
-        assert_eq!(get(&out, "stalled"), [0], "case {case}");
+        assert_eq!(get(&out, "stalled"), [0], "case {case}, {grid:?}");
         let slots = slot_buffers(&out);
         assert_eq!(slots.len(), layout.ranks());
         for (r, got) in slots.iter().enumerate() {
             let want: Vec<u64> = expected[r].iter().map(|&b| u64::from(b)).collect();
             assert!(
                 **got == want,
-                "case {case} rank {r}: {geometry:?}, {} replicas",
+                "case {case} rank {r}: {geometry:?}, {grid:?}, {} replicas",
                 plan.replicas()
             );
         }

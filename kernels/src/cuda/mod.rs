@@ -132,20 +132,6 @@ impl From<cudarc::driver::DriverError> for CudaError {
     }
 }
 
-/// Lets `function` take `bytes` of dynamic shared memory at its next launch. Set right before
-/// each launch: the attribute belongs to the kernel handle, which every clone of a [`Gpu`]
-/// shares, so a value set once by a constructor could be lowered by another user's.
-pub(crate) fn allow_dynamic_shared(
-    function: &cudarc::driver::CudaFunction,
-    bytes: u32,
-) -> Result<(), CudaError> {
-    function.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        i32::try_from(bytes).unwrap_or(i32::MAX),
-    )?;
-    Ok(())
-}
-
 /// Runs `f`, turning a panic inside cudarc (a library or entry point that could not be loaded)
 /// into an error message. cudarc panics instead of returning errors in exactly those cases.
 pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, String> {

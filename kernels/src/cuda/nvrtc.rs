@@ -10,6 +10,15 @@ use super::{guard, NvrtcUnavailable};
 use cudarc::nvrtc::{result, sys, Ptx};
 use std::ffi::CString;
 
+/// Environment variable: how many milliseconds a replica-streaming block waits for a relay chunk
+/// before it declares the tile stream broken (`CudaError::TileStreamStalled`); default 5000.
+/// A healthy stream waits milliseconds at most, but a GPU slowed many times over (under
+/// `compute-sanitizer`, a profiler's replay, or time-sliced with other work) can wait longer.
+pub const TILE_STALL_ENV: &str = "RACKFILL_TILE_STALL_MS";
+
+/// The largest [`TILE_STALL_ENV`] accepted: one hour.
+const MAX_TILE_STALL_MS: u64 = 3_600_000;
+
 /// The prelude every source starts with (types, warp reductions).
 const COMMON: &str = include_str!("../../cuda/common.cuh");
 
@@ -148,6 +157,26 @@ pub enum CompileFailure {
         arch: String,
         log: String,
     },
+    #[error(
+        "{TILE_STALL_ENV}='{value}': expected whole milliseconds from 1 to {MAX_TILE_STALL_MS}"
+    )]
+    BadStallLimit { value: String },
+}
+
+/// The NVRTC option that sets `tile_stream`'s stall limit from [`TILE_STALL_ENV`]'s `value`
+/// (none when unset: the kernel's default).
+fn stall_limit_option(value: Option<&str>) -> Result<Option<String>, CompileFailure> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    match value.trim().parse::<u64>() {
+        Ok(ms @ 1..=MAX_TILE_STALL_MS) => {
+            Ok(Some(format!("-DTILE_STALL_NS={}ull", ms * 1_000_000)))
+        }
+        _ => Err(CompileFailure::BadStallLimit {
+            value: value.to_string(),
+        }),
+    }
 }
 
 /// An NVRTC program, destroyed on drop.
@@ -198,11 +227,13 @@ pub fn compile_to(
     let program =
         CString::new(source.program()).map_err(|_| broken("source holds a NUL".into()))?;
     let name = CString::new(source.file).map_err(|_| broken("file name holds a NUL".into()))?;
-    let options = [
+    let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "--device-as-default-execution-space".to_string(),
     ];
+    let stall = std::env::var(TILE_STALL_ENV).ok();
+    options.extend(stall_limit_option(stall.as_deref())?);
     guard(|| {
         let prog = Program(
             result::create_program(&program, Some(&name)).map_err(|e| broken(e.to_string()))?,
@@ -245,6 +276,35 @@ pub fn compile_to(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stall_limit_comes_from_whole_milliseconds() {
+        assert_eq!(stall_limit_option(None).unwrap(), None);
+        assert_eq!(
+            stall_limit_option(Some("120000")).unwrap().as_deref(),
+            Some("-DTILE_STALL_NS=120000000000ull")
+        );
+        assert_eq!(
+            stall_limit_option(Some(" 1 ")).unwrap().as_deref(),
+            Some("-DTILE_STALL_NS=1000000ull")
+        );
+        for bad in [
+            "",
+            "0",
+            "-5",
+            "1.5",
+            "5s",
+            "3600001",
+            "99999999999999999999",
+        ] {
+            let err = stall_limit_option(Some(bad)).unwrap_err();
+            assert!(
+                matches!(&err, CompileFailure::BadStallLimit { value } if value == bad),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().starts_with(TILE_STALL_ENV), "{err}");
+        }
+    }
 
     #[test]
     fn arch_names_are_checked_before_nvrtc_is_needed() {

@@ -112,7 +112,18 @@ pub struct Gpu {
     info: DeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    functions: HashMap<&'static str, CudaFunction>,
+    kernels: HashMap<&'static str, Kernel>,
+}
+
+/// A loaded entry point and the dynamic shared memory a launch of it may take.
+#[derive(Debug, Clone)]
+struct Kernel {
+    function: CudaFunction,
+    /// The device's opt-in maximum less the kernel's static shared memory. Set as the
+    /// function's limit once, when it is loaded, and never changed: a limit set per launch
+    /// could be lowered by another thread between its set and its launch (the attribute
+    /// belongs to the function, which every clone of a [`Gpu`] shares).
+    dynamic_shared_limit: usize,
 }
 
 impl Gpu {
@@ -133,7 +144,6 @@ impl Gpu {
                 nvrtc: format!("{major}.{minor}"),
             });
         }
-        let arch = info.arch();
         let (ctx, stream) = guard(|| -> Result<_, CudaError> {
             let ctx = CudaContext::new(ordinal)?;
             retain_pool_memory(&ctx)?;
@@ -141,15 +151,15 @@ impl Gpu {
             Ok((ctx, stream))
         })
         .map_err(CudaUnavailable::Broken)??;
-        let mut functions = HashMap::new();
+        let mut kernels = HashMap::new();
         for source in nvrtc::SOURCES {
-            load_source(&ctx, &source, &arch, &mut functions)?;
+            load_source(&ctx, &source, &info, &mut kernels)?;
         }
         Ok(Self {
             info,
             ctx,
             stream,
-            functions,
+            kernels,
         })
     }
 
@@ -170,8 +180,36 @@ impl Gpu {
 
     /// A loaded kernel entry point.
     pub(crate) fn function(&self, name: &'static str) -> &CudaFunction {
+        &self.kernel(name).function
+    }
+
+    /// The most dynamic shared memory one block of kernel `name` may take, in bytes.
+    pub(crate) fn dynamic_shared_limit(&self, name: &'static str) -> usize {
+        self.kernel(name).dynamic_shared_limit
+    }
+
+    /// Fails with [`CudaError::SharedMemory`] unless a launch of kernel `name` may take `bytes`
+    /// of dynamic shared memory (a launch asking for more fails with a bare driver error).
+    pub(crate) fn check_dynamic_shared(
+        &self,
+        name: &'static str,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        let limit = self.dynamic_shared_limit(name);
+        if bytes <= limit {
+            Ok(())
+        } else {
+            Err(CudaError::SharedMemory {
+                what: name,
+                needed: bytes,
+                limit,
+            })
+        }
+    }
+
+    fn kernel(&self, name: &'static str) -> &Kernel {
         // Every entry point of every source was loaded in `open`, and callers name only those.
-        &self.functions[name]
+        &self.kernels[name]
     }
 }
 
@@ -194,16 +232,34 @@ fn retain_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     Ok(())
 }
 
+/// Compiles `source` for the device, loads its entry points and lets each take all the
+/// dynamic shared memory the device leaves it ([`Kernel::dynamic_shared_limit`]).
 fn load_source(
     ctx: &Arc<CudaContext>,
     source: &KernelSource,
-    arch: &str,
-    functions: &mut HashMap<&'static str, CudaFunction>,
+    info: &DeviceInfo,
+    kernels: &mut HashMap<&'static str, Kernel>,
 ) -> Result<(), CudaError> {
-    let compiled = nvrtc::compile_to(source, arch, nvrtc::Output::Cubin)?;
+    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    let compiled = nvrtc::compile_to(source, &info.arch(), nvrtc::Output::Cubin)?;
     let module = ctx.load_module(compiled.image)?;
     for &entry in source.entry_points {
-        functions.insert(entry, module.load_function(entry)?);
+        let function = module.load_function(entry)?;
+        let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(usize::MAX);
+        let limit = info.max_shared_per_block.saturating_sub(static_bytes);
+        // cuFuncSetAttribute does not make the context current by itself.
+        ctx.bind_to_thread()?;
+        function.set_attribute(
+            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(limit).unwrap_or(i32::MAX),
+        )?;
+        kernels.insert(
+            entry,
+            Kernel {
+                function,
+                dynamic_shared_limit: limit,
+            },
+        );
     }
     Ok(())
 }

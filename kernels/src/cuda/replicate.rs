@@ -9,7 +9,7 @@
 //! over the same task stream: how the data plane is tested on a single device.
 
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
+use super::{to_u32, CudaError, Gpu};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Device pointers of every rank's buffers, indexed by rank.
@@ -61,6 +61,11 @@ impl PeerTable {
 
 /// Every rank's home weights, slot buffer and ready counters on one GPU, with the peer table
 /// that addresses them (built once: the buffers are never reallocated).
+///
+/// `tile_stream` reaches these buffers through the table's raw pointers, so cudarc records no
+/// read or write of them for that kernel: whatever reads a slot after streaming (the expert
+/// GEMMs, `GpuMoe::slot_contents`) must run on the [`Gpu::stream`] that streamed it, which
+/// orders it after the kernel. A consumer on another stream would need an explicit event wait.
 pub struct RankBuffers {
     homes: Vec<CudaSlice<u8>>,
     slots: Vec<CudaSlice<u8>>,
@@ -380,16 +385,16 @@ pub(crate) unsafe fn launch_tile_stream(
     threads: u32,
 ) -> Result<(), CudaError> {
     let s = gpu.stream();
+    // Two stages of one tile each (double buffering).
+    let shared = 2 * stream.tile_bytes as usize;
+    gpu.check_dynamic_shared("tile_stream", shared)?;
     s.memset_zeros(stream.counter)?;
-    let function = gpu.function("tile_stream");
-    let shared = 2 * stream.tile_bytes;
-    allow_dynamic_shared(function, shared)?;
     let cfg = LaunchConfig {
         grid_dim: (blocks.max(1), 1, 1),
         block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
-        shared_mem_bytes: shared,
+        shared_mem_bytes: shared as u32,
     };
-    let mut launch = s.launch_builder(function);
+    let mut launch = s.launch_builder(gpu.function("tile_stream"));
     launch
         .arg(stream.tasks)
         .arg(&stream.count)

@@ -7,7 +7,7 @@
 //! [`Plan`], validated, equal to the CPU planner's for the same input.
 
 use super::permute::DevicePlan;
-use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
+use super::{to_u32, CudaError, Gpu};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use rackfill_balancer::quota::TargetRule;
 use rackfill_balancer::{Instance, Layout, LoadMatrix, Plan, PlanParts, PlanViolation};
@@ -238,10 +238,8 @@ impl GpuQuotaSolver {
         rule: TargetRule,
     ) -> Result<Self, CudaError> {
         let u_min = u_min.max(1);
-        let function = gpu.function("quota_solve");
         // The kernel's static shared memory (its search state) comes out of the same budget.
-        let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(0);
-        let limit = gpu.info().max_shared_per_block.saturating_sub(static_bytes);
+        let limit = gpu.dynamic_shared_limit("quota_solve");
         let shape = SolverShape::fit(layout, u_min, rule, limit)?;
         let stream = gpu.stream();
         let mut offsets = Vec::with_capacity(layout.ranks() + 1);
@@ -295,10 +293,8 @@ impl GpuQuotaSolver {
             block_dim: (self.shape.params.warps * 32, 1, 1),
             shared_mem_bytes: self.shape.shared_bytes as u32,
         };
-        let function = self.gpu.function("quota_solve");
-        allow_dynamic_shared(function, cfg.shared_mem_bytes)?;
         let p = &mut self.plan;
-        let mut launch = stream.launch_builder(function);
+        let mut launch = stream.launch_builder(self.gpu.function("quota_solve"));
         launch
             .arg(&self.shape.params)
             .arg(&self.load)

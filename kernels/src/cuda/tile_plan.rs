@@ -17,7 +17,7 @@ use super::replicate::{
     check_not_stalled, launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers,
 };
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{allow_dynamic_shared, to_u32, CudaError, Gpu};
+use super::{to_u32, CudaError, Gpu};
 use crate::KernelError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
@@ -223,11 +223,8 @@ impl TilePlanner {
         let mut params = TilePlanParams::new(layout, geometry)?;
         // Shared memory when the arena fits beside the kernel's own (the sequential steps then
         // never wait on global loads); a global buffer otherwise.
-        let function = gpu.function("plan_tiles");
-        let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(usize::MAX);
         let arena = params.arena_bytes();
-        let limit = gpu.info().max_shared_per_block.saturating_sub(static_bytes);
-        if arena <= limit {
+        if arena <= gpu.dynamic_shared_limit("plan_tiles") {
             params.arena_in_shared = 1;
         }
         for offsets in home_offsets {
@@ -304,8 +301,7 @@ impl TilePlanner {
         let e = self.params.experts as usize;
         let offsets = self.home_offsets.slice(layer * e..(layer + 1) * e);
         let s = gpu.stream();
-        let function = gpu.function("plan_tiles");
-        let mut launch = s.launch_builder(function);
+        let mut launch = s.launch_builder(gpu.function("plan_tiles"));
         launch
             .arg(&self.params)
             .arg(guard.unwrap_or(&self.no_fault))
@@ -328,7 +324,6 @@ impl TilePlanner {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
-        allow_dynamic_shared(function, shared)?;
         // SAFETY: arguments match `plan_tiles`; the arena (shared or global) and the output
         // buffers have the sizes the parameters promise (allocated from them), and the plan
         // buffers belong to a DevicePlan of the same layout (checked above), which the kernel

@@ -1,8 +1,11 @@
 // Host emulation of the CUDA subset rackfill's kernels use, so that the real kernel sources
-// (kernels/cuda/*.cu) run on a CPU: one thread block, every CUDA thread a std::thread,
-// __syncthreads / __syncwarp as barriers, warp shuffles and match through a per-warp exchange
-// buffer. Used by tests/cuda_emulated.rs on machines without a GPU. What it cannot show:
-// cp.async, memory ordering across GPUs, several concurrent blocks, real warp scheduling.
+// (kernels/cuda/*.cu) run on a CPU: every CUDA thread a std::thread, __syncthreads / __syncwarp
+// as barriers, warp shuffles and match through a per-warp exchange buffer. One block runs in the
+// process (run_block); a grid of concurrent blocks runs as forked processes sharing a
+// DeviceMemory mapping (run_grid), so each block has its own __shared__ variables and blocks meet
+// only through global memory and its atomics, as on a GPU. Used by tests/cuda_emulated.rs on
+// machines without a GPU. What it cannot show: cp.async, the GPU's weaker memory ordering
+// (x86's is stronger), memory across GPUs, real warp scheduling.
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -17,9 +20,13 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 struct Idx { unsigned x; };
 static thread_local Idx threadIdx;
-static Idx blockIdx{0};
+static Idx blockIdx{0};  // per process: one block per process under run_grid
 static Idx blockDim{0};
 static Idx gridDim{1};
 static thread_local int t_warp;
@@ -79,21 +86,34 @@ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+// Microseconds every system-scope fence stalls before it completes (run_grid sets it): the
+// kernels fence right before they publish a ready counter, so a delay here holds producers back
+// and makes consumers in other blocks really wait.
+static unsigned g_fence_delay_us = 0;
+// Times a kernel backed off in a wait loop (__nanosleep), counted across every block when it
+// points into DeviceMemory.
+static unsigned long long* g_backoffs = nullptr;
+inline void __threadfence_system() {
+    if (g_fence_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(g_fence_delay_us));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+inline void __nanosleep(unsigned) {
+    if (g_backoffs) __atomic_fetch_add(g_backoffs, 1ull, __ATOMIC_RELAXED);
+    std::this_thread::yield();
+}
 inline unsigned long long host_ns() {
     return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
 }
 
-// Runs `f` as one block of `threads` threads.
-template <class F> void run_block(unsigned threads, F f) {
+// Runs `f` as block `block` of a `grid`-block grid, `threads` threads, in this process.
+template <class F> void run_block(unsigned threads, F f, unsigned block = 0, unsigned grid = 1) {
     blockDim.x = threads;
-    blockIdx.x = 0;
-    gridDim.x = 1;
-    std::barrier<> block(threads);
-    g_block = &block;
+    blockIdx.x = block;
+    gridDim.x = grid;
+    std::barrier<> barrier(threads);
+    g_block = &barrier;
     for (auto* w : g_warps) { delete w->bar; delete w; }
     g_warps.clear();
     for (unsigned i = 0; i < (threads + 31) / 32; ++i) {
@@ -105,4 +125,58 @@ template <class F> void run_block(unsigned threads, F f) {
     for (unsigned t = 0; t < threads; ++t)
         ts.emplace_back([&, t] { threadIdx.x = t; t_warp = t / 32; f(); });
     for (auto& t : ts) t.join();
+}
+
+// The GPU's global memory for a grid: one shared anonymous mapping that every forked block sees,
+// carved by a bump allocator (16-byte aligned, zero-filled). Whatever a kernel under run_grid
+// reads or writes across blocks must live here.
+struct DeviceMemory {
+    unsigned char* base;
+    size_t capacity, used = 0;
+    explicit DeviceMemory(size_t bytes) : capacity(bytes + 16) {
+        void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) { std::perror("emulator: mmap"); std::exit(4); }
+        base = (unsigned char*)p;
+    }
+    ~DeviceMemory() { munmap(base, capacity); }
+    DeviceMemory(const DeviceMemory&) = delete;
+    DeviceMemory& operator=(const DeviceMemory&) = delete;
+    template <class T> T* alloc(size_t n) {
+        used = (used + 15) & ~(size_t)15;
+        const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
+        if (used + bytes > capacity) { std::fprintf(stderr, "emulator: device memory exhausted\n"); std::exit(4); }
+        T* p = (T*)(base + used);
+        used += bytes;
+        return p;
+    }
+    template <class T> T* copy(const T* src, size_t n) {
+        T* p = alloc<T>(n);
+        std::memcpy((void*)p, (const void*)src, n * sizeof(T));
+        return p;
+    }
+};
+
+// Runs `f` as a grid of `blocks` concurrent blocks of `threads` threads, each a forked process
+// with `smem_bytes` of its own dynamic shared memory. The caller must be single-threaded (no
+// block running) and keep in DeviceMemory all that blocks share. False if any block died.
+template <class F> bool run_grid(unsigned blocks, unsigned threads, size_t smem_bytes, F f) {
+    std::fflush(nullptr);
+    std::vector<pid_t> kids;
+    for (unsigned b = 0; b < blocks; ++b) {
+        const pid_t pid = fork();
+        if (pid < 0) { std::perror("emulator: fork"); std::exit(4); }
+        if (pid == 0) {
+            std::vector<unsigned char> smem(smem_bytes + 16);
+            g_smem = smem.data();
+            run_block(threads, f, b, blocks);
+            _exit(0);  // no atexit handlers, no second flush of the parent's buffers
+        }
+        kids.push_back(pid);
+    }
+    bool ok = true;
+    for (pid_t k : kids) {
+        int status = 0;
+        ok &= waitpid(k, &status, 0) == k && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    return ok;
 }

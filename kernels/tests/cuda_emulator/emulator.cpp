@@ -2,8 +2,9 @@
 // is the prelude plus every kernel file, with the few spellings a host compiler cannot take
 // (dynamic shared memory declarations, inline PTX) replaced.
 //
-// Usage: emulator MODE WARPS < input > output, MODE one of solver, send, recv, replicate, tiles,
-// distribute, act. Inputs
+// Usage: emulator MODE WARPS [BLOCKS FENCE_DELAY_US] < input > output, MODE one of solver, send,
+// recv, replicate, tiles, distribute, act; BLOCKS and FENCE_DELAY_US shape tile_stream's grid
+// (replicate, distribute; default 1 and 0). Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -184,51 +185,73 @@ static void recv(unsigned warps) {
     print_f32("back", back, (size_t)n * hidden);
 }
 
+// How tile_stream's grid runs: `blocks` concurrent blocks of `warps` warps (argv), and how long
+// each system-scope fence stalls (argv; 0: none) to make relay consumers in other blocks wait.
+struct Grid {
+    unsigned warps = 1, blocks = 1, fence_delay_us = 0;
+};
+
 // Every rank's home weights, slot buffer and ready counters, as tile_stream addresses them:
 // "slot_len" then per rank "n_flags n_home home bytes...".
 struct RankMemory {
-    std::vector<std::vector<u8>> homes, slots;
-    std::vector<std::vector<u32>> flags;
-    std::vector<u64> home_base, slot_base, flag_base;
+    std::vector<std::vector<u8>> homes;
+    std::vector<u32> n_flags;
     u64 slot_len = 0;
     void read_in(u32 R) {
         std::cin >> slot_len;
-        homes.resize(R), slots.resize(R), flags.resize(R);
-        home_base.resize(R), slot_base.resize(R), flag_base.resize(R);
+        homes.resize(R), n_flags.resize(R);
         for (u32 r = 0; r < R; ++r) {
-            u32 n_flags, n_home;
-            std::cin >> n_flags >> n_home;
-            flags[r].assign(n_flags + 1, 0);
+            u32 n_home;
+            std::cin >> n_flags[r] >> n_home;
             homes[r].resize(n_home + 1);
             for (u32 i = 0; i < n_home; ++i) {
                 unsigned v;
                 std::cin >> v;
                 homes[r][i] = (u8)v;
             }
-            slots[r].assign(slot_len, 0);
-            home_base[r] = (u64)homes[r].data();
-            slot_base[r] = (u64)slots[r].data();
-            flag_base[r] = (u64)flags[r].data();
         }
     }
-    // Runs tile_stream over `tasks` (`*count` of them); prints the stall word, then every slot
-    // buffer.
-    void stream(unsigned warps, const TileTask* tasks, const u32* count, const TileDst* dsts, u32 tile_bytes) {
-        std::vector<u32> next(2, 0);  // claim counter, stall word
-        std::vector<unsigned char> smem(2 * tile_bytes + 16);
-        g_smem = smem.data();
-        run_block(warps * 32, [&] {
-            tile_stream(tasks, count, dsts, next.data(), home_base.data(), slot_base.data(), flag_base.data(),
-                        tile_bytes);
+    // Runs tile_stream as `grid` says over `tasks` (`count` of them), every buffer the blocks
+    // share copied into device memory (slots and ready counters zeroed); prints the stall word,
+    // how often a block backed off waiting for a relay chunk, then every slot buffer.
+    void stream(const Grid& grid, const TileTask* tasks, u32 count, const TileDst* dsts, u32 n_dsts,
+                u32 tile_bytes) {
+        const u32 R = (u32)homes.size();
+        size_t bytes = (count + n_dsts + 8) * sizeof(TileTask) + 3 * R * sizeof(u64) + 256 + 16 * 8 * R;
+        for (u32 r = 0; r < R; ++r) bytes += homes[r].size() + slot_len + 4 * (n_flags[r] + 1);
+        DeviceMemory dev(bytes);
+        const TileTask* d_tasks = dev.copy(tasks, count);
+        const TileDst* d_dsts = dev.copy(dsts, n_dsts);
+        u32* d_count = dev.copy(&count, 1);
+        u32* next = dev.alloc<u32>(2);  // claim counter, stall word
+        g_backoffs = dev.alloc<unsigned long long>(1);
+        u64* home_base = dev.alloc<u64>(R);
+        u64* slot_base = dev.alloc<u64>(R);
+        u64* flag_base = dev.alloc<u64>(R);
+        std::vector<u8*> slots(R);
+        for (u32 r = 0; r < R; ++r) {
+            home_base[r] = (u64)dev.copy(homes[r].data(), homes[r].size());
+            slots[r] = dev.alloc<u8>(slot_len);
+            slot_base[r] = (u64)slots[r];
+            flag_base[r] = (u64)dev.alloc<u32>(n_flags[r] + 1);
+        }
+        g_fence_delay_us = grid.fence_delay_us;
+        const bool ok = run_grid(grid.blocks, grid.warps * 32, 2 * tile_bytes, [&] {
+            tile_stream(d_tasks, d_count, d_dsts, next, home_base, slot_base, flag_base, tile_bytes);
         });
+        if (!ok) {
+            std::fprintf(stderr, "emulator: a tile_stream block died\n");
+            std::exit(5);
+        }
         print("stalled", std::vector<u32>{next[1]}, 1);
-        for (auto& s : slots) print("slots", s, slot_len);
+        print("backoffs", std::vector<u64>{*g_backoffs}, 1);
+        for (u32 r = 0; r < R; ++r) print("slots", std::vector<u8>(slots[r], slots[r] + slot_len), slot_len);
     }
 };
 
 // replicate: "R n_tasks n_dsts tile_bytes" / tasks (9 fields each) / dsts (3 fields each) /
-// RankMemory. Prints the stall word and every slot buffer.
-static void replicate(unsigned warps) {
+// RankMemory. Prints the stall word, the back-off count and every slot buffer.
+static void replicate(const Grid& grid) {
     u32 R, n_tasks, n_dsts, tile_bytes;
     std::cin >> R >> n_tasks >> n_dsts >> tile_bytes;
     std::vector<TileTask> tasks(n_tasks + 1);
@@ -241,7 +264,7 @@ static void replicate(unsigned warps) {
     for (u32 i = 0; i < n_dsts; ++i) std::cin >> dsts[i].offset >> dsts[i].rank >> dsts[i].ready_flag;
     RankMemory memory;
     memory.read_in(R);
-    memory.stream(warps, tasks.data(), &n_tasks, dsts.data(), tile_bytes);
+    memory.stream(grid, tasks.data(), n_tasks, dsts.data(), n_dsts, tile_bytes);
 }
 
 // plan_tiles's inputs: the 14 TilePlanParams fields up to arena_in_shared / "guard arena_bytes" /
@@ -311,15 +334,16 @@ static void tiles(unsigned warps) {
 }
 
 // distribute: plan_tiles's inputs / RankMemory. plan_tiles, then tile_stream reading the task
-// count where plan_tiles wrote it (as on the GPU). Prints the header and every slot buffer.
-static void distribute(unsigned warps) {
+// count plan_tiles wrote (as on the GPU, where it stays in device memory). Prints the header,
+// then what `replicate` prints.
+static void distribute(const Grid& grid) {
     TilePlan plan;
     plan.read_in();
     RankMemory memory;
     memory.read_in(plan.p.ranks);
-    plan.run(warps);
+    plan.run(grid.warps);
     print("header", plan.header, 4);
-    memory.stream(warps, plan.tasks.data(), &plan.header[1], plan.dsts.data(), plan.p.tile_bytes);
+    memory.stream(grid, plan.tasks.data(), plan.header[1], plan.dsts.data(), plan.header[2], plan.p.tile_bytes);
 }
 
 // act: "rows inter" / gate_up bits (rows x 2 inter). Prints silu(gate) * up (rows x inter).
@@ -336,12 +360,18 @@ int main(int argc, char** argv) {
     if (argc < 3) return 2;
     std::string mode = argv[1];
     unsigned warps = (unsigned)atoi(argv[2]);
+    Grid grid;
+    grid.warps = warps;
+    if (argc >= 5) {
+        grid.blocks = (unsigned)atoi(argv[3]);
+        grid.fence_delay_us = (unsigned)atoi(argv[4]);
+    }
     if (mode == "solver") solver(warps);
     else if (mode == "send") send(warps);
     else if (mode == "recv") recv(warps);
-    else if (mode == "replicate") replicate(warps);
+    else if (mode == "replicate") replicate(grid);
     else if (mode == "tiles") tiles(warps);
-    else if (mode == "distribute") distribute(warps);
+    else if (mode == "distribute") distribute(grid);
     else if (mode == "act") act(warps);
     else return 2;
     return 0;
