@@ -38,6 +38,32 @@ __device__ __forceinline__ u32 warp_sum_u32(u32 v) {
     return v;
 }
 
+// Warp-wide min / max of a u32, every lane gets it: one redux instruction on sm_80 and newer, a
+// shuffle tree before.
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(FULL_MASK, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        const u32 w = __shfl_xor_sync(FULL_MASK, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
+#endif
+}
+
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(FULL_MASK, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        const u32 w = __shfl_xor_sync(FULL_MASK, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+#endif
+}
+
 __device__ __forceinline__ u32 lane_id() { return threadIdx.x & 31u; }
 __device__ __forceinline__ u32 warp_id() { return threadIdx.x >> 5; }
 

@@ -15,7 +15,9 @@
 //   probe of the chain is exactly the CPU's next feasible probe, so a round advances the CPU
 //   search by one feasible step and every infeasible step before it;
 // - inside a probe the warp picks each move's target with warp-level reductions over the ranks
-//   (smallest covering slack / largest slack among ranks with slack and a free slot);
+//   (smallest covering slack / largest slack among ranks with slack and a free slot). When every
+//   slack of the solve fits beside a rank index in 32 bits (any layer of fewer than 2^26 routed
+//   tokens per rank at R=64), each reduction is one redux instruction over packed keys;
 // - plan assembly and the per-expert reroute split run across threads and warps.
 //
 // Launch: one block of `warps * 32` threads, `SolverParams::shared_bytes` of dynamic shared
@@ -64,7 +66,8 @@ struct SolverParams {
 #define ST_EVALUATED 5     // probes evaluated, speculative ones included
 #define ST_REACHED 6       // max rank load of the chosen plan (0 when no probe succeeded)
 #define ST_LOWER_BOUND 7
-#define ST_LEN 8
+#define ST_PACKED_KEYS 8   // 1: the probes picked targets by pick_target_packed
+#define ST_LEN 9
 
 #define ERR_MOVES 1        // a probe made more moves than slots (cannot happen)
 #define ERR_CUMULATIVE 2   // the split does not fit out_cumulative (host sized it too small)
@@ -81,6 +84,7 @@ struct Control {
     u32 n_moves[MAX_WARPS];
     u64 scratch[MAX_WARPS];
     u32 n_taus;
+    u32 key_shift;  // pick_target_packed's rank bits, NONE_U32 when slacks do not fit beside them
     u32 galloping;
     u32 reached;
     i32 best_warp;
@@ -157,9 +161,40 @@ __device__ Pick pick_target(const u64* slack, const u32* free_slots, u32 ranks, 
     return (rule == 1 || fit.rank == NONE_U32) ? largest : fit;
 }
 
+// pick_target when every slack s of the solve satisfies s < 2^(32 - shift) - 1 and every rank
+// t < 2^shift: the key (s << shift) | t orders candidates exactly as (slack, rank) does, so each
+// choice is one warp min or max of a u32 (a single redux instruction on sm_80+) instead of a
+// five-step shuffle tree over 64-bit slacks and ranks. NONE_U32 (no fit) and 0 (no admissible
+// rank: admissible ones have slack >= 1) are never keys. Same result as pick_target.
+__device__ Pick pick_target_packed(const u64* slack, const u32* free_slots, u32 ranks, u64 need, u32 rule,
+                                   u32 shift) {
+    u32 fit = NONE_U32, largest = 0;
+    for (u32 t = lane_id(); t < ranks; t += 32) {
+        const u64 s = slack[t];
+        if (s == 0 || free_slots[t] == 0) continue;
+        const u32 key = ((u32)s << shift) | t;
+        if (s >= need && key < fit) fit = key;
+        if (key > largest) largest = key;
+    }
+    fit = warp_min_u32(fit);
+    largest = warp_max_u32(largest);
+    const u32 key = (rule == 1 || fit == NONE_U32) ? largest : fit;
+    if (key == 0) return Pick{0, NONE_U32};
+    return Pick{(u64)(key >> shift), key & ((1u << shift) - 1u)};
+}
+
+// The rank bits of pick_target_packed's keys for `ranks` ranks whose slacks stay below `hi`
+// (every probed threshold is), or NONE_U32 when such keys do not fit in 32 bits.
+__device__ u32 packed_key_shift(u32 ranks, u64 hi) {
+    u32 shift = 0;
+    while ((1ull << shift) < (u64)ranks) ++shift;
+    return shift < 32 && hi < (1ull << (32 - shift)) ? shift : NONE_U32;
+}
+
 // Mirrors quota.rs probe (with seed_targets and drain_rank): the greedy feasibility oracle for
 // one threshold, run by one warp. Writes feasible / max_load / n_moves of warp `w` to Control.
 __device__ void probe(const Shared& s, Control& ctl, u32 w, u64 tau) {
+    const u32 key_shift = ctl.key_shift;
     const SolverParams& p = *s.p;
     u8* region = s.warp(w);
     u64* slack = (u64*)(region + p.w_a);
@@ -198,7 +233,9 @@ __device__ void probe(const Shared& s, Control& ctl, u32 w, u64 tau) {
             u64 cap = totals[e];
             while (excess > 0 && cap > 0) {
                 const u64 need = min_u64(excess, cap);
-                const Pick t = pick_target(slack, free_slots, p.ranks, need, p.rule);
+                const Pick t = key_shift != NONE_U32
+                                   ? pick_target_packed(slack, free_slots, p.ranks, need, p.rule, key_shift)
+                                   : pick_target(slack, free_slots, p.ranks, need, p.rule);
                 if (t.rank == NONE_U32) {  // targets.is_empty(): the rank keeps its excess
                     ok = false;
                     break;
@@ -475,6 +512,7 @@ quota_solve(const SolverParams params, const u64* __restrict__ load, const u32* 
         const u64 bound = max_u64(avg, bound_terms);
         ctl.lower_bound = bound;
         ctl.hi = hi0;
+        ctl.key_shift = packed_key_shift(R, hi0);
         ctl.lo = max_u64(bound, avg);
         ctl.step = max_u64(ctl.lo / 1024ull, 1ull);
         ctl.galloping = 1;
@@ -627,5 +665,6 @@ quota_solve(const SolverParams params, const u64* __restrict__ load, const u32* 
         out_status[ST_EVALUATED] = ctl.evaluated;
         out_status[ST_REACHED] = ctl.reached ? ctl.reached_load : 0ull;
         out_status[ST_LOWER_BOUND] = ctl.lower_bound;
+        out_status[ST_PACKED_KEYS] = ctl.key_shift != NONE_U32 ? 1ull : 0ull;
     }
 }

@@ -31,9 +31,11 @@ use rackfill_kernels::{
 };
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{mpsc, OnceLock};
+use std::time::Duration;
 
 /// The kernel sources with the spellings a host compiler cannot take replaced; panics if a
 /// replacement no longer applies (the kernel changed shape: update the emulation with it).
@@ -152,21 +154,36 @@ fn run_grid(exe: &Path, mode: &str, grid: Grid, input: &str) -> Vec<(String, Vec
     run_args(exe, &[mode, &args[0], &args[1], &args[2]], input)
 }
 
+/// How long one emulation may run: a kernel that loops forever fails its test instead of
+/// holding CI up (the slowest emulation takes a few seconds).
+const EMULATION_LIMIT: Duration = Duration::from_secs(180);
+
 fn run_args(exe: &Path, args: &[&str], input: &str) -> Vec<(String, Vec<u64>)> {
     let mode = args[0];
+    // Its own process group, so that a kill also reaches the blocks it forked.
     let mut child = Command::new(exe)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
+        .process_group(0)
         .spawn()
         .unwrap();
+    let group = child.id();
     child
         .stdin
         .take()
         .unwrap()
         .write_all(input.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    let Ok(out) = finished.recv_timeout(EMULATION_LIMIT) else {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{group}")])
+            .status();
+        panic!("emulator {mode} ran past {EMULATION_LIMIT:?}: a kernel loops forever");
+    };
+    let out = out.unwrap();
     assert!(out.status.success(), "emulator {mode} failed");
     String::from_utf8(out.stdout)
         .unwrap()
@@ -208,7 +225,7 @@ fn widen(v: &[u32]) -> Vec<u64> {
 }
 
 /// Solves one layer in the emulator with the host's layout for `warps` warps; returns the plan
-/// arrays.
+/// arrays and whether the probes picked targets by packed 32-bit keys.
 fn emulate_solver(
     exe: &Path,
     layout: &Layout,
@@ -217,7 +234,7 @@ fn emulate_solver(
     rule: TargetRule,
     warps: u32,
     stage: bool,
-) -> PlanArrays {
+) -> (PlanArrays, bool) {
     let shape = SolverShape::new(layout, u_min, rule, warps, stage).unwrap();
     let p = shape.params;
     let mut input = format!(
@@ -256,33 +273,61 @@ fn emulate_solver(
     ];
     writeln!(input, "{}{}", join(&offsets), shape.shared_bytes).unwrap();
     let out = run(exe, "solver", warps, &input);
-    assert_eq!(get(&out, "status")[0], 0, "solver status");
+    let status = get(&out, "status");
+    assert_eq!(status[0], 0, "solver status");
+    let packed_keys = status[8] != 0;
     let narrow = |name| {
         get(&out, name)
             .iter()
             .map(|&v| v as u32)
             .collect::<Vec<u32>>()
     };
-    PlanArrays {
+    let arrays = PlanArrays {
         slots: get(&out, "slots").iter().map(|&v| v as i32).collect(),
         inst_offsets: narrow("inst_offsets"),
         inst_rank: narrow("inst_rank"),
         inst_quota: get(&out, "inst_quota").to_vec(),
         split_offsets: narrow("split_offsets"),
         cumulative: get(&out, "cumulative").to_vec(),
-    }
+    };
+    (arrays, packed_keys)
+}
+
+/// The emulated solver's plan for one layer, which must be the CPU planner's; returns whether it
+/// packed its keys (checked against [`cuda_common::packs_keys`]).
+fn assert_emulated_plan(
+    exe: &Path,
+    layout: &Layout,
+    load: &LoadMatrix,
+    u_min: u64,
+    rule: TargetRule,
+    (warps, stage): (u32, bool),
+    what: &str,
+) -> bool {
+    let cpu = QuotaPlanner::with_rule(u_min, rule)
+        .plan(layout, load)
+        .unwrap();
+    let (arrays, packed) = emulate_solver(exe, layout, load, u_min, rule, warps, stage);
+    let gpu = arrays.into_plan(layout, load, u_min).unwrap();
+    assert_eq!(gpu, cpu, "{what}: u_min={u_min} {rule:?} warps={warps}");
+    assert_eq!(
+        packed,
+        cuda_common::packs_keys(layout, load),
+        "{what}: packed keys"
+    );
+    packed
 }
 
 #[test]
 fn emulated_solver_reproduces_the_cpu_planner() {
     let Some(exe) = emulator() else { return };
     let mut rng = Rng(2024);
-    let mut replicated = 0;
-    for case in 0..40 {
+    let (mut replicated, mut wide) = (0, 0);
+    for case in 0..50 {
         let layout = random_layout(&mut rng, 20, 48);
         let (ranks, experts, slots) = (layout.ranks(), layout.experts(), layout.slots_per_rank());
         let hot: Vec<usize> = (0..3).map(|_| rng.below(experts as u64) as usize).collect();
-        let family = rng.below(4);
+        let family = rng.below(5);
         let rows: Vec<Vec<u64>> = (0..ranks)
             .map(|_| {
                 (0..experts)
@@ -290,9 +335,14 @@ fn emulated_solver_reproduces_the_cpu_planner() {
                         (0, true) => 200 + rng.below(400),
                         (0, false) => rng.below(30),
                         (1, _) => rng.below(50),
-                        // Beyond 2^32 per cell: the split's 128-bit path.
+                        // Beyond 2^32 per cell: the split's 128-bit path, and slacks too wide
+                        // for the packed target keys.
                         (2, true) => (1 << 40) + rng.below(1 << 30),
                         (2, false) => rng.below(1 << 36),
+                        // Few distinct values: slacks that equal a move's need exactly, and
+                        // ties between ranks, where the target rules' tie-breaks decide.
+                        (3, true) => 64 + 8 * rng.below(4),
+                        (3, false) => 8 * rng.below(3),
                         _ => 7,
                     })
                     .collect()
@@ -305,28 +355,68 @@ fn emulated_solver_reproduces_the_cpu_planner() {
         } else {
             TargetRule::LargestSlack
         };
-        let warps = [1, 2, 3, 4][rng.below(4) as usize];
-        let stage = rng.below(2) == 0;
-        let cpu = QuotaPlanner::with_rule(u_min, rule)
-            .plan(&layout, &load)
-            .unwrap();
-        let arrays = emulate_solver(exe, &layout, &load, u_min, rule, warps, stage);
-        let gpu = arrays.into_plan(&layout, &load, u_min).unwrap();
-        assert_eq!(gpu, cpu, "case {case}: R={ranks} E={experts} n_slot={slots} u_min={u_min} {rule:?} warps={warps}");
-        replicated += usize::from(cpu.replicas() > 0);
+        let launch = ([1, 2, 3, 4][rng.below(4) as usize], rng.below(2) == 0);
+        let what = format!("case {case}: R={ranks} E={experts} n_slot={slots}");
+        let packed = assert_emulated_plan(exe, &layout, &load, u_min, rule, launch, &what);
+        replicated += usize::from(
+            QuotaPlanner::new(1)
+                .plan(&layout, &load)
+                .unwrap()
+                .replicas()
+                > 0,
+        );
+        wide += usize::from(!packed);
     }
     assert!(replicated >= 15, "only {replicated} cases replicated");
+    assert!(
+        (5..45).contains(&wide),
+        "{wide} of 50 cases too wide for packed keys: both pick paths must be covered"
+    );
+    // Right at the packing limit: R=4 keeps 2 bits for the rank, so the largest rank load must
+    // stay below 2^30; one token-expert pair more and the solver takes the 64-bit path.
+    let layout = Layout::contiguous(4, 8, 2).unwrap();
+    for extra in [0, 1] {
+        let mut rows = vec![vec![0u64; 8]; 4];
+        // Expert 0 (rank 0's) takes 2^30 - 1 + extra pairs from two sources; a little elsewhere.
+        rows[0][0] = (1 << 30) - 1 - 5 + extra;
+        rows[1][0] = 5;
+        rows[1][2] = 3;
+        rows[2][4] = 2;
+        let load = LoadMatrix::from_rows(&rows).unwrap();
+        let what = format!("rank load 2^30 - 1 + {extra}");
+        let packed = assert_emulated_plan(
+            exe,
+            &layout,
+            &load,
+            1,
+            TargetRule::BestFit,
+            (2, true),
+            &what,
+        );
+        assert_eq!(packed, extra == 0, "{what}");
+        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
+        assert!(plan.replicas() > 0, "{what}");
+    }
     // The paper's shape once, load staged, as a GPU with large shared memory runs it.
     let layout = Layout::contiguous(64, 256, 2).unwrap();
     let load = cuda_common::skewed_load(&mut rng, 64, 256, 3);
-    let cpu = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
-    let arrays = emulate_solver(exe, &layout, &load, 1, TargetRule::BestFit, 4, true);
-    assert_eq!(
-        arrays.into_plan(&layout, &load, 1).unwrap(),
-        cpu,
+    let launch = (4, true);
+    assert!(assert_emulated_plan(
+        exe,
+        &layout,
+        &load,
+        1,
+        TargetRule::BestFit,
+        launch,
         "R=64 E=256"
+    ));
+    assert!(
+        QuotaPlanner::new(1)
+            .plan(&layout, &load)
+            .unwrap()
+            .replicas()
+            > 0
     );
-    assert!(cpu.replicas() > 0);
 }
 
 #[test]

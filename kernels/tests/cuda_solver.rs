@@ -8,7 +8,7 @@
 mod cuda_common;
 
 use cuda_common::common::random_layout;
-use cuda_common::{gpu_or_skip, skewed_load, Rng};
+use cuda_common::{gpu_or_skip, packs_keys, skewed_load, Rng};
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::{metrics, Balancer, Layout, LoadMatrix};
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
@@ -31,6 +31,7 @@ fn assert_same_plan(
     assert_eq!(stats.replicas as usize, cpu.replicas(), "{what}");
     let bound = metrics::lower_bound(layout, &load.expert_totals());
     assert_eq!(stats.lower_bound, bound, "{what}");
+    assert_eq!(stats.packed_keys, packs_keys(layout, load), "{what}");
     cpu.replicas()
 }
 

@@ -56,7 +56,7 @@ unsafe impl DeviceRepr for SolverParams {}
 /// Most probe warps per block (the kernel's `MAX_WARPS`).
 pub const MAX_WARPS: u32 = 32;
 /// Entries of the kernel's status output (`ST_LEN`).
-const STATUS_LEN: usize = 8;
+const STATUS_LEN: usize = 9;
 
 /// Dynamic shared memory carved into 8-byte aligned arrays.
 struct Carver {
@@ -212,6 +212,10 @@ pub struct SolveStats {
     pub reached: u64,
     /// [`rackfill_balancer::metrics::lower_bound`] of the input.
     pub lower_bound: u64,
+    /// Whether the probes picked their targets with one-instruction warp reductions over packed
+    /// 32-bit (slack, rank) keys: every rank load below `2^(32 - ceil(log2 R))`, i.e. below
+    /// 2^26 token-expert pairs at R=64 (otherwise a shuffle tree over 64-bit slacks).
+    pub packed_keys: bool,
 }
 
 /// The quota planner on the GPU, for one layout, keeping its device buffers between layers.
@@ -347,6 +351,7 @@ impl GpuQuotaSolver {
             evaluated: s[5],
             reached: s[6],
             lower_bound: s[7],
+            packed_keys: s[8] != 0,
         })
     }
 

@@ -6,7 +6,7 @@
 pub mod common;
 
 pub use common::Rng;
-use rackfill_balancer::{LoadMatrix, Plan};
+use rackfill_balancer::{Layout, LoadMatrix, Plan};
 use rackfill_kernels::cuda::{CudaError, CudaUnavailable, Gpu};
 
 /// Set to 1 on GPU hosts: a missing GPU then fails the tests instead of skipping them.
@@ -56,4 +56,23 @@ pub fn skewed_load(rng: &mut Rng, ranks: usize, experts: usize, hot: usize) -> L
 /// Replicas in a plan, to assert a test exercises replication at all.
 pub fn replicas(plan: &Plan) -> usize {
     plan.replicas()
+}
+
+/// Whether the quota solver may pick targets by packed 32-bit keys for this layer
+/// (`SolveStats::packed_keys`): a rank index takes `ceil(log2 R)` bits, and every slack (below
+/// the largest rank load before balancing) must fit in the rest.
+pub fn packs_keys(layout: &Layout, load: &LoadMatrix) -> bool {
+    let totals = load.expert_totals();
+    let max_rank_load = (0..layout.ranks())
+        .map(|r| {
+            layout
+                .main_experts(r)
+                .iter()
+                .map(|&e| totals[e as usize])
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    let rank_bits = layout.ranks().next_power_of_two().trailing_zeros();
+    rank_bits < 32 && max_rank_load < 1u64 << (32 - rank_bits)
 }

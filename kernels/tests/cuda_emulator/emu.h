@@ -75,6 +75,23 @@ inline unsigned __match_any_sync(unsigned, unsigned k) {
     w->bar->arrive_and_wait();
     return m;
 }
+template <class Op> unsigned reduce_warp(unsigned v, Op op) {
+    WarpX* w = g_warps[t_warp];
+    const unsigned lane = threadIdx.x & 31, first = threadIdx.x - lane;
+    const unsigned lanes = std::min(32u, blockDim.x - first);
+    w->x[lane] = v;
+    w->bar->arrive_and_wait();
+    unsigned r = (unsigned)w->x[0];
+    for (unsigned i = 1; i < lanes; ++i) r = op(r, (unsigned)w->x[i]);
+    w->bar->arrive_and_wait();
+    return r;
+}
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+    return reduce_warp(v, [](unsigned a, unsigned b) { return a < b ? a : b; });
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+    return reduce_warp(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }

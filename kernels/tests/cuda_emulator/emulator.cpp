@@ -73,14 +73,14 @@ static void solver(unsigned warps) {
     offsets[R] = mains.size();
     mains.push_back(0);
     u64 M = p.max_moves;
-    std::vector<u64> status(8, 0), quota(E + M + 1), cumulative(p.cumulative_capacity + 1);
+    std::vector<u64> status(ST_LEN, 0), quota(E + M + 1), cumulative(p.cumulative_capacity + 1);
     std::vector<i32> slots(std::max<u64>(1, (u64)R * n_slot));
     std::vector<u32> inst_offsets(E + 1), inst_rank(E + M + 1), split_offsets(E + 1);
     run_block(warps * 32, [&] {
         quota_solve(p, load.data(), offsets.data(), mains.data(), home.data(), status.data(), slots.data(),
                     inst_offsets.data(), inst_rank.data(), quota.data(), split_offsets.data(), cumulative.data());
     });
-    print("status", status, 8);
+    print("status", status, ST_LEN);
     if (status[0] != 0) return;
     print("slots", slots, (size_t)R * n_slot);
     print("inst_offsets", inst_offsets, E + 1);
