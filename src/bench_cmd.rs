@@ -187,7 +187,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         args.slots,
         args.rounds,
     )?;
-    print!("{}", report.to_table());
+    out!("{}", report.to_table());
     if let (Some(file), Some(path)) = (json_file, &args.json) {
         write_json(file, path, &report)?;
     }
@@ -247,11 +247,11 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
         args.tokens, args.repeats
     );
     let report = run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?;
-    println!("| tokens | tokens/s | seconds (each run) |");
-    println!("|-------:|---------:|:-------------------|");
+    outln!("| tokens | tokens/s | seconds (each run) |");
+    outln!("|-------:|---------:|:-------------------|");
     for r in &report.results {
         let runs: Vec<String> = r.seconds.iter().map(|s| format!("{s:.3}")).collect();
-        println!(
+        outln!(
             "| {} | {:.0} | {} |",
             r.tokens,
             r.tokens_per_s,

@@ -72,8 +72,8 @@ mod imp {
             KernelsCommand::Check(args) => check(args),
             KernelsCommand::Probe => {
                 match probe() {
-                    Ok(info) => println!("gpu {info}"),
-                    Err(why) => println!("no usable GPU ({why}); the data plane runs on the CPU"),
+                    Ok(info) => outln!("gpu {info}"),
+                    Err(why) => outln!("no usable GPU ({why}); the data plane runs on the CPU"),
                 }
                 Ok(())
             }
@@ -90,7 +90,7 @@ mod imp {
         for arch in &args.arch {
             for source in nvrtc::SOURCES {
                 match nvrtc::compile(&source, arch) {
-                    Ok(ptx) => println!("ok {} {arch} ({} bytes PTX)", source.name, ptx.bytes),
+                    Ok(ptx) => outln!("ok {} {arch} ({} bytes PTX)", source.name, ptx.bytes),
                     Err(CompileFailure::Source { log, .. }) => {
                         eprintln!("FAILED {} {arch}:\n{log}", source.name);
                         failed += 1;
@@ -110,9 +110,9 @@ mod imp {
             bail!("--reps must be at least 1");
         }
         let gpu = rackfill_kernels::cuda::Gpu::open(args.device)?;
-        println!("device: {}", gpu.info());
+        outln!("device: {}", gpu.info());
         let solver = bench::solver_latency(&gpu, 64, 256, 2, args.reps)?;
-        println!(
+        outln!(
             "solver R=64 E=256 n_slot=2: gpu median {:.1} us, cpu median {:.1} us, \
              {} of {} plans identical to the CPU planner, {} warps, load staged: {}",
             solver.gpu_median_us,
@@ -123,14 +123,17 @@ mod imp {
             solver.load_staged
         );
         let tiles = bench::tile_planning_latency(&gpu, 64, 256, 2, args.expert_bytes, args.reps)?;
-        println!(
+        outln!(
             "relay planning R=64 E=256 n_slot=2: gpu median {:.1} us (plan in place), host \
              median {:.1} us (schedule + tile compile, plan already downloaded), {} tasks, \
              identical to the host compiler: {}",
-            tiles.gpu_median_us, tiles.host_median_us, tiles.tasks, tiles.identical
+            tiles.gpu_median_us,
+            tiles.host_median_us,
+            tiles.tasks,
+            tiles.identical
         );
         let dist = bench::distribution_bandwidth(&gpu, 64, 256, 2, args.expert_bytes, args.reps)?;
-        println!(
+        outln!(
             "replica distribution: {} bytes stored in {:.1} us = {:.1} GB/s; \
              device-to-device copy of the same bytes {:.1} us = {:.1} GB/s; ratio {:.1}%",
             dist.stored_bytes,
@@ -142,10 +145,12 @@ mod imp {
         );
         for fanout in [8, 16, 32] {
             let r = bench::relay_vs_direct(&gpu, fanout, args.expert_bytes, args.reps)?;
-            println!(
+            outln!(
                 "fan-out {fanout}: direct {:.1} us, relay ({} relays) {:.1} us \
                  (all ranks on one GPU: this measures the tile pipeline, not NVLink links)",
-                r.direct_us, r.relays, r.relay_us
+                r.direct_us,
+                r.relays,
+                r.relay_us
             );
         }
         Ok(())

@@ -1,5 +1,22 @@
 //! The `rackfill` command line.
 
+/// `println!` for command output: when stdout is a pipe whose reader has gone
+/// (`rackfill kernels check | head -3`), the process ends quietly with the status a process
+/// killed by SIGPIPE has (141), as Unix tools do, instead of panicking. Rust ignores SIGPIPE so
+/// that a server's writes to a closed socket fail instead of killing it; this keeps that.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `print!` for command output, ending the process on a closed pipe as [`outln!`] does.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::write_out(format_args!($($arg)*))
+    };
+}
+
 mod balance_cmd;
 mod bench_cmd;
 mod kernels_cmd;
@@ -40,6 +57,18 @@ enum Command {
     Kernels(kernels_cmd::KernelsCommand),
     /// Rack-scale what-if: per-term step cost of balancers against the force-balanced ideal.
     Simulate(simulate_cmd::SimulateArgs),
+}
+
+/// Writes command output to stdout (see [`outln!`]).
+fn write_out(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    if let Err(err) = std::io::stdout().lock().write_fmt(text) {
+        if err.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("error: cannot write to stdout: {err}");
+        std::process::exit(2);
+    }
 }
 
 fn main() -> ExitCode {

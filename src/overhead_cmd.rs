@@ -149,17 +149,24 @@ async fn compare(args: OverheadArgs) -> anyhow::Result<()> {
         direct,
         http,
     };
-    println!("| caller | requests | req/s | mean ms | p50 ms | p90 ms | p99 ms |");
-    println!("|:--|--:|--:|--:|--:|--:|--:|");
+    outln!("| caller | requests | req/s | mean ms | p50 ms | p90 ms | p99 ms |");
+    outln!("|:--|--:|--:|--:|--:|--:|--:|");
     for (name, l) in [("direct engine", &report.direct), ("HTTP", &report.http)] {
-        println!(
+        outln!(
             "| {name} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            l.requests, l.requests_per_s, l.mean_ms, l.p50_ms, l.p90_ms, l.p99_ms
+            l.requests,
+            l.requests_per_s,
+            l.mean_ms,
+            l.p50_ms,
+            l.p90_ms,
+            l.p99_ms
         );
     }
-    println!(
+    outln!(
         "HTTP layer adds {:.2} ms at p50 and {:.2} ms at p99 ({} concurrent clients)",
-        report.added_p50_ms, report.added_p99_ms, report.clients
+        report.added_p50_ms,
+        report.added_p99_ms,
+        report.clients
     );
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")

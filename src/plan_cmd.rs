@@ -82,7 +82,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let (plan, solve_us) = solve_timed(algo, &settings, &layout, &load)?;
     let report = build_report(algo, &layout, &load, &plan, solve_us);
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
         print_summary(&report);
     }
@@ -151,11 +151,14 @@ fn build_report(
 
 fn print_summary(r: &PlanReport) {
     let max_after = r.rank_load_after.iter().max().copied().unwrap_or(0);
-    println!(
+    outln!(
         "{}: {} ranks, {} experts, {} slots per rank",
-        r.algo, r.ranks, r.experts, r.slots_per_rank
+        r.algo,
+        r.ranks,
+        r.experts,
+        r.slots_per_rank
     );
-    println!(
+    outln!(
         "imbalance {:.4} -> {:.4}  (max rank load {} -> {}, lower bound {})",
         r.imbalance_before,
         r.imbalance_after,
@@ -163,9 +166,11 @@ fn print_summary(r: &PlanReport) {
         max_after,
         r.lower_bound
     );
-    println!(
+    outln!(
         "replicas {}, max fan-out {}, solve {:.1} us",
-        r.replicas, r.max_fanout, r.solve_us
+        r.replicas,
+        r.max_fanout,
+        r.solve_us
     );
 }
 

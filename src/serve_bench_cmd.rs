@@ -219,10 +219,10 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         run_sweep(&target, &workload, &plan).await
     })?;
     for report in &reports {
-        print!("{}", format_table(&report.summary));
+        out!("{}", format_table(&report.summary));
     }
     if reports.len() > 1 {
-        print!(
+        out!(
             "\n{}",
             format_sweep(
                 &reports
