@@ -57,6 +57,9 @@ pub struct EngineInfo {
     pub eos: Arc<[u32]>,
     /// Largest prompt plus `max_tokens` one sequence may reserve (the KV budget of one rank).
     pub max_reservation: usize,
+    /// Sequences the queue holds before `submit` answers `QueueFull`
+    /// ([`EngineConfig::max_waiting`]): a request of more sequences can never be admitted whole.
+    pub max_waiting: usize,
 }
 
 enum Command {
@@ -103,6 +106,7 @@ impl EngineHandle {
             max_model_len: model.config().max_position_embeddings,
             eos: eos.into(),
             max_reservation: config.scheduler.kv_tokens_per_rank,
+            max_waiting: config.max_waiting,
         };
         let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1));
         let queued = Arc::new(AtomicUsize::new(0));

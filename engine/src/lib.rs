@@ -30,7 +30,7 @@ pub use engine::{EngineConfig, EngineHandle, EngineInfo};
 pub use ep::{DataPlane, EpConfig, EpRuntime, LayerReport, PhaseTimes, StepOutput};
 pub use error::{EngineError, Result};
 pub use request::{
-    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, TokenEvent, Usage,
+    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,
 };
 pub use sampling::{SamplingParams, TokenLogprob};
 pub use scheduler::{Scheduler, SchedulerConfig};

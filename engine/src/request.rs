@@ -54,14 +54,24 @@ pub struct Usage {
     pub completion_tokens: usize,
 }
 
+/// What ended a sequence with [`FinishReason::Stop`], when it was not end-of-sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop string (`stop`); it is not part of the returned text.
+    String(String),
+    /// A token of the request's `stop_token_ids`.
+    Token(u32),
+}
+
 /// The last event of a request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FinishEvent {
     pub reason: FinishReason,
     /// Held-back text released at the end (text that turned out not to start a stop string).
     pub text: String,
-    /// The stop string that ended the sequence, if one did.
-    pub stop: Option<String>,
+    /// The stop string or requested stop token that ended the sequence, if one did (not set
+    /// for an end-of-sequence token: vLLM's `stop_reason`).
+    pub stop: Option<StopReason>,
     pub usage: Usage,
     /// Time from submission to the first scheduled step.
     pub queue_time: Duration,

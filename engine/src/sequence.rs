@@ -8,7 +8,7 @@ use rackfill_models::{DecodeStream, KvCache, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::error::Result;
-use crate::request::{Event, FinishEvent, FinishReason, TokenEvent, Usage};
+use crate::request::{Event, FinishEvent, FinishReason, StopReason, TokenEvent, Usage};
 use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob};
 use crate::stop::StopMatcher;
 
@@ -191,7 +191,13 @@ impl Sequence {
                 text: String::new(),
                 logprob,
             }));
-            self.finish(FinishReason::Stop, None);
+            // vLLM reports a requested stop token, not end-of-sequence.
+            let stop = self
+                .params
+                .stop_token_ids
+                .contains(&token)
+                .then_some(StopReason::Token(token));
+            self.finish(FinishReason::Stop, stop);
             return;
         }
         let delta = self.decoder.step(token).ok().flatten().unwrap_or_default();
@@ -201,19 +207,21 @@ impl Sequence {
             text: outcome.text,
             logprob,
         }));
-        if outcome.stop.is_some() {
-            self.finish(FinishReason::Stop, outcome.stop);
+        if let Some(stop) = outcome.stop {
+            self.finish(FinishReason::Stop, Some(StopReason::String(stop)));
         } else if self.generated.len() >= self.params.max_tokens as usize {
             self.finish(FinishReason::Length, None);
         }
     }
 
     /// Sends the final event; the scheduler frees the sequence at the end of the step.
-    pub fn finish(&mut self, reason: FinishReason, stop: Option<String>) {
+    pub fn finish(&mut self, reason: FinishReason, stop: Option<StopReason>) {
         if self.done {
             return;
         }
-        let text = if stop.is_some() {
+        // Text held back as a possible start of a stop string is dropped when one matched, and
+        // released otherwise.
+        let text = if matches!(stop, Some(StopReason::String(_))) {
             String::new()
         } else {
             let tail = self.decoder.flush().ok().flatten().unwrap_or_default();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use rackfill_balancer::Algo;
 use rackfill_engine::{
     EngineConfig, EngineError, EngineHandle, EpConfig, Event, FinishReason, GenerateRequest,
-    RequestStream, SamplingParams, SchedulerConfig, TokenLogprob,
+    RequestStream, SamplingParams, SchedulerConfig, StopReason, TokenLogprob,
 };
 use rackfill_models::{LogitsFor, ModelBundle, SequenceInput};
 
@@ -63,7 +63,7 @@ struct Outcome {
     text: String,
     prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     reason: Option<FinishReason>,
-    stop: Option<String>,
+    stop: Option<StopReason>,
 }
 
 fn collect(mut stream: RequestStream) -> Outcome {
@@ -206,8 +206,20 @@ fn stop_strings_and_seeded_sampling() {
     };
     let out = run_all(&engine, std::slice::from_ref(&prompt), &params).remove(0);
     assert_eq!(out.reason, Some(FinishReason::Stop));
-    assert_eq!(out.stop.as_deref(), Some(stop.as_str()));
+    assert_eq!(out.stop, Some(StopReason::String(stop.clone())));
     assert_eq!(out.text, free.text[..free.text.find(&stop).unwrap()]);
+    // Stop on a token of the greedy continuation: generation ends with its first occurrence,
+    // and the stop reason names the token (as vLLM's `stop_reason` does).
+    let stop_token = free.tokens[free.tokens.len() / 2];
+    let first = free.tokens.iter().position(|&t| t == stop_token).unwrap();
+    let params = SamplingParams {
+        stop_token_ids: vec![stop_token],
+        ..greedy(12)
+    };
+    let out = run_all(&engine, std::slice::from_ref(&prompt), &params).remove(0);
+    assert_eq!(out.reason, Some(FinishReason::Stop));
+    assert_eq!(out.stop, Some(StopReason::Token(stop_token)));
+    assert_eq!(out.tokens, free.tokens[..=first]);
     let seeded = SamplingParams {
         temperature: 1.0,
         seed: Some(7),

@@ -22,6 +22,9 @@ pub struct ModelInfo {
     /// Prompt plus generated tokens may not exceed this (the smaller of the model's context
     /// length and the KV budget of one rank).
     pub max_context: usize,
+    /// Sequences the engine queues at most: a request of more sequences (prompts times `n`) can
+    /// never be admitted, so it gets a 400 instead of a 429 to retry.
+    pub max_queued_sequences: usize,
     /// Whether `/v1/chat/completions` can render prompts.
     pub has_chat_template: bool,
     /// Sampling defaults from `generation_config.json`, used when a request omits them.
@@ -85,6 +88,7 @@ impl EngineBackend {
                 .unwrap_or(0),
             vocab_size: engine_info.vocab_size,
             max_context: engine_info.max_model_len.min(engine_info.max_reservation),
+            max_queued_sequences: engine_info.max_waiting,
             has_chat_template: meta.chat_template.is_some(),
             generation: meta.generation,
         };

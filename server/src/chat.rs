@@ -13,8 +13,9 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::completions::{common_params, CommonParams, StreamOptions};
-use crate::generate::{self, finish_reason, usage_json, ChunkFormat, Timing};
+use crate::generate::{self, finish_reason, stop_reason, usage_json, ChunkFormat, Timing};
 use crate::metrics as m;
+use crate::token_text::token_bytes;
 use crate::validation::{self as v, ApiError};
 use crate::{unix_now, AppState};
 
@@ -299,7 +300,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
                 "message": { "role": "assistant", "content": out.text, "refusal": null },
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(out.finish.reason),
-                "stop_reason": out.finish.stop,
+                "stop_reason": stop_reason(out.finish.stop.as_ref()),
             })
         })
         .collect();
@@ -322,19 +323,6 @@ struct ChatFormat {
     state: AppState,
     logprobs: bool,
     include_usage: bool,
-}
-
-/// A token as chat logprobs show it: its text and UTF-8 bytes (`bytes:\xNN` texts are decoded
-/// back to their raw bytes).
-fn token_bytes(text: &str) -> Vec<u8> {
-    match text.strip_prefix("bytes:") {
-        Some(hex) if hex.starts_with("\\x") => hex
-            .split("\\x")
-            .filter(|h| !h.is_empty())
-            .filter_map(|h| u8::from_str_radix(h, 16).ok())
-            .collect(),
-        _ => text.as_bytes().to_vec(),
-    }
 }
 
 impl ChatFormat {
@@ -422,7 +410,7 @@ impl ChunkFormat for ChatFormat {
             json!({ "content": finish.text })
         };
         let mut chunk = self.chunk(index, delta, None, Some(finish_reason(finish.reason)));
-        chunk["choices"][0]["stop_reason"] = json!(finish.stop);
+        chunk["choices"][0]["stop_reason"] = stop_reason(finish.stop.as_ref());
         chunk
     }
 

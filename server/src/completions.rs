@@ -12,8 +12,9 @@ use rackfill_engine::{FinishEvent, GenerateRequest, SamplingParams, TokenEvent, 
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::generate::{self, finish_reason, usage_json, ChunkFormat, Output, Timing};
+use crate::generate::{self, finish_reason, stop_reason, usage_json, ChunkFormat, Output, Timing};
 use crate::metrics as m;
+use crate::token_text::{token_bytes, TextOffsets};
 use crate::validation::{self as v, ApiError};
 use crate::{unix_now, AppState};
 
@@ -416,7 +417,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
         echo,
         logprobs: logprobs.is_some(),
         include_usage: resolved.include_usage,
-        offsets: vec![0; seqs.len()],
+        offsets: vec![TextOffsets::default(); seqs.len()],
     };
     if resolved.stream {
         return Ok(generate::stream_response(
@@ -468,12 +469,12 @@ impl LegacyLogprobs {
         state: &AppState,
         token: u32,
         lp: Option<&TokenLogprob>,
-        offset: &mut usize,
+        offsets: &mut TextOffsets,
     ) {
         let backend = state.backend();
         let text = backend.token_text(token);
-        self.text_offset.push(json!(*offset));
-        *offset += text.chars().count();
+        self.text_offset
+            .push(json!(offsets.next(&token_bytes(&text))));
         match lp {
             None => {
                 self.token_logprobs.push(Value::Null);
@@ -513,12 +514,17 @@ struct CompletionFormat {
     logprobs: bool,
     include_usage: bool,
     /// Running `text_offset` of each choice's stream.
-    offsets: Vec<usize>,
+    offsets: Vec<TextOffsets>,
 }
 
 impl CompletionFormat {
     fn prompt_of(&self, index: usize) -> &Prompt {
         &self.prompts[index / self.n]
+    }
+
+    /// Choice `index`'s running offsets, taken out while `self` is borrowed (put them back).
+    fn take_offsets(&mut self, index: usize) -> TextOffsets {
+        std::mem::take(&mut self.offsets[index])
     }
 
     /// Prompt positions of `echo` + `logprobs`.
@@ -527,14 +533,14 @@ impl CompletionFormat {
         index: usize,
         prompt_logprobs: Option<&[Option<TokenLogprob>]>,
         out: &mut LegacyLogprobs,
-        offset: &mut usize,
+        offsets: &mut TextOffsets,
     ) {
         let prompt = self.prompt_of(index);
         for (pos, &token) in prompt.ids.iter().enumerate() {
             let lp = prompt_logprobs
                 .and_then(|lps| lps.get(pos))
                 .and_then(Option::as_ref);
-            out.push(&self.state, token, lp, offset);
+            out.push(&self.state, token, lp, offsets);
         }
     }
 
@@ -547,12 +553,17 @@ impl CompletionFormat {
         text.push_str(&out.text);
         let logprobs = self.logprobs.then(|| {
             let mut lps = LegacyLogprobs::default();
-            let mut offset = 0;
+            let mut offsets = TextOffsets::default();
             if self.echo {
-                self.prompt_positions(index, out.prompt_logprobs.as_deref(), &mut lps, &mut offset);
+                self.prompt_positions(
+                    index,
+                    out.prompt_logprobs.as_deref(),
+                    &mut lps,
+                    &mut offsets,
+                );
             }
             for (&token, lp) in out.tokens.iter().zip(&out.logprobs) {
-                lps.push(&self.state, token, lp.as_ref(), &mut offset);
+                lps.push(&self.state, token, lp.as_ref(), &mut offsets);
             }
             lps.into_json()
         });
@@ -561,7 +572,7 @@ impl CompletionFormat {
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason(out.finish.reason),
-            "stop_reason": out.finish.stop,
+            "stop_reason": stop_reason(out.finish.stop.as_ref()),
         })
     }
 
@@ -606,11 +617,9 @@ impl ChunkFormat for CompletionFormat {
             return Vec::new();
         }
         let mut lps = LegacyLogprobs::default();
-        let mut offset = self.offsets.get(index).copied().unwrap_or(0);
-        self.prompt_positions(index, Some(&logprobs), &mut lps, &mut offset);
-        if let Some(o) = self.offsets.get_mut(index) {
-            *o = offset;
-        }
+        let mut offsets = self.take_offsets(index);
+        self.prompt_positions(index, Some(&logprobs), &mut lps, &mut offsets);
+        self.offsets[index] = offsets;
         let text = self.prompt_of(index).text.clone();
         vec![self.chunk(index, text, Some(lps.into_json()), None)]
     }
@@ -618,16 +627,14 @@ impl ChunkFormat for CompletionFormat {
     fn token(&mut self, index: usize, token: TokenEvent) -> Option<Value> {
         let logprobs = self.logprobs.then(|| {
             let mut lps = LegacyLogprobs::default();
-            let mut offset = self.offsets.get(index).copied().unwrap_or(0);
+            let mut offsets = self.take_offsets(index);
             lps.push(
                 &self.state,
                 token.token,
                 token.logprob.as_ref(),
-                &mut offset,
+                &mut offsets,
             );
-            if let Some(o) = self.offsets.get_mut(index) {
-                *o = offset;
-            }
+            self.offsets[index] = offsets;
             lps.into_json()
         });
         if token.text.is_empty() && logprobs.is_none() {
@@ -643,7 +650,7 @@ impl ChunkFormat for CompletionFormat {
             None,
             Some(finish_reason(finish.reason)),
         );
-        chunk["choices"][0]["stop_reason"] = json!(finish.stop);
+        chunk["choices"][0]["stop_reason"] = stop_reason(finish.stop.as_ref());
         chunk
     }
 

@@ -12,7 +12,8 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
 use metrics::{counter, histogram};
 use rackfill_engine::{
-    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, TokenEvent, TokenLogprob,
+    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent,
+    TokenLogprob,
 };
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
@@ -30,12 +31,25 @@ pub(crate) struct Seq {
 
 /// Submits every `(index, request)`; on the first refusal the already-submitted sequences are
 /// dropped (cancelled) and the refusal is returned, so a request is admitted whole or not at all.
+/// A request of more sequences than the engine ever queues is refused up front (400 on `n`):
+/// a 429 would tell the client to retry something that can never succeed.
 pub(crate) fn submit_all(
     state: &AppState,
     requests: Vec<(usize, GenerateRequest)>,
     prompt_param: &str,
 ) -> Result<Vec<Seq>, ApiError> {
     let backend = state.backend();
+    let queue = backend.info().max_queued_sequences;
+    if requests.len() > queue {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "this request needs {} sequences (prompts times n), more than the {queue} the \
+                 server queues at once (--max-waiting)",
+                requests.len()
+            ),
+        ));
+    }
     let mut seqs = Vec::with_capacity(requests.len());
     for (index, request) in requests {
         let stream = backend
@@ -91,6 +105,15 @@ pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
+    }
+}
+
+/// vLLM's `stop_reason`: the stop string, the requested stop token's id, or null.
+pub(crate) fn stop_reason(stop: Option<&StopReason>) -> Value {
+    match stop {
+        Some(StopReason::String(text)) => json!(text),
+        Some(StopReason::Token(id)) => json!(id),
+        None => Value::Null,
     }
 }
 

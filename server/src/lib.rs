@@ -15,7 +15,7 @@
 //! Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}` (see
 //! [`ApiError`]): 400 malformed JSON / wrong type / out of range (`param` names the field) and
 //! context overflow (both numbers in the message), 401 bad bearer token on `/v1/*`, 404 unknown
-//! model or route, 413 body over [`ServerConfig::max_body_bytes`], 429 admission or engine queue
+//! model or route, 405 method not taken by the route, 413 body over [`ServerConfig::max_body_bytes`], 429 admission or engine queue
 //! full, 503 engine stopped or server draining, 500 the engine failed an accepted request.
 //! Every response carries `x-request-id` (the client's, when it sent a sane one).
 //!
@@ -49,19 +49,21 @@ mod chat;
 mod completions;
 mod generate;
 pub mod metrics;
+mod observe;
+mod token_text;
 mod validation;
 
 use std::future::{Future, IntoFuture};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ::metrics::{counter, gauge, histogram};
+use ::metrics::counter;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -73,7 +75,6 @@ use rackfill_models::ModelBundle;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
-use tracing::Instrument;
 
 pub use backend::{Backend, EngineBackend, ModelInfo, ModelMeta};
 pub use completions::{MAX_N, MAX_SEQUENCES_PER_REQUEST};
@@ -266,13 +267,14 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/version", get(version))
         .merge(v1)
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             reject_oversized,
         ))
-        .layer(middleware::from_fn(observe))
+        .layer(middleware::from_fn(observe::observe))
         .with_state(state)
 }
 
@@ -339,48 +341,6 @@ pub async fn serve(
     let _ = tokio::task::spawn_blocking(move || backend.shutdown()).await;
     tracing::info!("server stopped");
     result
-}
-
-/// Request id, tracing span and HTTP metrics around every request.
-async fn observe(mut request: Request, next: Next) -> Response {
-    let request_id = request
-        .headers()
-        .get(REQUEST_ID_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .map(str::to_owned)
-        .unwrap_or_else(random_id);
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
-    let method = request.method().as_str().to_string();
-    if let Ok(value) = HeaderValue::from_str(&request_id) {
-        request.headers_mut().insert(REQUEST_ID_HEADER, value);
-    }
-    let span = tracing::info_span!("request", request_id = %request_id, %method, %route);
-    let start = Instant::now();
-    gauge!(metrics::HTTP_IN_FLIGHT).increment(1.0);
-    let mut response = next.run(request).instrument(span.clone()).await;
-    gauge!(metrics::HTTP_IN_FLIGHT).decrement(1.0);
-    let elapsed = start.elapsed();
-    let status = response.status();
-    counter!(metrics::HTTP_REQUESTS, "method" => method.clone(), "route" => route.clone(),
-        "status" => status.as_u16().to_string())
-    .increment(1);
-    histogram!(metrics::HTTP_DURATION, "method" => method, "route" => route)
-        .record(elapsed.as_secs_f64());
-    span.in_scope(|| {
-        tracing::info!(
-            status = status.as_u16(),
-            elapsed_ms = elapsed.as_secs_f64() * 1e3,
-            "response"
-        )
-    });
-    if let Ok(value) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert(REQUEST_ID_HEADER, value);
-    }
-    response
 }
 
 /// Bearer auth on `/v1/*` when an API key is configured; the comparison is constant-time.
@@ -492,5 +452,11 @@ fn model_card(state: &AppState) -> Value {
 
 async fn not_found(request: Request) -> Response {
     ApiError::RouteNotFound(format!("{} {}", request.method(), request.uri().path()))
+        .into_response()
+}
+
+/// The error envelope for a method the route does not take (axum adds the `allow` header).
+async fn method_not_allowed(request: Request) -> Response {
+    ApiError::MethodNotAllowed(format!("{} {}", request.method(), request.uri().path()))
         .into_response()
 }

@@ -9,10 +9,11 @@ use rackfill_engine::metrics as engine;
 
 /// HTTP requests answered, by `method`, `route` and `status`.
 pub const HTTP_REQUESTS: &str = "rackfill:http_requests_total";
-/// Time to the response head, by `method` and `route` (a stream's body is not included).
+/// Time from a request's arrival to the end of its response body (a stream's last event), by
+/// `method` and `route`.
 pub const HTTP_DURATION: &str = "rackfill:http_request_duration_seconds";
-/// HTTP requests being handled, until their response head (a stream's body is not included;
-/// `rackfill:num_requests_running` counts sequences in the engine).
+/// HTTP requests being handled, until their response body is done (a stream's last event) or
+/// the client went away (`rackfill:num_requests_running` counts sequences in the engine).
 pub const HTTP_IN_FLIGHT: &str = "rackfill:http_requests_in_flight";
 /// Time from a generation request's arrival to its first output (token, prompt logprobs or the
 /// end of a `max_tokens: 0` request).

@@ -31,6 +31,9 @@ pub enum ApiError {
     /// No such route (404).
     #[error("no route for {0}")]
     RouteNotFound(String),
+    /// The route exists but not for this method (405; the `allow` header lists the methods).
+    #[error("{0} is not allowed on this route")]
+    MethodNotAllowed(String),
     /// The body is larger than `--max-body-bytes` (413).
     #[error("the request body exceeds the limit of {0} bytes")]
     PayloadTooLarge(usize),
@@ -61,6 +64,7 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -75,6 +79,7 @@ impl ApiError {
             | Self::ContextLength { .. }
             | Self::ModelNotFound(_)
             | Self::RouteNotFound(_)
+            | Self::MethodNotAllowed(_)
             | Self::PayloadTooLarge(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::TooManyRequests(_) => "rate_limit_error",
@@ -101,6 +106,7 @@ impl ApiError {
             Self::Unauthorized(_) => Some("invalid_api_key"),
             Self::ModelNotFound(_) => Some("model_not_found"),
             Self::RouteNotFound(_) => Some("not_found"),
+            Self::MethodNotAllowed(_) => Some("method_not_allowed"),
             Self::PayloadTooLarge(_) => Some("payload_too_large"),
             Self::TooManyRequests(_) => Some("rate_limit_exceeded"),
             Self::Unavailable(_) => Some("service_unavailable"),

@@ -273,6 +273,57 @@ async fn echo_logprobs_scores_the_prompt() {
         );
     }
 
+    // Offsets index the returned text even where tokens split characters (byte-level BPE
+    // shows those as `bytes:\xNN`), streamed or not.
+    let text = "héllo wörld, 日本語 😀!";
+    let request = json!({"prompt": text, "max_tokens": 0, "echo": true, "logprobs": 0});
+    let (status, unicode) = server.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{unicode}");
+    let chars: Vec<char> = text.chars().collect();
+    let unicode_lp = &unicode["choices"][0]["logprobs"];
+    let offsets: Vec<usize> = unicode_lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    assert!(offsets.iter().all(|&o| o < chars.len()), "{offsets:?}");
+    let mut split = 0;
+    for (token, &offset) in unicode_lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&offsets)
+    {
+        let token = token.as_str().unwrap();
+        if token.starts_with("bytes:") {
+            split += 1;
+            continue;
+        }
+        let at: String = chars[offset..].iter().take(token.chars().count()).collect();
+        assert_eq!(at, token, "offset {offset} in {offsets:?}");
+    }
+    assert!(split > 0, "no token splits a character: {unicode_lp}");
+    let mut streamed = Vec::new();
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(
+            &json!({"prompt": text, "max_tokens": 0, "echo": true, "logprobs": 0,
+                      "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    for chunk in json_chunks(&read_sse(response).await) {
+        if let Some(o) = chunk["choices"][0]["logprobs"]["text_offset"].as_array() {
+            streamed.extend(o.iter().map(|o| o.as_u64().unwrap() as usize));
+        }
+    }
+    assert_eq!(streamed, offsets);
+
     // Token-id prompts score the same.
     let (status, by_ids) = server
         .post(
@@ -370,6 +421,62 @@ async fn chat_template_stop_and_seed() {
         assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 3);
         assert!(entry["bytes"].is_array());
     }
+    server.shutdown().await.unwrap();
+}
+
+/// A `stop_token_ids` token ends generation with `stop_reason` naming it (vLLM's field), on
+/// completions and chat, streamed or not; a stop string is named as itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reason_names_the_stop_token_or_string() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    // A +100 bias makes a whole-word token the first one drawn.
+    let id = server.state.backend().tokenize(" world", false).unwrap()[0];
+    let text = server.state.backend().token_text(id);
+    assert!(
+        text.chars().all(|c| c.is_ascii_graphic() || c == ' '),
+        "{text}"
+    );
+    let bias = json!({id.to_string(): 100});
+    let forced = json!({"logit_bias": bias, "stop_token_ids": [id], "max_tokens": 5,
+                        "temperature": 0});
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (route, mut request) in [
+        ("/v1/completions", json!({"prompt": "hi"})),
+        ("/v1/chat/completions", json!({"messages": user})),
+    ] {
+        request
+            .as_object_mut()
+            .unwrap()
+            .extend(forced.as_object().unwrap().clone());
+        let (status, body) = server.post(route, &request).await;
+        assert_eq!(status, 200, "{route}: {body}");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{route}");
+        assert_eq!(body["choices"][0]["stop_reason"], id, "{route}");
+        assert_eq!(body["usage"]["completion_tokens"], 1, "{route}");
+        request["stream"] = json!(true);
+        let response = server
+            .client
+            .post(server.url(route))
+            .json(&request)
+            .send()
+            .await
+            .unwrap();
+        let chunks = json_chunks(&read_sse(response).await);
+        let last = &chunks.last().unwrap()["choices"][0];
+        assert_eq!(last["finish_reason"], "stop", "{route}");
+        assert_eq!(last["stop_reason"], id, "{route}");
+    }
+    // Without the stop token, the forced token repeats to `max_tokens`; a stop string naming
+    // its text stops there instead and is reported as a string.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "hi", "logit_bias": bias, "stop": [text.clone()],
+                    "max_tokens": 5, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["stop_reason"], json!(text), "{body}");
     server.shutdown().await.unwrap();
 }
 
@@ -1099,6 +1206,16 @@ async fn bad_inputs_table() {
             Some("invalid_value"),
         ),
         (
+            // 2 x 200 sequences: more than the engine queues (256), so never admissible; a
+            // 429 would have the client retry forever.
+            "more sequences than the queue holds",
+            C,
+            body(json!({"prompt": ["a", "b"], "n": 200, "max_tokens": 1})),
+            400,
+            Some("n"),
+            Some("invalid_value"),
+        ),
+        (
             "chat unknown model",
             CHAT,
             body(json!({"messages": user, "model": "nope"})),
@@ -1151,8 +1268,23 @@ async fn bad_inputs_table() {
     let (status, text) = server.get("/v1/nope").await;
     assert_eq!(status, 404);
     assert!(text.contains("\"error\""));
-    let response = server.client.get(server.url(C)).send().await.unwrap();
-    assert_eq!(response.status().as_u16(), 405);
+    for (method, route, allow) in [
+        (reqwest::Method::GET, C, "POST"),
+        (reqwest::Method::PUT, CHAT, "POST"),
+        (reqwest::Method::DELETE, "/v1/models", "GET,HEAD"),
+    ] {
+        let response = server
+            .client
+            .request(method.clone(), server.url(route))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 405, "{method} {route}");
+        assert_eq!(response.headers()["allow"], allow, "{method} {route}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
 
     // The server still serves after all of that.
     let (status, _) = server

@@ -1,0 +1,115 @@
+//! The HTTP metrics follow a request to the end of its response body: a stream counts as in
+//! flight until it ends or its client goes away, and a request whose client leaves before the
+//! response is counted (status 499) and leaves the in-flight gauge. One test in its own binary:
+//! the Prometheus recorder is process-wide, and other tests' requests would move the gauge.
+
+mod common;
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use common::TestServer;
+use futures_util::StreamExt;
+use rackfill_server::ServerConfig;
+use serde_json::json;
+
+/// The sum of every sample of `name` whose labels contain all of `labels` (`key="value"`).
+fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let rest = series.strip_prefix(name)?;
+            let matches = (rest.is_empty() || rest.starts_with('{'))
+                && labels.iter().all(|l| rest.contains(l));
+            matches.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+const IN_FLIGHT: &str = "rackfill:http_requests_in_flight";
+
+async fn metrics(server: &TestServer) -> String {
+    let (status, text) = server.get("/metrics").await;
+    assert_eq!(status, 200);
+    text
+}
+
+/// Polls `/metrics` until the gauge reads `want` (the `/metrics` request itself included).
+async fn wait_for_in_flight(server: &TestServer, want: f64) -> String {
+    for _ in 0..200 {
+        let text = metrics(server).await;
+        if sample(&text, IN_FLIGHT, &[]) == want {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{IN_FLIGHT} never read {want}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_observed_to_the_end_of_their_body() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true});
+
+    // Only the /metrics request itself is in flight.
+    wait_for_in_flight(&server, 1.0).await;
+
+    // A stream is in flight from its first event until its client goes away.
+    let mut stream_request = long.clone();
+    stream_request["stream"] = json!(true);
+    let response = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&stream_request)
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    assert!(!body.next().await.unwrap().unwrap().is_empty());
+    assert_eq!(sample(&metrics(&server).await, IN_FLIGHT, &[]), 2.0);
+    drop(body);
+    let text = wait_for_in_flight(&server, 1.0).await;
+    let completions = ["route=\"/v1/completions\""];
+    assert_eq!(
+        sample(&text, "rackfill:http_requests_total", &completions),
+        1.0,
+        "the stream is counted once it ends"
+    );
+    // Its duration covers the events sent, not just the response head.
+    let duration = sample(
+        &text,
+        "rackfill:http_request_duration_seconds_sum",
+        &completions,
+    );
+    assert!(duration > 0.0, "{duration}");
+
+    // A client that leaves before a non-streamed response: counted as 499, not left in flight.
+    let payload = serde_json::to_vec(&long).unwrap();
+    let mut socket = std::net::TcpStream::connect(server.addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        payload.len()
+    )
+    .unwrap();
+    socket.write_all(&payload).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sample(&metrics(&server).await, IN_FLIGHT, &[]), 2.0);
+    drop(socket);
+    let text = wait_for_in_flight(&server, 1.0).await;
+    assert_eq!(
+        sample(
+            &text,
+            "rackfill:http_requests_total",
+            &["route=\"/v1/completions\"", "status=\"499\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, "rackfill:http_requests_total", &completions),
+        2.0
+    );
+    server.shutdown().await.unwrap();
+}
