@@ -122,6 +122,30 @@ def cfg_qwen3_moe_nonorm():
     )
 
 
+def cfg_qwen3_moe_attnbias():
+    # attention_bias: q, k, v *and* o_proj carry biases; grouped-query with one KV head.
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
 def cfg_qwen2_moe():
     return Qwen2MoeConfig(
         vocab_size=VOCAB,
@@ -206,6 +230,7 @@ FIXTURES = {
     # name: (config builder, on-disk dtype, save_pretrained kwargs, base seed)
     "qwen3_moe": (cfg_qwen3_moe, torch.float32, {}, 1000),
     "qwen3_moe_nonorm": (cfg_qwen3_moe_nonorm, torch.bfloat16, {}, 2000),
+    "qwen3_moe_attnbias": (cfg_qwen3_moe_attnbias, torch.float32, {}, 7000),
     "qwen2_moe": (cfg_qwen2_moe, torch.bfloat16, {}, 3000),
     "mixtral": (cfg_mixtral, torch.float16, {"max_shard_size": "100KB"}, 4000),
     "deepseek_v3": (lambda: _cfg_deepseek(32, True), torch.float32, {}, 5000),

@@ -134,8 +134,12 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub rope: RopeConfig,
-    /// q, k, v projections carry a bias (Qwen2-MoE).
+    /// q, k, v projections carry a bias (Qwen2-MoE's `qkv_bias`, Qwen3-MoE's and
+    /// DeepSeek-V3's `attention_bias`).
     pub attention_bias: bool,
+    /// The attention output projection `o_proj` carries a bias too (Qwen3-MoE's
+    /// `attention_bias`; Qwen2-MoE's and Mixtral's never have one).
+    pub attention_out_bias: bool,
     /// Per-head RMSNorm on q and k before RoPE (Qwen3-MoE).
     pub qk_norm: bool,
     /// Dense MLP width for layers that are not sparse.
@@ -318,6 +322,20 @@ impl Raw<'_> {
         }
     }
 
+    /// Every MLP and expert here is SiLU-gated (`silu(gate) * up`): a config asking for another
+    /// activation is refused rather than served with the wrong one.
+    fn check_activation(&self) -> Result<()> {
+        match self.first(&["hidden_act"]) {
+            None => Ok(()),
+            Some((_, Value::String(act))) if act == "silu" || act == "swish" => Ok(()),
+            Some((_, Value::String(act))) => Err(self.error(format!(
+                "hidden_act \"{act}\" is not supported: rackfill runs SiLU-gated MLPs only \
+                 (\"silu\")"
+            ))),
+            Some(_) => Err(self.error("hidden_act must be a string".into())),
+        }
+    }
+
     /// Token ids given as one integer or a list of integers.
     fn token_ids(&self, name: &str) -> Result<Vec<u32>> {
         let bad = || self.error(format!("{name} must be an integer or a list of integers"));
@@ -464,6 +482,7 @@ impl Raw<'_> {
             }
         };
         let sparse_layers = self.sparse_layers(family, num_layers, num_experts)?;
+        self.check_activation()?;
         if let Some(window) = self.opt_bool(&["use_sliding_window"])? {
             if window && family != Family::Mixtral {
                 return Err(self.error("use_sliding_window=true is not supported".into()));
@@ -493,8 +512,14 @@ impl Raw<'_> {
             rope: self.rope()?,
             attention_bias: match family {
                 Family::Qwen2Moe => self.opt_bool(&["qkv_bias"])?.unwrap_or(true),
-                _ => self.opt_bool(&["attention_bias"])?.unwrap_or(false),
+                // transformers' Mixtral has no attention bias, whatever the config says.
+                Family::Mixtral => false,
+                Family::Qwen3Moe | Family::DeepseekV3 => {
+                    self.opt_bool(&["attention_bias"])?.unwrap_or(false)
+                }
             },
+            attention_out_bias: family == Family::Qwen3Moe
+                && self.opt_bool(&["attention_bias"])?.unwrap_or(false),
             qk_norm: family == Family::Qwen3Moe,
             intermediate_size,
             moe: MoeConfig {

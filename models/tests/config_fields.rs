@@ -127,3 +127,30 @@ fn wrong_types_name_the_field() {
     let err = parse(&qwen3(json!({"num_experts": 8, "mlp_only_layers": "none"}))).unwrap_err();
     assert!(err.to_string().contains("mlp_only_layers"), "{err}");
 }
+
+#[test]
+fn only_silu_gated_mlps_are_accepted() {
+    for act in ["silu", "swish"] {
+        parse(&qwen3(json!({"num_experts": 8, "hidden_act": act}))).unwrap();
+    }
+    for act in ["gelu", "relu", "gelu_pytorch_tanh"] {
+        let err = parse(&qwen3(json!({"num_experts": 8, "hidden_act": act}))).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("hidden_act") && message.contains(act),
+            "{message}"
+        );
+    }
+    let err = parse(&qwen3(json!({"num_experts": 8, "hidden_act": 3}))).unwrap_err();
+    assert!(err.to_string().contains("hidden_act"), "{err}");
+}
+
+#[test]
+fn output_projection_bias_follows_the_family() {
+    // Qwen3-MoE's attention_bias covers o_proj too; Qwen2-MoE's qkv_bias does not, and
+    // transformers' Mixtral has no attention bias at all.
+    let config = parse(&qwen3(json!({"num_experts": 8, "attention_bias": true}))).unwrap();
+    assert!(config.attention_bias && config.attention_out_bias);
+    let config = parse(&qwen3(json!({"num_experts": 8}))).unwrap();
+    assert!(!config.attention_bias && !config.attention_out_bias);
+}

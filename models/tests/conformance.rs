@@ -114,6 +114,12 @@ fn qwen3_moe_without_topk_renormalisation_matches_transformers() {
 }
 
 #[test]
+fn qwen3_moe_with_attention_bias_matches_transformers() {
+    // q, k, v and o projections all carry biases; one KV head.
+    check_family("qwen3_moe_attnbias");
+}
+
+#[test]
 fn qwen2_moe_matches_transformers() {
     check_family("qwen2_moe");
 }

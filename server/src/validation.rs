@@ -298,7 +298,9 @@ pub fn logit_bias(map: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError>
 pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
     match requested {
         None => Ok(()),
-        Some(name) if name == served => Ok(()),
+        // A directory given as `--model DIR/` is served as `DIR`; clients may still send it
+        // the way it was typed.
+        Some(name) if name == served || name.trim_end_matches('/') == served => Ok(()),
         Some(name) => Err(ApiError::ModelNotFound(name.chars().take(256).collect())),
     }
 }
@@ -385,5 +387,16 @@ mod tests {
             stop_strings(Some(&json!(3))).unwrap_err().param(),
             Some("stop")
         );
+    }
+
+    #[test]
+    fn a_model_named_as_typed_with_a_trailing_slash_is_the_served_one() {
+        assert!(check_model(None, "models/q3").is_ok());
+        assert!(check_model(Some("models/q3"), "models/q3").is_ok());
+        assert!(check_model(Some("models/q3/"), "models/q3").is_ok());
+        assert!(check_model(Some("models/q3//"), "models/q3").is_ok());
+        let err = check_model(Some("models/q"), "models/q3").unwrap_err();
+        assert_eq!(err.code(), Some("model_not_found"));
+        assert!(check_model(Some("/"), "models/q3").is_err());
     }
 }

@@ -195,8 +195,8 @@ fn softmax_prefix(row: &mut [f32], visible: usize, scale: f32) -> f32 {
     fastmath::softmax_numerators(seen, scale)
 }
 
-/// Grouped-query attention (Qwen2-MoE, Qwen3-MoE, Mixtral): optional qkv bias, optional per-head
-/// q/k RMSNorm before RoPE.
+/// Grouped-query attention (Qwen2-MoE, Qwen3-MoE, Mixtral): optional qkv bias (and output bias,
+/// Qwen3-MoE's `attention_bias`), optional per-head q/k RMSNorm before RoPE.
 pub struct GqaAttention {
     q_proj: Linear,
     k_proj: Linear,
@@ -225,7 +225,12 @@ impl GqaAttention {
             q_proj: Linear::load(&w.pp("q_proj"), hidden, heads * head_dim, bias)?,
             k_proj: Linear::load(&w.pp("k_proj"), hidden, kv_heads * head_dim, bias)?,
             v_proj: Linear::load(&w.pp("v_proj"), hidden, kv_heads * head_dim, bias)?,
-            o_proj: Linear::load(&w.pp("o_proj"), heads * head_dim, hidden, false)?,
+            o_proj: Linear::load(
+                &w.pp("o_proj"),
+                heads * head_dim,
+                hidden,
+                config.attention_out_bias,
+            )?,
             q_norm: config.qk_norm.then(|| norm("q_norm")).transpose()?,
             k_norm: config.qk_norm.then(|| norm("k_norm")).transpose()?,
             rope: Rope::new(&config.rope, head_dim, false),
