@@ -186,7 +186,7 @@ pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
     if !args.balancers.is_empty() {
         run.algos = dedup(&args.balancers);
     }
-    eprintln!(
+    note!(
         "bench balance: {} suites x {} steps x {} balancers (seed {})",
         run.suites.len(),
         steps,
@@ -199,7 +199,7 @@ pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
             .get(p.done)
             .is_none_or(|next| next.shape() != p.suite.shape());
         if last_of_shape {
-            eprintln!(
+            note!(
                 "  [{}/{}] shape {} done, {:.1} s",
                 p.done,
                 p.total,
@@ -283,7 +283,7 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
                 if last_print.elapsed().as_secs_f64() >= 2.0 || Some(steps_done) == total {
                     last_print = std::time::Instant::now();
                     let of = total.map_or(String::new(), |t| format!("/{t}"));
-                    eprintln!("  step {steps_done}{of}, {:.1} s", elapsed.as_secs_f64());
+                    note!("  step {steps_done}{of}, {:.1} s", elapsed.as_secs_f64());
                 }
             }
         }
@@ -309,7 +309,7 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
         })?;
         let config = config(reader.ranks(), reader.experts(), args.slots.unwrap_or(2))?;
         let layers = reader.layers().to_vec();
-        eprintln!(
+        note!(
             "bench balance: {} ({} ranks, {} experts, {} layers) x {} balancers",
             source,
             reader.ranks(),
@@ -353,7 +353,7 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
             spec.family.label(),
             args.seed
         );
-        eprintln!(
+        note!(
             "bench balance: {name}, {steps} steps x {} layers x {} balancers",
             spec.layers,
             config.algos.len()
@@ -376,7 +376,7 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
                     generator.map(|step| writer.write_step(&step).map(|()| step).map_err(cannot));
                 let report = replay(source, &name, &layers, &config, progress(Some(steps)))?;
                 writer.finish().map_err(cannot)?;
-                eprintln!("trace written to {}", path.display());
+                note!("trace written to {}", path.display());
                 report
             }
         }
@@ -390,7 +390,7 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.plot {
         write_chart(path, &report.imbalance_chart())?;
-        eprintln!("plot written to {}", path.display());
+        note!("plot written to {}", path.display());
     }
     if report.validation_failures > 0 {
         bail!(

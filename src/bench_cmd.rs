@@ -173,7 +173,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
             }
         }
     }
-    eprintln!(
+    note!(
         "bench ep: {name}, {} prompts ({} tokens), {} rounds",
         prompts.len(),
         prompts.iter().map(Vec::len).sum::<usize>(),
@@ -242,9 +242,10 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
         }
         None => (synthetic_bench_model(args.seed)?, "bench-shape".to_string()),
     };
-    eprintln!(
+    note!(
         "bench forward: {name}, prompts {:?} tokens, {} repeats",
-        args.tokens, args.repeats
+        args.tokens,
+        args.repeats
     );
     let report = run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?;
     outln!("| tokens | tokens/s | seconds (each run) |");
@@ -285,6 +286,6 @@ pub(crate) fn write_json(
         .and_then(|()| w.write_all(b"\n").map_err(serde_json::Error::io))
         .and_then(|()| w.flush().map_err(serde_json::Error::io))
         .with_context(|| format!("cannot write {}", path.display()))?;
-    eprintln!("report written to {}", path.display());
+    note!("report written to {}", path.display());
     Ok(())
 }

@@ -92,7 +92,7 @@ mod imp {
                 match nvrtc::compile(&source, arch) {
                     Ok(ptx) => outln!("ok {} {arch} ({} bytes PTX)", source.name, ptx.bytes),
                     Err(CompileFailure::Source { log, .. }) => {
-                        eprintln!("FAILED {} {arch}:\n{log}", source.name);
+                        note!("FAILED {} {arch}:\n{log}", source.name);
                         failed += 1;
                     }
                     Err(other) => return Err(other.into()),

@@ -17,6 +17,14 @@ macro_rules! out {
     };
 }
 
+/// `eprintln!` for progress and notes: a closed stderr (`rackfill bench balance 2>&1 | head -1`)
+/// loses the line instead of panicking.
+macro_rules! note {
+    ($($arg:tt)*) => {
+        $crate::write_err(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod balance_cmd;
 mod bench_cmd;
 mod kernels_cmd;
@@ -66,9 +74,27 @@ fn write_out(text: std::fmt::Arguments<'_>) {
         if err.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(141);
         }
-        eprintln!("error: cannot write to stdout: {err}");
+        note!("error: cannot write to stdout: {err}");
         std::process::exit(2);
     }
+}
+
+/// Writes to stderr, ignoring a failure (see [`note!`]).
+fn write_err(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_fmt(text);
+}
+
+/// Whether `err` comes from writing to a pipe whose reader has gone.
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    let broken = Some(std::io::ErrorKind::BrokenPipe);
+    err.chain().any(|cause| {
+        cause.downcast_ref::<std::io::Error>().map(|io| io.kind()) == broken
+            || cause
+                .downcast_ref::<serde_json::Error>()
+                .and_then(serde_json::Error::io_error_kind)
+                == broken
+    })
 }
 
 fn main() -> ExitCode {
@@ -82,9 +108,11 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // Output went to a pipe that closed (`| head`): end quietly, as `outln!` does.
+        Err(err) if is_broken_pipe(&err) => ExitCode::from(141),
         Err(err) => {
             // One line: the chain of causes, joined.
-            eprintln!("error: {err:#}");
+            note!("error: {err:#}");
             ExitCode::from(2)
         }
     }

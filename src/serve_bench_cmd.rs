@@ -208,7 +208,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         if !args.no_warmup {
             warmup(&target, &workload.requests[0]).await?;
         }
-        eprintln!(
+        note!(
             "bench serve: {} requests ({}) to {}{} model {}",
             workload.requests.len(),
             workload.dataset,
@@ -241,7 +241,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         }?;
         std::fs::write(path, json + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
+        note!("wrote {}", path.display());
     }
     if let Some(prefix) = &args.plot_prefix {
         let format = match args.plot_format {
@@ -249,7 +249,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             PlotFormatArg::Svg => PlotFormat::Svg,
         };
         for path in write_plots(prefix, format, &reports)? {
-            eprintln!("wrote {}", path.display());
+            note!("wrote {}", path.display());
         }
     }
     if reports.iter().all(|r| r.summary.completed == 0) {
@@ -319,7 +319,7 @@ fn workload(
             };
             let requests = dataset::load_sharegpt(path()?, params, n, args.seed)?;
             if requests.len() < n {
-                eprintln!(
+                note!(
                     "bench serve: only {} conversations pass the length filter ({n} requested)",
                     requests.len()
                 );

@@ -166,7 +166,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
                 );
             }
             for path in request_plots(&report, prefix, &args.plot_format)? {
-                eprintln!("wrote {}", path.display());
+                note!("wrote {}", path.display());
             }
         }
         return Ok(());
@@ -189,7 +189,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     print_report(args.json, &report, || throughput_table(&report))?;
     if let Some(prefix) = &args.plot_prefix {
         for path in throughput_plots(&report, prefix, &args.plot_format)? {
-            eprintln!("wrote {}", path.display());
+            note!("wrote {}", path.display());
         }
     }
     Ok(())

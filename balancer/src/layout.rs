@@ -52,6 +52,14 @@ impl Layout {
         if ranks > u32::MAX as usize || home.len() > u32::MAX as usize {
             return Err(BalanceError::TooLarge);
         }
+        // A rank never holds an expert twice, so more slots than experts can never be used;
+        // refusing them also bounds every per-slot buffer by the load matrix's size.
+        if slots_per_rank > home.len().max(1) {
+            return Err(BalanceError::TooManySlots {
+                slots: slots_per_rank,
+                experts: home.len(),
+            });
+        }
         let mut counts = vec![0u32; ranks + 1];
         for (expert, &h) in home.iter().enumerate() {
             if h as usize >= ranks {

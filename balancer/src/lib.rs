@@ -43,6 +43,11 @@ use std::str::FromStr;
 pub enum BalanceError {
     #[error("an EP group needs at least one rank")]
     NoRanks,
+    #[error(
+        "{slots} redundant slots per rank: at most {experts} (one per expert) can ever hold a \
+         replica"
+    )]
+    TooManySlots { slots: usize, experts: usize },
     #[error("input too large: counts or sizes overflow 64-bit totals")]
     TooLarge,
     #[error("home of expert {expert} is rank {home}, but there are only {ranks} ranks")]

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use rackfill_balancer::metrics::{evaluate, lower_bound};
-use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings, TokenAssignment};
+use rackfill_balancer::{Algo, BalanceError, Layout, LoadMatrix, Plan, Settings, TokenAssignment};
 
 /// Load shapes that stress different parts of the planners.
 #[derive(Debug, Clone, Copy)]
@@ -130,6 +130,7 @@ proptest! {
         scale in prop_oneof![1u64..300, (1u64 << 28)..(1u64 << 40)],
         scatter_home in any::<bool>(),
     ) {
+        let slots = slots.min(experts);
         let layout = if scatter_home {
             let home = (0..experts).map(|e| ((e * 5 + seed as usize) % ranks) as u32).collect();
             Layout::with_home(ranks, home, slots).unwrap()
@@ -147,7 +148,7 @@ proptest! {
         slots in 0usize..3,
         seed in any::<u64>(),
     ) {
-        let layout = Layout::contiguous(ranks, experts, slots).unwrap();
+        let layout = Layout::contiguous(ranks, experts, slots.min(experts)).unwrap();
         let settings = Settings { history_window: 3, rebalance_interval: 2, ..Settings::default() };
         let mut a = Algo::EplbHistory.build(&settings);
         let mut b = Algo::EplbHistory.build(&settings);
@@ -228,4 +229,16 @@ fn shape_mismatch_is_an_error_not_a_panic() {
             .unwrap_err();
         assert!(err.to_string().contains("3 x 8"), "{algo}: {err}");
     }
+}
+
+#[test]
+fn more_slots_than_experts_are_refused() {
+    // A rank never holds an expert twice: a slot beyond the expert count could never be filled.
+    for (ranks, experts, slots) in [(2, 4, 5), (1, 0, 2), (3, 3, usize::MAX)] {
+        let err = Layout::contiguous(ranks, experts, slots).unwrap_err();
+        assert_eq!(err, BalanceError::TooManySlots { slots, experts });
+        assert!(err.to_string().contains("at most"), "{err}");
+    }
+    assert_eq!(Layout::contiguous(2, 4, 4).unwrap().slots_per_rank(), 4);
+    assert_eq!(Layout::contiguous(2, 0, 1).unwrap().slots_per_rank(), 1);
 }

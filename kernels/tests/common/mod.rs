@@ -32,7 +32,7 @@ impl Rng {
 pub fn random_layout(rng: &mut Rng, max_ranks: u64, max_experts: u64) -> Layout {
     let ranks = 1 + rng.below(max_ranks) as usize;
     let experts = 1 + rng.below(max_experts) as usize;
-    let slots = rng.below(4) as usize;
+    let slots = (rng.below(4) as usize).min(experts);
     if rng.below(3) == 0 {
         let home = (0..experts)
             .map(|_| rng.below(ranks as u64) as u32)
