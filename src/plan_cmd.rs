@@ -174,20 +174,31 @@ fn print_summary(r: &PlanReport) {
     );
 }
 
+/// The input document. Fields stay JSON values so that errors can name the offending row and
+/// column; the struct itself refuses unknown and duplicate fields (a repeated `"load"` must not
+/// silently replace the first).
+#[derive(serde::Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a JSON object with a \"load\" field and an optional \"home\""
+)]
+struct LoadDocument {
+    load: Option<Value>,
+    home: Option<Value>,
+}
+
 /// Parses and checks the input document, naming the offending row, column or field.
 fn parse_load(text: &str) -> Result<(LoadMatrix, Option<Vec<u32>>)> {
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| anyhow::anyhow!("load file is not JSON: {e}"))?;
-    let Value::Object(fields) = doc else {
+    // serde would also read the struct from an array of its fields; only an object is valid.
+    if !text.trim_start().starts_with('{') {
         bail!("load file must be a JSON object with a \"load\" field");
-    };
-    if let Some(key) = fields.keys().find(|k| *k != "load" && *k != "home") {
-        bail!("unknown field \"{key}\" (expected \"load\" and optional \"home\")");
     }
-    let rows = match fields.get("load") {
+    let doc: LoadDocument = serde_json::from_str(text)
+        .map_err(|e| anyhow::anyhow!("load file is not a valid load document: {e}"))?;
+    let rows = match &doc.load {
         Some(Value::Array(rows)) => rows,
+        Some(Value::Null) | None => bail!("missing field \"load\""),
         Some(_) => bail!("\"load\" must be an array of rows"),
-        None => bail!("missing field \"load\""),
     };
     if rows.is_empty() {
         bail!("\"load\" has no rows: at least one rank is needed");
@@ -202,7 +213,7 @@ fn parse_load(text: &str) -> Result<(LoadMatrix, Option<Vec<u32>>)> {
             .enumerate()
             .map(|(e, c)| {
                 c.as_u64().ok_or_else(|| {
-                    anyhow::anyhow!("load[{r}][{e}] = {c} is not a non-negative integer")
+                    anyhow::anyhow!("load[{r}][{e}] = {c} is not a whole number from 0 to 2^64-1")
                 })
             })
             .collect::<Result<Vec<u64>>>()?;
@@ -212,7 +223,7 @@ fn parse_load(text: &str) -> Result<(LoadMatrix, Option<Vec<u32>>)> {
     if load.experts() == 0 {
         bail!("load rows are empty: at least one expert is needed");
     }
-    let home = match fields.get("home") {
+    let home = match &doc.home {
         None | Some(Value::Null) => None,
         Some(Value::Array(h)) => {
             if h.len() != load.experts() {

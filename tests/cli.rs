@@ -126,6 +126,14 @@ fn bad_input_exits_2_with_one_line() {
         ),
         (r#"{"load": []}"#, "no ranks"),
         (r#"{"loads": [[1]]}"#, "missing load"),
+        // A repeated field must not silently replace the first.
+        (
+            r#"{"load": [[1, 2], [3, 4]], "load": [[1]]}"#,
+            "duplicate load",
+        ),
+        (r#"[[[1, 2]]]"#, "an array, not an object"),
+        (r#"{"load": [[18446744073709551616]]}"#, "beyond 2^64-1"),
+        (r#"{"load": [[1, 2]], "slots": 1}"#, "unknown field"),
     ];
     for (input, what) in cases {
         let out = plan(&["--load", "-"], input);
@@ -140,6 +148,41 @@ fn bad_input_exits_2_with_one_line() {
     assert_eq!(out.status.code(), Some(2));
     let out = plan(&["--load", "-", "--ranks", "3"], SKEWED);
     assert_eq!(out.status.code(), Some(2), "--ranks must match the rows");
+    // More slots than experts can never be used: refused before anything is allocated.
+    let out = plan(&["--load", "-", "--slots", "18446744073709551615"], SKEWED);
+    assert_eq!(out.status.code(), Some(2), "huge --slots");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("at most"), "{err}");
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    // `rackfill plan ... | head -c 1` on a plan whose JSON is far larger than a pipe's buffer:
+    // the reader goes away after one byte, and the writer must end without a panic.
+    let rows: Vec<Vec<u64>> = (0..8)
+        .map(|r| (0..20_000).map(|e| (e * 7 + r) % 13).collect())
+        .collect();
+    let input = serde_json::json!({ "load": rows }).to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rackfill"))
+        .args(["plan", "--load", "-", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    drop(stdout);
+    writer.join().unwrap().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(141), "{err}");
 }
 
 fn bench(args: &[&str]) -> Output {
