@@ -55,7 +55,7 @@ fn host_source() -> String {
     src += nvrtc::QUOTA_SOLVER.source;
     src += nvrtc::PERMUTE.source;
     src += nvrtc::EXPERTS.source;
-    // Inline PTX has host stand-ins; a stalled relay gives up after 50 ms instead of 5 s.
+    // Inline PTX has host stand-ins; the stall limit is the emulator's, set per run.
     let mut replicate = nvrtc::REPLICATE.source.to_string();
     for (signature, host) in [
         (
@@ -70,7 +70,7 @@ fn host_source() -> String {
         let end = start + replicate[start..].find("\n}\n").expect("function end") + 3;
         replicate.replace_range(start..end, host);
     }
-    src += "#define TILE_STALL_NS 50000000ull\n";
+    src += "#define TILE_STALL_NS g_tile_stall_ns\n";
     src += &replicate;
     src += nvrtc::TILE_PLAN.source;
     src = replace(
@@ -128,30 +128,43 @@ fn run(exe: &Path, mode: &str, warps: u32, input: &str) -> Vec<(String, Vec<u64>
 
 /// How `tile_stream` runs under the emulation: `blocks` concurrent blocks (forked processes
 /// sharing the device memory) of `warps` warps, every system-scope fence held back
-/// `fence_delay_us` so that relay consumers in other blocks find chunks still in flight.
+/// `fence_delay_us` so that relay consumers in other blocks find chunks still in flight, and a
+/// relay wait declared stalled after `stall_ms`.
 #[derive(Debug, Clone, Copy)]
 struct Grid {
     warps: u32,
     blocks: u32,
     fence_delay_us: u32,
+    stall_ms: u32,
 }
 
 impl Grid {
     /// One to four blocks of one to three warps; a grid of several blocks gets a fence delay.
+    /// Blocks really wait for each other there, on a machine that may be busy with other
+    /// tests: a healthy stream gets 20 s before a wait counts as a stall.
     fn random(rng: &mut Rng) -> Self {
         let blocks = 1 + rng.below(4) as u32;
         Self {
             warps: 1 + rng.below(3) as u32,
             blocks,
             fence_delay_us: if blocks > 1 { 200 } else { 0 },
+            stall_ms: 20_000,
+        }
+    }
+
+    /// The same grid for a stream that is broken on purpose: its stall is expected, soon.
+    fn expecting_a_stall(self) -> Self {
+        Self {
+            stall_ms: 50,
+            ..self
         }
     }
 }
 
 /// Runs `mode` (`replicate` or `distribute`) with `tile_stream` on `grid`.
 fn run_grid(exe: &Path, mode: &str, grid: Grid, input: &str) -> Vec<(String, Vec<u64>)> {
-    let args = [grid.warps, grid.blocks, grid.fence_delay_us].map(|v| v.to_string());
-    run_args(exe, &[mode, &args[0], &args[1], &args[2]], input)
+    let args = [grid.warps, grid.blocks, grid.fence_delay_us, grid.stall_ms].map(|v| v.to_string());
+    run_args(exe, &[mode, &args[0], &args[1], &args[2], &args[3]], input)
 }
 
 /// How long one emulation may run: a kernel that loops forever fails its test instead of
@@ -655,7 +668,7 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_brok
         if let Some(waiting) = stream.tasks.iter_mut().find(|t| t.wait_flag >= 0) {
             waiting.wait_target += 1_000;
             let input = replicate_input(&stream, slot_len, &homes);
-            let out = run_grid(exe, "replicate", grid, &input);
+            let out = run_grid(exe, "replicate", grid.expecting_a_stall(), &input);
             assert_eq!(get(&out, "stalled"), [1], "case {case}, {grid:?}");
             stalled += 1;
         }

@@ -103,6 +103,9 @@ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+// How long tile_stream waits for a relay chunk before it declares the stream broken
+// (TILE_STALL_NS, set per run by the emulator).
+static unsigned long long g_tile_stall_ns = 50000000ull;
 // Microseconds every system-scope fence stalls before it completes (run_grid sets it): the
 // kernels fence right before they publish a ready counter, so a delay here holds producers back
 // and makes consumers in other blocks really wait.

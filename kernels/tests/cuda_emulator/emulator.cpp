@@ -2,9 +2,9 @@
 // is the prelude plus every kernel file, with the few spellings a host compiler cannot take
 // (dynamic shared memory declarations, inline PTX) replaced.
 //
-// Usage: emulator MODE WARPS [BLOCKS FENCE_DELAY_US] < input > output, MODE one of solver, send,
-// recv, replicate, tiles, distribute, act; BLOCKS and FENCE_DELAY_US shape tile_stream's grid
-// (replicate, distribute; default 1 and 0). Inputs
+// Usage: emulator MODE WARPS [BLOCKS FENCE_DELAY_US STALL_MS] < input > output, MODE one of
+// solver, send, recv, replicate, tiles, distribute, act; the last three shape tile_stream's grid
+// (replicate, distribute; default 1, 0 and 50). Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -185,10 +185,11 @@ static void recv(unsigned warps) {
     print_f32("back", back, (size_t)n * hidden);
 }
 
-// How tile_stream's grid runs: `blocks` concurrent blocks of `warps` warps (argv), and how long
-// each system-scope fence stalls (argv; 0: none) to make relay consumers in other blocks wait.
+// How tile_stream's grid runs: `blocks` concurrent blocks of `warps` warps (argv), how long
+// each system-scope fence stalls (argv; 0: none) to make relay consumers in other blocks wait,
+// and after how many milliseconds a relay wait counts as a stall (argv).
 struct Grid {
-    unsigned warps = 1, blocks = 1, fence_delay_us = 0;
+    unsigned warps = 1, blocks = 1, fence_delay_us = 0, stall_ms = 50;
 };
 
 // Every rank's home weights, slot buffer and ready counters, as tile_stream addresses them:
@@ -236,6 +237,7 @@ struct RankMemory {
             flag_base[r] = (u64)dev.alloc<u32>(n_flags[r] + 1);
         }
         g_fence_delay_us = grid.fence_delay_us;
+        g_tile_stall_ns = (unsigned long long)grid.stall_ms * 1000000ull;
         const bool ok = run_grid(grid.blocks, grid.warps * 32, 2 * tile_bytes, [&] {
             tile_stream(d_tasks, d_count, d_dsts, next, home_base, slot_base, flag_base, tile_bytes);
         });
@@ -362,9 +364,10 @@ int main(int argc, char** argv) {
     unsigned warps = (unsigned)atoi(argv[2]);
     Grid grid;
     grid.warps = warps;
-    if (argc >= 5) {
+    if (argc >= 6) {
         grid.blocks = (unsigned)atoi(argv[3]);
         grid.fence_delay_us = (unsigned)atoi(argv[4]);
+        grid.stall_ms = (unsigned)atoi(argv[5]);
     }
     if (mode == "solver") solver(warps);
     else if (mode == "send") send(warps);
