@@ -46,6 +46,11 @@ struct LineIn {
     load: Vec<Vec<u64>>,
 }
 
+/// What a line must be, for lines that are not JSON objects: serde would read a struct from an
+/// array of its fields too, and name the Rust type in its error.
+const LINE_EXPECTED: &str =
+    "expected a JSON object {\"step\", \"layer\", \"ranks\", \"experts\", \"load\"}";
+
 /// A checked line: its number, step, layer and matrix.
 struct Parsed {
     line: usize,
@@ -104,9 +109,7 @@ impl<R: BufRead> TraceReader<R> {
             failed: false,
         };
         let Some(first) = reader.parse_next()? else {
-            return Err(TraceError::Empty {
-                line: reader.line.max(1),
-            });
+            return Err(TraceError::Empty);
         };
         reader.ranks = first.load.ranks();
         reader.experts = first.load.experts();
@@ -152,6 +155,12 @@ impl<R: BufRead> TraceReader<R> {
             }
         }
         let line = self.line;
+        if !self.buf.trim_start().starts_with('{') {
+            return Err(TraceError::Json {
+                line,
+                message: LINE_EXPECTED.into(),
+            });
+        }
         let parsed: LineIn = serde_json::from_str(&self.buf).map_err(|e| TraceError::Json {
             line,
             message: e.to_string(),
@@ -491,7 +500,8 @@ mod tests {
     fn every_problem_names_its_line() {
         let cases: Vec<(String, usize, &str)> = vec![
             (String::new(), 1, "empty"),
-            ("\n\n".into(), 2, "empty"),
+            // Blank lines only: line 1, where the first load line belongs (as documented).
+            ("\n \n\n".into(), 1, "empty"),
             (
                 trace(&[line(0, 0, A), "{\"step\": 1,\n".into()]),
                 2,
@@ -500,7 +510,13 @@ mod tests {
             (
                 trace(&[line(0, 0, A), "[1, 2]\n".into()]),
                 2,
-                "not a routing-trace line",
+                "not a routing-trace line: expected a JSON object {\"step\"",
+            ),
+            // An array of the five fields is not a line either (serde would read it as one).
+            (
+                trace(&[line(0, 0, A), "[1, 0, 2, 3, [[1,2,3],[4,5,6]]]\n".into()]),
+                2,
+                "expected a JSON object",
             ),
             (
                 r#"{"step":0,"layer":0,"ranks":2,"experts":3,"load":[[1,2,3],[4,5,-6]]}"#.into(),
@@ -577,6 +593,7 @@ mod tests {
             assert!(msg.starts_with(&format!("line {at}: ")), "{msg}");
             assert!(msg.contains(needle), "{msg} lacks '{needle}'");
             assert!(!msg.contains('\n'), "{msg}");
+            assert!(!msg.contains("LineIn"), "{msg} names a Rust type");
         }
     }
 

@@ -7,8 +7,10 @@ pub enum TraceError {
     Open { path: String, message: String },
     #[error("line {line}: cannot read: {message}")]
     Io { line: usize, message: String },
-    #[error("line {line}: routing trace is empty (no load lines)")]
-    Empty { line: usize },
+    /// No load line at all (an empty file, or blank lines only): reported at line 1, where the
+    /// first load line belongs.
+    #[error("line 1: routing trace is empty (no load lines)")]
+    Empty,
     #[error("line {line}: not a routing-trace line: {message}")]
     Json { line: usize, message: String },
     #[error("line {line}: a load needs at least one rank and one expert, got {ranks} x {experts}")]
@@ -101,8 +103,8 @@ impl TraceError {
         use TraceError as T;
         match *self {
             T::Open { .. } => None,
+            T::Empty => Some(1),
             T::Io { line, .. }
-            | T::Empty { line }
             | T::Json { line, .. }
             | T::ZeroShape { line, .. }
             | T::ShapeChanged { line, .. }
