@@ -18,7 +18,9 @@ use rackfill_bench::replay::{read_home_map, replay, ReplayConfig, ReplayEvent};
 use rackfill_bench::routing_trace::{TraceReader, TraceWriter};
 use rackfill_bench::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
 use rackfill_bench::synthetic::Family;
-use rackfill_bench::synthetic::{default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS};
+use rackfill_bench::synthetic::{
+    default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS, MAX_TOKENS_PER_RANK,
+};
 use std::io::Write as _;
 use std::path::PathBuf;
 /// `rackfill bench balance`.
@@ -45,7 +47,8 @@ pub struct BalanceArgs {
     #[arg(long, value_parser = parse_steps)]
     pub steps: Option<usize>,
 
-    /// MoE layers per step of --synthetic-trace [default: 8]
+    /// MoE layers per step of --synthetic-trace (layers x ranks x experts at most 67108864)
+    /// [default: 8]
     #[arg(long, value_parser = parse_positive)]
     pub layers: Option<usize>,
 
@@ -57,12 +60,13 @@ pub struct BalanceArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// EP shapes RANKS/EXPERTS/SLOTS, comma-separated
+    /// EP shapes RANKS/EXPERTS/SLOTS, comma-separated: 1-1024 ranks, 8-4096 experts, at most one
+    /// slot per expert
     /// [default: 8/64/2,32/256/4,40/160/4,64/128/2,64/256/2,72/256/2; --synthetic-trace: 64/256/2]
     #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
     pub shapes: Vec<Shape>,
 
-    /// Tokens per rank per step, comma-separated
+    /// Tokens per rank per step, comma-separated, each at most 1048576
     /// [default: 256,1024,4096,8192; --synthetic-trace: 1024]
     #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
     pub tokens: Vec<u64>,
@@ -76,7 +80,8 @@ pub struct BalanceArgs {
     #[arg(long, value_name = "FILE.json")]
     pub home: Option<PathBuf>,
 
-    /// Balancers to replay, comma-separated [default: all]
+    /// Balancers to replay, comma-separated: none, quota, quota-paper, eplb-exact, eplb-history,
+    /// greedy-move [default: all]
     #[arg(long, value_delimiter = ',')]
     pub balancers: Vec<Algo>,
 
@@ -127,9 +132,9 @@ fn parse_shape(s: &str) -> Result<Shape, String> {
 
 fn parse_tokens(s: &str) -> Result<u64, String> {
     match s.trim().parse::<u64>() {
-        Ok(t) if (1..=1 << 20).contains(&t) => Ok(t),
+        Ok(t) if (1..=MAX_TOKENS_PER_RANK).contains(&t) => Ok(t),
         _ => Err(format!(
-            "invalid token count '{s}': expected an integer in 1..=1048576"
+            "invalid token count '{s}': expected an integer in 1..={MAX_TOKENS_PER_RANK}"
         )),
     }
 }

@@ -17,8 +17,8 @@ use std::path::PathBuf;
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCommand {
     /// Replay routing loads (a `--record-routing` trace, a synthetic multi-layer trace or the
-    /// synthetic grid) through every balancer (none, quota, eplb-exact, eplb-history,
-    /// greedy-move) and report imbalance, optimality gap, replicas, fan-out, in-flight ratio and
+    /// synthetic grid) through every balancer (none, quota, quota-paper, eplb-exact,
+    /// eplb-history, greedy-move) and report imbalance, optimality gap, replicas, fan-out, in-flight ratio and
     /// solve time.
     Balance(BalanceArgs),
     /// Prefill tokens/s of the dense single-device forward (the bench shape with seeded random

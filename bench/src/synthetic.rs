@@ -43,6 +43,18 @@ pub const RANK_SIGMA: f64 = 0.3;
 /// Steps between domain switches in the default grid's `switching` suites.
 pub const DEFAULT_SWITCH_EVERY: usize = 5;
 
+/// Most EP ranks a synthetic shape may have: NVL72 racks hold 72 GPUs and the largest EP
+/// deployments a few hundred; the bound keeps every per-rank loop and matrix finite.
+pub const MAX_RANKS: usize = 1024;
+
+/// Most routed experts a synthetic shape may have (production MoE models route over a few hundred
+/// at most); with [`MAX_RANKS`] one load matrix stays within 32 MiB.
+pub const MAX_EXPERTS: usize = 4096;
+
+/// Most tokens a rank may route per synthetic step: every token is sampled, so this bounds a
+/// step's work (1024 ranks x 2^20 tokens x top-8 is already minutes per step).
+pub const MAX_TOKENS_PER_RANK: u64 = 1 << 20;
+
 /// EP shape: ranks `R`, logical experts `E`, redundant slots per rank `n_slot`; written `R/E/n_slot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct Shape {
@@ -58,6 +70,27 @@ impl Shape {
             experts,
             slots,
         }
+    }
+
+    /// Checks the shape can be generated and laid out: `1..=`[`MAX_RANKS`] ranks,
+    /// [`TOP_K`]`..=`[`MAX_EXPERTS`] experts, at most one redundant slot per expert (the balancer
+    /// refuses more: a rank never holds an expert twice).
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_RANKS).contains(&self.ranks) {
+            return Err(format!("needs 1..={MAX_RANKS} ranks"));
+        }
+        if !(TOP_K..=MAX_EXPERTS).contains(&self.experts) {
+            return Err(format!(
+                "needs {TOP_K}..={MAX_EXPERTS} experts (top-{TOP_K} routing picks distinct experts)"
+            ));
+        }
+        if self.slots > self.experts {
+            return Err(format!(
+                "{} redundant slots per rank, at most {} (one per expert)",
+                self.slots, self.experts
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -94,14 +127,9 @@ impl FromStr for Shape {
         };
         let num = |p: &str| p.trim().parse::<usize>().map_err(|_| bad());
         let shape = Shape::new(num(r)?, num(e)?, num(n)?);
-        if shape.ranks == 0 {
-            return Err(format!("invalid shape '{s}': needs at least one rank"));
-        }
-        if shape.experts < TOP_K {
-            return Err(format!(
-                "invalid shape '{s}': needs at least {TOP_K} experts (top-{TOP_K} routing picks distinct experts)"
-            ));
-        }
+        shape
+            .check()
+            .map_err(|why| format!("invalid shape '{s}': {why}"))?;
         Ok(shape)
     }
 }
@@ -280,8 +308,10 @@ impl Suite {
     /// Checks that the suite can be generated.
     pub fn check(&self) -> Result<(), InvalidSuite> {
         let fail = |why: String| Err(InvalidSuite(format!("suite '{}': {why}", self.name)));
-        if self.ranks == 0 {
-            return fail("needs at least one rank".into());
+        if !(1..=MAX_RANKS).contains(&self.ranks) || self.experts > MAX_EXPERTS {
+            return fail(format!(
+                "needs 1..={MAX_RANKS} ranks and at most {MAX_EXPERTS} experts"
+            ));
         }
         if self.top_k == 0 || self.top_k > self.experts {
             return fail(format!(
@@ -289,11 +319,8 @@ impl Suite {
                 self.top_k, self.experts
             ));
         }
-        if self.experts > u32::MAX as usize {
-            return fail("too many experts".into());
-        }
-        if self.tokens_per_rank == 0 {
-            return fail("needs at least one token per rank".into());
+        if !(1..=MAX_TOKENS_PER_RANK).contains(&self.tokens_per_rank) {
+            return fail(format!("needs 1..={MAX_TOKENS_PER_RANK} tokens per rank"));
         }
         if !(self.rank_sigma.is_finite() && (0.0..=8.0).contains(&self.rank_sigma)) {
             return fail(format!(
@@ -504,5 +531,21 @@ mod tests {
             assert!(err.starts_with("invalid shape"), "{err}");
             assert!(!err.contains('\n'));
         }
+        // Bounded before anything is laid out (2^64-1 ranks looped for ever, 100000 x 100000
+        // allocated 80 GB), and slots the balancer would refuse are refused here, up front.
+        for (bad, why) in [
+            ("18446744073709551615/32/2", "needs 1..=1024 ranks"),
+            ("1025/256/2", "needs 1..=1024 ranks"),
+            ("100000/100000/2", "needs 1..=1024 ranks"),
+            ("8/4097/2", "needs 8..=4096 experts"),
+            ("8/64/65", "65 redundant slots per rank, at most 64"),
+        ] {
+            let err = bad.parse::<Shape>().unwrap_err();
+            assert!(
+                err.starts_with(&format!("invalid shape '{bad}': {why}")),
+                "{err}"
+            );
+        }
+        assert_eq!("1024/4096/4096".parse::<Shape>().unwrap().ranks, 1024);
     }
 }

@@ -17,7 +17,10 @@
 //! distinct top-k per token), so every row of every matrix sums to `tokens_per_rank * top_k`. The
 //! trace is a pure function of the spec and the seed.
 
-use super::{drift, Family, InvalidSuite, RankJob, RANK_SIGMA, TOP_K};
+use super::{
+    drift, Family, InvalidSuite, RankJob, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK, RANK_SIGMA,
+    TOP_K,
+};
 use crate::routing_trace::TraceStep;
 use rackfill_balancer::LoadMatrix;
 use rand::rngs::StdRng;
@@ -37,6 +40,10 @@ pub const DEFAULT_LAYER_MIX: f64 = 0.25;
 
 /// Default sigma of the per-layer jitter of the popularity family's parameter.
 pub const DEFAULT_LAYER_SKEW_SIGMA: f64 = 0.2;
+
+/// Most load counts one step of a trace may hold (layers x ranks x experts, 8 bytes each: 512 MiB):
+/// a step is generated, and replayed, whole. The simulator's presets need about a million.
+pub const MAX_STEP_COUNTS: usize = 1 << 26;
 
 /// The temporal behaviour of a synthetic trace (layer-to-layer variation is always on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -150,11 +157,25 @@ impl TraceSpec {
     /// Checks that the trace can be generated.
     pub fn check(&self) -> Result<(), InvalidSuite> {
         let fail = |why: String| Err(InvalidSuite(format!("synthetic trace: {why}")));
-        if self.ranks == 0 || self.layers == 0 || self.tokens_per_rank == 0 {
-            return fail("needs at least one rank, one layer and one token per rank".into());
+        if !(1..=MAX_RANKS).contains(&self.ranks) || self.experts > MAX_EXPERTS {
+            return fail(format!(
+                "needs 1..={MAX_RANKS} ranks and at most {MAX_EXPERTS} experts, got {} x {}",
+                self.ranks, self.experts
+            ));
         }
-        if self.experts > u32::MAX as usize {
-            return fail("too many experts".into());
+        if !(1..=MAX_TOKENS_PER_RANK).contains(&self.tokens_per_rank) {
+            return fail(format!(
+                "needs 1..={MAX_TOKENS_PER_RANK} tokens per rank, got {}",
+                self.tokens_per_rank
+            ));
+        }
+        let counts = self.layers.saturating_mul(self.ranks * self.experts);
+        if self.layers == 0 || counts > MAX_STEP_COUNTS {
+            return fail(format!(
+                "{} layers x {} ranks x {} experts per step: needs at least one layer and at most \
+                 {MAX_STEP_COUNTS} load counts per step",
+                self.layers, self.ranks, self.experts
+            ));
         }
         if self.top_k == 0 || self.top_k > self.experts {
             return fail(format!(
@@ -444,6 +465,21 @@ mod tests {
         let mut s = spec(TracePattern::Mixed);
         s.layers = 0;
         assert!(TraceGenerator::new(&s, 0).is_err());
+        // Sizes are bounded before anything is allocated (100000 x 100000 asked for 80 GB, 10^8
+        // layers ran out of memory, 2^64-1 ranks never finished).
+        for (ranks, experts, layers, tokens, why) in [
+            (100_000, 100_000, 8, 64, "needs 1..=1024 ranks and at most 4096 experts"),
+            (usize::MAX, 32, 8, 64, "needs 1..=1024 ranks"),
+            (8, 64, 100_000_000, 64, "at most 67108864 load counts per step"),
+            (1024, 4096, 17, 64, "at most 67108864 load counts per step"),
+            (8, 64, 8, (1 << 20) + 1, "needs 1..=1048576 tokens per rank"),
+        ] {
+            let s = TraceSpec::new(TracePattern::Mixed, ranks, experts, layers, 1, tokens);
+            let err = TraceGenerator::new(&s, 0).unwrap_err().0;
+            assert!(err.starts_with("synthetic trace: ") && err.contains(why), "{err}");
+        }
+        let s = TraceSpec::new(TracePattern::Mixed, 1024, 4096, 16, 1, 64);
+        assert!(s.check().is_ok());
         assert_eq!("mixed".parse::<TracePattern>(), Ok(TracePattern::Mixed));
         assert!("wavy".parse::<TracePattern>().is_err());
     }
