@@ -2,6 +2,7 @@
 //! docs/simulate.md). Prints a readable table, or the report as JSON with `--json`; progress goes
 //! to standard error.
 
+use crate::bench_cmd::parse_positive;
 use anyhow::{bail, Result};
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
@@ -16,6 +17,9 @@ use rackfill_bench::simulate::trace::TraceSource;
 use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
 use std::io::Write as _;
 use std::path::PathBuf;
+
+/// Tokens each rank prefills per step unless `--chunk-tokens` says otherwise.
+const DEFAULT_CHUNK_TOKENS: u64 = 4096;
 
 /// Arguments of `rackfill simulate`.
 #[derive(Debug, clap::Args)]
@@ -40,10 +44,11 @@ pub struct SimulateArgs {
     /// Rack: nvl72, or a rack JSON file (see docs/simulate.md).
     #[arg(long, default_value = "nvl72")]
     rack: String,
-    /// Tokens each rank prefills per step.
-    #[arg(long, default_value_t = 4096)]
-    chunk_tokens: u64,
-    /// Steps to simulate (throughput mode; a recorded trace may end sooner).
+    /// Tokens each rank prefills per step, at most 65536 (synthetic routing and --requests; a
+    /// recorded trace's rows set its tokens) [default: 4096]
+    #[arg(long)]
+    chunk_tokens: Option<u64>,
+    /// Steps to simulate, at most 1000000 (throughput mode; a recorded trace may end sooner).
     #[arg(long, default_value_t = 100)]
     steps: usize,
     /// Seed of the synthetic routing and the request arrivals.
@@ -53,7 +58,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     solve_us: Option<f64>,
     /// Simulate this many MoE layers per step, each standing for moe_layers / N of the model's
-    /// [default: all].
+    /// (synthetic routing; a recorded trace simulates each of its layers) [default: all].
     #[arg(long)]
     sample_layers: Option<usize>,
     /// Prior context, in tokens, of every synthetic chunk's request (attention cost only).
@@ -77,10 +82,12 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = rackfill_balancer::quota::DEFAULT_U_MIN)]
     u_min: u64,
     /// Steps of load history eplb-history plans from.
-    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_HISTORY_WINDOW)]
+    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_HISTORY_WINDOW,
+          value_parser = parse_positive)]
     history_window: usize,
     /// eplb-history re-plans every this many steps.
-    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_REBALANCE_INTERVAL)]
+    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_REBALANCE_INTERVAL,
+          value_parser = parse_positive)]
     rebalance_interval: usize,
     /// Write plots to PREFIX-breakdown, PREFIX-steps (or PREFIX-rps-ttft, PREFIX-rps-p99-ttft).
     #[arg(long)]
@@ -100,6 +107,22 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             "--plot-format must be svg or png, got '{}'",
             args.plot_format
         );
+    }
+    let trace = TraceSource::parse(&args.trace);
+    if let TraceSource::File(path) = &trace {
+        // A recorded trace sets both from its own lines; a flag that changes nothing is refused.
+        for (given, flag) in [
+            (args.sample_layers.is_some(), "--sample-layers"),
+            (args.chunk_tokens.is_some(), "--chunk-tokens"),
+        ] {
+            if given {
+                bail!(
+                    "{flag} applies to synthetic routing: --trace {} simulates each of its layers \
+                     with the tokens its rows hold",
+                    path.display()
+                );
+            }
+        }
     }
     let shape = ModelShape::load(&args.model_shape)?;
     let spec = SimSpec {
@@ -122,12 +145,11 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         },
         solve_us: args.solve_us,
         sim_layers: args.sample_layers.unwrap_or(shape.moe_layers()),
-        chunk_tokens: args.chunk_tokens,
+        chunk_tokens: args.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS),
         seed: args.seed,
         shape,
     };
     spec.validate()?;
-    let trace = TraceSource::parse(&args.trace);
     let stderr = std::io::stderr();
     if let Some(path) = &args.requests {
         if trace != TraceSource::SyntheticMixed {

@@ -458,6 +458,31 @@ fn run_arguments_are_checked() {
         .unwrap_err()
         .to_string()
         .contains("--sample-layers must be in 1..=2"));
+    // Sizes are bounded before anything runs (--chunk-tokens 2^64-1 or 10^8 never finished a
+    // step).
+    for chunk in [0, 65537, u64::MAX] {
+        let mut s = spec(4, 4, vec![Algo::Quota]);
+        s.chunk_tokens = chunk;
+        let err = s.validate().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("--chunk-tokens must be in 1..=65536, got {chunk}")
+        );
+    }
+    for steps in [0, 1_000_001] {
+        let mut run = tiny_run(0);
+        run.steps = steps;
+        let err = run_throughput(&run, |_, _| {}).unwrap_err().to_string();
+        assert_eq!(err, format!("--steps must be in 1..=1000000, got {steps}"));
+    }
+    let mut s = spec(8, 4096, vec![Algo::Quota]);
+    s.shape.layers = 3000;
+    s.sim_layers = 3000;
+    let err = Engine::new(&s, &s.algos).err().unwrap().to_string();
+    assert!(
+        err.starts_with("3000 simulated layers x 8 ranks x 4096 experts is 98304000 load counts"),
+        "{err}"
+    );
     let mut run = tiny_run(0);
     run.trace = TraceSource::File(temp_file(
         "routing.jsonl",
@@ -489,6 +514,16 @@ fn recorded_traces_are_replayed_and_resplit_onto_the_ep_ranks() {
         report.ideal.tokens_per_s,
         64.0 / (report.ideal.step_ms / 1e3)
     ));
+    // What ran: the trace's one layer (standing for both MoE layers) and its tokens, not the
+    // spec's 2 sampled layers of 64-token chunks.
+    assert_eq!(report.simulated_layers, 1);
+    assert_eq!(report.chunk_tokens, None);
+    assert!(close(report.tokens_per_rank_mean, 16.0));
+    let header = rackfill_bench::simulate::report::throughput_table(&report);
+    assert!(
+        header.contains("(1 simulated), tokens/rank/step from the trace (mean 16.0)"),
+        "{header}"
+    );
     // Experts 0-7 hold everything: ranks 0-1 (4 experts each of 16) carry it all without balancing.
     let none = &report.balancers[2];
     assert!(close(none.mean_imbalance.before, 2.0));
@@ -542,4 +577,85 @@ fn a_lone_request_waits_for_exactly_its_steps() {
     assert_eq!(results[1].balancer, "quota");
     assert_eq!(results[1].completed, 1);
     assert!(results[1].mean_ttft_ms >= results[0].mean_ttft_ms * (1.0 - 1e-9));
+}
+
+/// A trace line of `step`/`layer` on 2 ranks x 16 experts, every row 64 pairs (32 tokens at top-2):
+/// spread evenly, or all on experts 0-7 (which ranks 0-1 home at EP 4).
+fn trace_line(step: u64, layer: usize, skewed: bool) -> String {
+    let row: Vec<u64> = (0..16)
+        .map(|e| match (skewed, e < 8) {
+            (false, _) => 4,
+            (true, true) => 8,
+            (true, false) => 0,
+        })
+        .collect();
+    format!(
+        "{{\"step\": {step}, \"layer\": {layer}, \"ranks\": 2, \"experts\": 16, \"load\": {}}}\n",
+        serde_json::to_string(&[&row, &row]).unwrap()
+    )
+}
+
+#[test]
+fn a_trace_with_more_layers_than_the_model_uses_every_layer_once() {
+    // 4 trace layers for a 2-MoE-layer model (sim_layers 2 in the spec): skew in the first two
+    // layers or in the last two must cost the same, each layer standing for half a model layer.
+    // (The first 2 were used and the rest silently dropped.)
+    let trace = |skewed_head: bool| {
+        let mut text = String::new();
+        for step in 0..2 {
+            for layer in 0..4 {
+                text += &trace_line(step, layer, (layer < 2) == skewed_head);
+            }
+        }
+        text
+    };
+    let run_on = |name: &str, text: &str| {
+        let mut run = tiny_run(0);
+        run.trace = TraceSource::File(temp_file(name, text));
+        run_throughput(&run, |_, _| {}).unwrap()
+    };
+    let head = run_on("skew-head.jsonl", &trace(true));
+    let tail = run_on("skew-tail.jsonl", &trace(false));
+    assert_eq!(head.simulated_layers, 4);
+    assert!(close(head.ideal.step_ms, tail.ideal.step_ms));
+    for (h, t) in head.balancers.iter().zip(&tail.balancers) {
+        // Equal up to the order the layers' terms were summed in.
+        for (a, b) in h.breakdown_ms.values().iter().zip(t.breakdown_ms.values()) {
+            assert!(close(*a, b), "{h:?} vs {t:?}");
+        }
+        assert_eq!(h.mean_imbalance, t.mean_imbalance);
+    }
+    // Half the layers skewed onto 2 of 4 ranks: `none` sees imbalance 2 there and 1 elsewhere.
+    let none = &head.balancers[2];
+    assert!(close(none.mean_imbalance.before, 1.5), "{none:?}");
+    // Scaled by moe_layers / trace layers = 1/2: a uniform-only trace of 4 layers costs what 2
+    // uniform layers cost.
+    let uniform4: String = (0..2)
+        .flat_map(|s| (0..4).map(move |l| trace_line(s, l, false)))
+        .collect();
+    let uniform2: String = (0..2)
+        .flat_map(|s| (0..2).map(move |l| trace_line(s, l, false)))
+        .collect();
+    let four = run_on("uniform4.jsonl", &uniform4);
+    let two = run_on("uniform2.jsonl", &uniform2);
+    for (a, b) in four.balancers.iter().zip(&two.balancers) {
+        assert!(close(a.step_ms, b.step_ms), "{a:?} vs {b:?}");
+    }
+}
+
+#[test]
+fn an_error_anywhere_in_a_trace_names_the_file() {
+    let text = trace_line(0, 0, false) + &trace_line(1, 0, false) + "[1, 2]\n";
+    let path = temp_file("broken.jsonl", &text);
+    let mut run = tiny_run(0);
+    run.trace = TraceSource::File(path.clone());
+    let err = run_throughput(&run, |_, _| {}).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        format!(
+            "routing trace {}: line 3: not a routing-trace line: expected a JSON object \
+             {{\"step\", \"layer\", \"ranks\", \"experts\", \"load\"}}",
+            path.display()
+        )
+    );
 }

@@ -29,9 +29,18 @@ use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use report::{BalancerReport, Imbalance, ThroughputReport, TimedTerms};
+use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use shape::ModelShape;
 use std::time::Instant;
 use trace::{even_load, Routing, TraceSource};
+
+/// Most tokens a rank prefills per step (`--chunk-tokens`): chunked prefill runs a few thousand
+/// to tens of thousands per rank, and synthetic routing samples every token of every rank and
+/// layer, so this also bounds a step's work. Longer prompts are chunks with `--context-tokens`.
+pub const MAX_CHUNK_TOKENS: u64 = 1 << 16;
+
+/// Most steps one simulation runs: `--steps`, and the fewest steps a request trace needs.
+pub const MAX_STEPS: usize = 1_000_000;
 
 /// Why a simulation could not run: always one line, naming the input at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -65,9 +74,12 @@ pub struct SimSpec {
     pub relay: RelayConfig,
     /// Solve time per layer in microseconds instead of measuring the planner (reproducible runs).
     pub solve_us: Option<f64>,
-    /// MoE layers simulated per step; each stands for `moe_layers / sim_layers` of the model's.
+    /// MoE layers simulated per step on synthetic routing; each stands for
+    /// `moe_layers / sim_layers` of the model's. A recorded trace simulates each of its own layers
+    /// once per step instead (see [`run_throughput`]).
     pub sim_layers: usize,
-    /// Tokens each rank prefills per step (`--chunk-tokens`).
+    /// Tokens each rank prefills per step (`--chunk-tokens`) on synthetic routing and in request
+    /// mode; a recorded trace's tokens come from its rows.
     pub chunk_tokens: u64,
     pub seed: u64,
 }
@@ -88,8 +100,11 @@ impl SimSpec {
         if self.algos.is_empty() {
             return bad("--balancer needs at least one balancer".into());
         }
-        if self.chunk_tokens == 0 {
-            return bad("--chunk-tokens must be at least 1".into());
+        if !(1..=MAX_CHUNK_TOKENS).contains(&self.chunk_tokens) {
+            return bad(format!(
+                "--chunk-tokens must be in 1..={MAX_CHUNK_TOKENS}, got {}",
+                self.chunk_tokens
+            ));
         }
         if self.sim_layers == 0 || self.sim_layers > self.shape.moe_layers() {
             return bad(format!(
@@ -104,6 +119,22 @@ impl SimSpec {
                     "--solve-us must be a non-negative number, got {us}"
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses steps of more than [`MAX_STEP_COUNTS`] load counts (`layers` matrices of
+    /// `ep x experts`): a step's routing is held whole.
+    fn check_step_size(&self, layers: usize) -> Result<(), SimError> {
+        let counts = layers
+            .saturating_mul(self.ep)
+            .saturating_mul(self.shape.experts);
+        if counts > MAX_STEP_COUNTS {
+            return Err(SimError::Input(format!(
+                "{layers} simulated layers x {} ranks x {} experts is {counts} load counts per \
+                 step, more than {MAX_STEP_COUNTS} (simulate fewer layers or use a smaller --ep)",
+                self.ep, self.shape.experts
+            )));
         }
         Ok(())
     }
@@ -141,6 +172,8 @@ pub struct AlgoStep {
 /// Steps a set of balancers through routing, costing each step.
 pub struct Engine<'a> {
     spec: &'a SimSpec,
+    /// Load matrices every step brings (one planner per layer and algorithm).
+    layers: usize,
     layout: Layout,
     states: Vec<AlgoState>,
     step: usize,
@@ -154,23 +187,33 @@ fn keeps_replicas(algo: Algo) -> bool {
 }
 
 impl<'a> Engine<'a> {
-    /// An engine for `algos` (any subset of the spec's; none for an ideal-only timeline).
+    /// An engine for `algos` (any subset of the spec's; none for an ideal-only timeline) over the
+    /// spec's `sim_layers` layers.
     pub fn new(spec: &'a SimSpec, algos: &[Algo]) -> Result<Self, SimError> {
+        Self::with_layers(spec, algos, spec.sim_layers)
+    }
+
+    /// An engine whose steps bring `layers` load matrices (a recorded trace's own layers).
+    pub fn with_layers(
+        spec: &'a SimSpec,
+        algos: &[Algo],
+        layers: usize,
+    ) -> Result<Self, SimError> {
         spec.validate()?;
+        spec.check_step_size(layers)?;
         let layout = Layout::contiguous(spec.ep, spec.shape.experts, spec.slots)
             .map_err(|e| SimError::Input(e.to_string()))?;
         let states = algos
             .iter()
             .map(|&algo| AlgoState {
                 algo,
-                planners: (0..spec.sim_layers)
-                    .map(|_| algo.build(&spec.settings))
-                    .collect(),
-                previous_slots: vec![None; spec.sim_layers],
+                planners: (0..layers).map(|_| algo.build(&spec.settings)).collect(),
+                previous_slots: vec![None; layers],
             })
             .collect();
         Ok(Self {
             spec,
+            layers,
             layout,
             states,
             step: 0,
@@ -215,6 +258,13 @@ impl<'a> Engine<'a> {
         loads: &[LoadMatrix],
     ) -> Result<Vec<AlgoStep>, SimError> {
         let spec = self.spec;
+        if loads.len() != self.layers {
+            return Err(SimError::Input(format!(
+                "a step brought {} load matrices for {} simulated layers",
+                loads.len(),
+                self.layers
+            )));
+        }
         let cost = spec.cost();
         let dense = cost.step_dense_terms(batch);
         let scale = spec.shape.moe_layers() as f64 / loads.len() as f64;
@@ -253,7 +303,13 @@ impl<'a> Engine<'a> {
                     state.previous_slots[l] = Some(plan.slots().to_vec());
                     (traffic, replanned)
                 } else {
-                    let schedule = plan_transfers(&plan, bytes, &spec.relay);
+                    // Per-rank volumes do not depend on the chunking (chunk 0: one transfer per
+                    // copy instead of one per MiB; the chunk size only sets the relay fill term).
+                    let whole = RelayConfig {
+                        chunk_bytes: 0,
+                        ..spec.relay
+                    };
+                    let schedule = plan_transfers(&plan, bytes, &whole);
                     (ReplicaTraffic::streamed(&schedule), true)
                 };
                 let solve_us = match state.algo {
@@ -297,15 +353,23 @@ pub struct ThroughputRun {
 }
 
 /// Runs a throughput simulation; `progress(done, total)` after every step.
+///
+/// Synthetic routing simulates `spec.sim_layers` layers of full `spec.chunk_tokens` chunks. A
+/// recorded trace simulates every one of its layers once per step, each standing for
+/// `moe_layers / trace layers` of the model's (fewer or more than the model has), with the tokens
+/// per rank its rows imply; `spec.sim_layers` and `spec.chunk_tokens` do not apply to it.
 pub fn run_throughput(
     run: &ThroughputRun,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<ThroughputReport, SimError> {
     let spec = &run.spec;
-    if run.steps == 0 {
-        return Err(SimError::Input("--steps must be at least 1".into()));
+    if !(1..=MAX_STEPS).contains(&run.steps) {
+        return Err(SimError::Input(format!(
+            "--steps must be in 1..={MAX_STEPS}, got {}",
+            run.steps
+        )));
     }
-    let mut engine = Engine::new(spec, &spec.algos)?;
+    spec.validate()?;
     let mut routing = match &run.trace {
         TraceSource::SyntheticMixed => Routing::synthetic_mixed(
             spec.ep,
@@ -318,6 +382,7 @@ pub fn run_throughput(
         )?,
         TraceSource::File(path) => Routing::recorded(path, spec.ep, spec.shape.experts)?,
     };
+    let mut engine = Engine::with_layers(spec, &spec.algos, routing.layers())?;
     let mut ideal = TimedTerms::default();
     let mut algos: Vec<TimedTerms> = vec![TimedTerms::default(); spec.algos.len()];
     let mut stats = vec![AlgoStep::default(); spec.algos.len()];
@@ -328,11 +393,6 @@ pub fn run_throughput(
             break;
         };
         let loads = loads?;
-        let loads = match &run.trace {
-            TraceSource::SyntheticMixed => loads,
-            // A recorded trace's layers stand for the model's MoE layers, at most sim_layers.
-            TraceSource::File(_) => loads.into_iter().take(spec.sim_layers).collect(),
-        };
         let batch = step_batch(run, &loads);
         let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
         ideal.push(engine.ideal(&batch), tokens);
@@ -389,10 +449,14 @@ pub fn run_throughput(
         trace: run.trace.label(),
         steps,
         seed: spec.seed,
-        chunk_tokens: spec.chunk_tokens,
+        chunk_tokens: match run.trace {
+            TraceSource::SyntheticMixed => Some(spec.chunk_tokens),
+            TraceSource::File(_) => None,
+        },
+        tokens_per_rank_mean: ideal.tokens as f64 / (n * spec.ep as f64),
         context_tokens: run.context_tokens,
         moe_layers: spec.shape.moe_layers(),
-        simulated_layers: spec.sim_layers,
+        simulated_layers: routing.layers(),
         solve_us_override: spec.solve_us,
         ideal: report::IdealReport {
             tokens_per_s: ideal.tokens_per_s(),

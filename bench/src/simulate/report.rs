@@ -90,9 +90,14 @@ pub struct ThroughputReport {
     pub trace: String,
     pub steps: usize,
     pub seed: u64,
-    pub chunk_tokens: u64,
+    /// `--chunk-tokens`, when it set the tokens (synthetic routing); `None` for a recorded trace,
+    /// whose rows set them.
+    pub chunk_tokens: Option<u64>,
+    /// Tokens a rank prefilled per step, on average: what actually ran.
+    pub tokens_per_rank_mean: f64,
     pub context_tokens: u64,
     pub moe_layers: usize,
+    /// Load matrices costed per step, each standing for `moe_layers / simulated_layers` layers.
     pub simulated_layers: usize,
     pub solve_us_override: Option<f64>,
     pub ideal: IdealReport,
@@ -147,7 +152,7 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     let _ = writeln!(
         out,
         "{} on {}: EP {}, {} slots/rank, trace {}, {} steps x {} MoE layers ({} simulated), \
-         {} tokens/rank/step{}",
+         {}{}",
         r.model,
         r.rack,
         r.ep,
@@ -156,7 +161,13 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
         r.steps,
         r.moe_layers,
         r.simulated_layers,
-        r.chunk_tokens,
+        match r.chunk_tokens {
+            Some(chunk) => format!("{chunk} tokens/rank/step"),
+            None => format!(
+                "tokens/rank/step from the trace (mean {:.1})",
+                r.tokens_per_rank_mean
+            ),
+        },
         match r.solve_us_override {
             Some(us) => format!(", solve fixed at {us} us/layer"),
             None => ", solve measured".into(),

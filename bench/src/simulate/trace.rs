@@ -12,7 +12,7 @@
 //!   (the trace's per-source split is dropped, its per-expert load kept).
 
 use super::SimError;
-use crate::routing_trace::TraceReader;
+use crate::routing_trace::{TraceError, TraceReader};
 use crate::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
 use crate::synthetic::Family;
 use rackfill_balancer::LoadMatrix;
@@ -20,7 +20,7 @@ use rand::rngs::StdRng;
 use rand_distr::{Binomial, Distribution};
 use std::fs::File;
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Popularity family of `synthetic-mixed`: lognormal expert weights with sigma 0.5 (per layer,
 /// jittered by [`MIXED_LAYER_SKEW_SIGMA`]).
@@ -62,6 +62,8 @@ pub enum Routing {
     Synthetic(Box<TraceGenerator>),
     Recorded {
         reader: Box<TraceReader<BufReader<File>>>,
+        /// The file, named in every error (a problem may be found at any step).
+        path: PathBuf,
         ep: usize,
     },
 }
@@ -96,7 +98,7 @@ impl Routing {
 
     /// A recorded trace whose expert count must be `experts`; re-split onto `ep` ranks when its
     /// own rank count differs.
-    pub fn recorded(path: &std::path::Path, ep: usize, experts: usize) -> Result<Self, SimError> {
+    pub fn recorded(path: &Path, ep: usize, experts: usize) -> Result<Self, SimError> {
         let reader = TraceReader::open(path).map_err(|e| trace_error(path, e))?;
         if reader.experts() != experts {
             return Err(SimError::Input(format!(
@@ -107,6 +109,7 @@ impl Routing {
         }
         Ok(Self::Recorded {
             reader: Box::new(reader),
+            path: path.to_path_buf(),
             ep,
         })
     }
@@ -123,10 +126,10 @@ impl Routing {
     pub fn next_step(&mut self) -> Option<Result<Vec<LoadMatrix>, SimError>> {
         match self {
             Self::Synthetic(g) => g.next().map(|step| Ok(step.loads)),
-            Self::Recorded { reader, ep } => {
+            Self::Recorded { reader, path, ep } => {
                 let ep = *ep;
                 reader.next().map(|step| {
-                    let step = step.map_err(|e| SimError::Input(format!("routing trace: {e}")))?;
+                    let step = step.map_err(|e| trace_error(path, e))?;
                     Ok(step
                         .loads
                         .into_iter()
@@ -144,12 +147,11 @@ impl Routing {
     }
 }
 
-fn trace_error(path: &std::path::Path, e: crate::routing_trace::TraceError) -> SimError {
-    let text = e.to_string();
-    if text.starts_with("cannot open") {
-        SimError::Input(text)
-    } else {
-        SimError::Input(format!("routing trace {}: {text}", path.display()))
+/// A trace error naming the file (an open error already does).
+fn trace_error(path: &Path, e: TraceError) -> SimError {
+    match e {
+        TraceError::Open { .. } => SimError::Input(e.to_string()),
+        _ => SimError::Input(format!("routing trace {}: {e}", path.display())),
     }
 }
 
