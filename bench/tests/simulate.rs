@@ -406,6 +406,32 @@ fn bad_rack_and_shape_files_are_one_line_errors() {
             "missing field num_attention_heads",
         ),
         ("[1, 2]", "expected a JSON object"),
+        // Bounded: 2^62 wrapped an expert's bytes to 0 (free replicas), 2^40 planned 1.2 TB of
+        // replica transfers.
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 2, "hidden": 4611686018427387904, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4}}"#,
+            "hidden must be in 1..=262144, got 4611686018427387904",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 2, "hidden": 1099511627776, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4}}"#,
+            "hidden must be in 1..=262144",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "experts": 100000, "top_k": 2, "hidden": 8, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4}}"#,
+            "experts must be in 1..=4096",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 2, "hidden": 8, "moe_intermediate": 4, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 4294967296}}"#,
+            "head_dim must be at most 262144",
+        ),
+        (
+            r#"{"name": "s", "layers": 2, "experts": 4, "top_k": 2, "hidden": 8, "moe_intermediate": 4, "attention": {"kind": "mla", "q_heads": 2, "q_lora_rank": null, "kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 1099511627776, "v_head_dim": 4}}"#,
+            "MLA heads, ranks and head dims must be at most 262144",
+        ),
+        (
+            r#"{"num_hidden_layers": 1000000, "model_type": "glm4_moe", "hidden_size": 8, "num_attention_heads": 2, "moe_intermediate_size": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}"#,
+            "layers must be in 1..=4096",
+        ),
     ];
     for (text, want) in shapes {
         let path = temp_file("shape.json", text);
@@ -418,6 +444,18 @@ fn bad_rack_and_shape_files_are_one_line_errors() {
     }
     let err = ModelShape::load("qwen9").unwrap_err().to_string();
     assert!(err.starts_with("unknown model shape 'qwen9'"), "{err}");
+    // A shape or rack built in code is checked by the spec before it runs.
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.shape.hidden = 1 << 62;
+    let err = s.validate().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "model shape tiny: hidden must be in 1..=262144, got 4611686018427387904"
+    );
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.rack.gemm_efficiency.clear();
+    let err = s.validate().unwrap_err().to_string();
+    assert!(err.starts_with("rack tiny: gemm_efficiency needs at least one"), "{err}");
 }
 
 #[test]

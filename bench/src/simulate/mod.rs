@@ -88,6 +88,13 @@ impl SimSpec {
     /// Checks the combination before anything runs.
     pub fn validate(&self) -> Result<(), SimError> {
         let bad = |s: String| Err(SimError::Input(s));
+        // Loaded shapes and racks are checked already; built ones are checked here.
+        if let Err(why) = self.shape.validate() {
+            return bad(format!("model shape {}: {why}", self.shape.name));
+        }
+        if let Err(why) = self.rack.validate() {
+            return bad(format!("rack {}: {why}", self.rack.name));
+        }
         if self.ep == 0 {
             return bad("--ep must be at least 1".into());
         }

@@ -6,6 +6,7 @@
 //! `docs/simulate.md`); every number is validated before a simulation starts.
 
 use super::SimError;
+use crate::synthetic::MAX_RANKS;
 use serde::{Deserialize, Serialize};
 
 /// Fraction of the BF16 peak a large grouped GEMM sustains (the flat top of the default curve).
@@ -51,9 +52,23 @@ pub struct Rack {
     #[serde(default = "default_attention_efficiency")]
     pub attention_efficiency: f64,
     /// GEMM efficiency versus rows (tokens per expert instance): `[tokens, efficiency]` points,
-    /// tokens strictly increasing. Omitted: the roofline curve of [`roofline_curve`].
-    #[serde(default)]
+    /// tokens strictly increasing. Omitted: the roofline curve of [`roofline_curve`]; given, at
+    /// least one point (an empty list used to be taken for an omitted one).
+    #[serde(default, deserialize_with = "curve_points")]
     pub gemm_efficiency: Vec<[f64; 2]>,
+}
+
+/// A `gemm_efficiency` that is present: one point or more. (Serde calls this only for a field in
+/// the file, so an omitted curve still defaults to empty and becomes the roofline.)
+fn curve_points<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<[f64; 2]>, D::Error> {
+    let points = Vec::<[f64; 2]>::deserialize(d)?;
+    if points.is_empty() {
+        return Err(serde::de::Error::custom(
+            "gemm_efficiency needs at least one [tokens, efficiency] point (omit the field for the \
+             roofline)",
+        ));
+    }
+    Ok(points)
 }
 
 fn default_link_efficiency() -> f64 {
@@ -112,8 +127,8 @@ impl Rack {
 
     /// Checks every figure; the reason names the field.
     pub fn validate(&self) -> Result<(), String> {
-        if self.gpus == 0 {
-            return Err("gpus must be at least 1".into());
+        if !(1..=MAX_RANKS).contains(&self.gpus) {
+            return Err(format!("gpus must be in 1..={MAX_RANKS}, got {}", self.gpus));
         }
         let positive = [
             ("scale_up_gbytes_per_s", self.scale_up_gbytes_per_s),
@@ -136,6 +151,9 @@ impl Rack {
             ("attention_efficiency", self.attention_efficiency),
         ] {
             check_fraction(name, v)?;
+        }
+        if self.gemm_efficiency.is_empty() {
+            return Err("gemm_efficiency needs at least one [tokens, efficiency] point".into());
         }
         let mut last = 0.0;
         for (i, &[tokens, eff]) in self.gemm_efficiency.iter().enumerate() {
@@ -237,7 +255,16 @@ mod tests {
         let cases = [
             (
                 r#"{"name": "x", "gpus": 0, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1}"#,
-                "gpus must be at least 1",
+                "gpus must be in 1..=1024, got 0",
+            ),
+            (
+                r#"{"name": "x", "gpus": 1000000000, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1}"#,
+                "gpus must be in 1..=1024, got 1000000000",
+            ),
+            // Given but empty: refused, not taken for the roofline of an omitted curve.
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1, "gemm_efficiency": []}"#,
+                "gemm_efficiency needs at least one [tokens, efficiency] point (omit the field",
             ),
             (
                 r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": -1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1}"#,

@@ -6,12 +6,22 @@
 //! names otherwise, e.g. GLM-4.5/4.7's `glm4_moe`).
 
 use super::SimError;
+use crate::synthetic::MAX_EXPERTS;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;
 
 /// Bytes per weight and per activation element: everything is BF16, as in UltraEP's evaluation.
 pub const BYTES_PER_ELEMENT: u64 = 2;
+
+/// Largest width, head count, head dimension or rank a shape may give. Real models stay far below
+/// (hidden sizes of a few ten thousand); the bound keeps every product of dimensions the cost
+/// model forms (expert bytes `3 H I 2`, projection widths) exact in 64 bits, where a hidden size of
+/// 2^62 wrapped an expert to 0 bytes and 2^40 planned terabytes of replica transfers.
+pub const MAX_WIDTH: usize = 1 << 18;
+
+/// Most decoder layers a shape may have (the largest models have about a hundred).
+pub const MAX_LAYERS: usize = 4096;
 
 /// Attention dimensions.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -164,18 +174,27 @@ impl ModelShape {
         Ok(shape)
     }
 
-    /// Checks the dimensions are usable; the reason names the field.
+    /// Checks the dimensions are usable and bounded ([`MAX_LAYERS`], the synthetic generator's
+    /// [`MAX_EXPERTS`], [`MAX_WIDTH`]); the reason names the field.
     pub fn validate(&self) -> Result<(), String> {
         let positive = [
-            ("layers", self.layers),
-            ("experts", self.experts),
-            ("top_k", self.top_k),
-            ("hidden", self.hidden),
-            ("moe_intermediate", self.moe_intermediate),
+            ("layers", self.layers, MAX_LAYERS),
+            ("experts", self.experts, MAX_EXPERTS),
+            ("top_k", self.top_k, MAX_EXPERTS),
+            ("hidden", self.hidden, MAX_WIDTH),
+            ("moe_intermediate", self.moe_intermediate, MAX_WIDTH),
         ];
-        for (name, v) in positive {
-            if v == 0 {
-                return Err(format!("{name} must be positive"));
+        for (name, v, max) in positive {
+            if !(1..=max).contains(&v) {
+                return Err(format!("{name} must be in 1..={max}, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("shared_intermediate", self.shared_intermediate),
+            ("dense_intermediate", self.dense_intermediate),
+        ] {
+            if v > MAX_WIDTH {
+                return Err(format!("{name} must be at most {MAX_WIDTH}, got {v}"));
             }
         }
         if self.dense_layers >= self.layers {
@@ -204,14 +223,19 @@ impl ModelShape {
                         "attention needs positive heads and head_dim with kv_heads dividing q_heads, got {q_heads}/{kv_heads}/{head_dim}"
                     ));
                 }
+                if q_heads.max(head_dim) > MAX_WIDTH {
+                    return Err(format!(
+                        "attention heads and head_dim must be at most {MAX_WIDTH}, got {q_heads}/{head_dim}"
+                    ));
+                }
             }
             Attention::Mla {
                 q_heads,
                 q_lora_rank,
                 kv_lora_rank,
                 qk_nope_head_dim,
+                qk_rope_head_dim,
                 v_head_dim,
-                ..
             } => {
                 if q_heads == 0
                     || kv_lora_rank == 0
@@ -220,6 +244,19 @@ impl ModelShape {
                     || q_lora_rank == Some(0)
                 {
                     return Err("MLA attention needs positive heads, ranks and head dims".into());
+                }
+                let dims = [
+                    q_heads,
+                    q_lora_rank.unwrap_or(0),
+                    kv_lora_rank,
+                    qk_nope_head_dim,
+                    qk_rope_head_dim,
+                    v_head_dim,
+                ];
+                if dims.iter().any(|&d| d > MAX_WIDTH) {
+                    return Err(format!(
+                        "MLA heads, ranks and head dims must be at most {MAX_WIDTH}"
+                    ));
                 }
             }
         }
