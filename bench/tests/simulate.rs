@@ -697,3 +697,46 @@ fn an_error_anywhere_in_a_trace_names_the_file() {
         )
     );
 }
+
+#[test]
+fn request_traces_that_could_not_finish_are_refused() {
+    let run_on = |text: &str, rates: Vec<f64>| {
+        let path = temp_file("requests-bad.jsonl", text);
+        let run = RequestRun {
+            requests: load_trace(&path, 1, None).unwrap(),
+            rates,
+            spec: spec(4, 4, vec![Algo::Quota]),
+        };
+        run_requests(&run, |_| {}).unwrap_err().to_string()
+    };
+    let ok = "{\"timestamp\": 0, \"input_length\": 6, \"output_length\": 1}\n\
+              {\"timestamp\": 10, \"input_length\": 6, \"output_length\": 1}\n";
+    // 1e-18 req/s panicked converting the arrival times; a rate whose arrivals fit a Duration but
+    // not the simulated clock's precision is refused too.
+    for rate in [1e-18, 1e-30] {
+        let err = run_on(ok, vec![rate]);
+        assert!(err.starts_with(&format!("--rates {rate:?}: request 1 ")), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+    // An input length of 2^64-1 stepped for ever.
+    let huge = "{\"timestamp\": 0, \"input_length\": 18446744073709551615, \"output_length\": 1}\n";
+    assert_eq!(
+        run_on(huge, vec![]),
+        "request 0 has 18446744073709551615 prompt tokens, more than 16777216 (longer than any \
+         model's context)"
+    );
+    // A prompt that fits a context but not a simulation's steps at 4-token chunks.
+    let long = "{\"timestamp\": 0, \"input_length\": 16000000, \"output_length\": 1}\n";
+    assert_eq!(
+        run_on(long, vec![]),
+        "request 0 has 16000000 prompt tokens: at least 4000000 steps of --chunk-tokens 4, more \
+         than the 1000000 a simulation runs"
+    );
+    // Many requests that each fit but together need more steps than a simulation runs.
+    let line = "{\"timestamp\": 0, \"input_length\": 3000000, \"output_length\": 1}\n";
+    let err = run_on(&line.repeat(8), vec![]);
+    assert!(
+        err.starts_with("the request trace holds 24000000 prompt tokens: at least 1500000 steps"),
+        "{err}"
+    );
+}

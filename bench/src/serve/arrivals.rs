@@ -78,6 +78,17 @@ pub enum ArrivalError {
     Speedup(f64),
     #[error("request {0} has no timestamp; replay needs a trace dataset (or use a request rate)")]
     NoTimestamp(usize),
+    /// A send time too late to represent (a rate or speed-up far too small).
+    #[error(
+        "request {request} would be sent {seconds:e} s after the first: too late to schedule \
+         (the rate or speed-up is too small)"
+    )]
+    TooLate { request: usize, seconds: f64 },
+}
+
+/// `seconds` after the start as a [`Duration`], or why request `request` cannot be scheduled.
+fn offset(request: usize, seconds: f64) -> Result<Duration, ArrivalError> {
+    Duration::try_from_secs_f64(seconds).map_err(|_| ArrivalError::TooLate { request, seconds })
 }
 
 /// Send offsets from the start of the run, one per request, non-decreasing; deterministic in
@@ -99,14 +110,14 @@ pub fn schedule(
                 .map_err(|_| ArrivalError::Burstiness(burstiness))?;
             let mut rng = StdRng::seed_from_u64(seed);
             let mut t = 0.0f64;
-            Ok((0..requests.len())
+            (0..requests.len())
                 .map(|i| {
                     if i > 0 {
                         t += gaps.sample(&mut rng);
                     }
-                    Duration::from_secs_f64(t)
+                    offset(i, t)
                 })
-                .collect())
+                .collect()
         }
         Arrivals::Replay { speedup } => {
             if !(speedup.is_finite() && speedup > 0.0) {
@@ -118,10 +129,11 @@ pub fn schedule(
                 .map(|(i, r)| r.timestamp_ms.ok_or(ArrivalError::NoTimestamp(i)))
                 .collect::<Result<Vec<_>, _>>()?;
             let first = stamps.iter().copied().fold(f64::INFINITY, f64::min);
-            Ok(stamps
+            stamps
                 .iter()
-                .map(|&ms| Duration::from_secs_f64((ms - first) / 1000.0 / speedup))
-                .collect())
+                .enumerate()
+                .map(|(i, &ms)| offset(i, (ms - first) / 1000.0 / speedup))
+                .collect()
         }
     }
 }
@@ -208,6 +220,13 @@ mod tests {
             schedule(bad, &requests, 0),
             Err(ArrivalError::Burstiness(0.0))
         );
+        let glacial = Arrivals::Rate {
+            rate: RequestRate::PerSecond(1e-30),
+            burstiness: 1.0,
+        };
+        let err = schedule(glacial, &requests[..3], 0).unwrap_err();
+        assert!(matches!(err, ArrivalError::TooLate { request: 1, .. }), "{err}");
+        assert!(err.to_string().contains("too late to schedule"), "{err}");
     }
 
     #[test]
@@ -220,6 +239,11 @@ mod tests {
             schedule(Arrivals::Replay { speedup: 0.0 }, &requests, 0),
             Err(ArrivalError::Speedup(0.0))
         );
+        // Checked, not a panic: send times past what a Duration holds.
+        assert!(matches!(
+            schedule(Arrivals::Replay { speedup: 1e-300 }, &requests, 0),
+            Err(ArrivalError::TooLate { request: 1, .. })
+        ));
         let untimed = specs(&[Some(0.0), None]);
         assert_eq!(
             schedule(Arrivals::Replay { speedup: 1.0 }, &untimed, 0),

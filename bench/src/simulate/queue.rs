@@ -21,7 +21,7 @@
 use super::cost::Segment;
 use super::report::RateReport;
 use super::trace::{thin_rows, Routing};
-use super::{Engine, SimError, SimSpec};
+use super::{Engine, SimError, SimSpec, MAX_STEPS};
 use crate::serve::arrivals::{schedule, Arrivals, RequestRate};
 use crate::serve::dataset::RequestSpec;
 use crate::serve::report::percentile;
@@ -29,6 +29,15 @@ use rackfill_balancer::{Algo, LoadMatrix};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::collections::VecDeque;
+
+/// Latest arrival the simulation accepts, seconds (about 32 years): the clock is an `f64` of
+/// seconds, which at 1e9 s still resolves 0.1 us, far below a step; later arrivals (a rate like
+/// 1e-18 req/s) would lose the step times in rounding.
+pub const MAX_ARRIVAL_S: f64 = 1e9;
+
+/// Longest prompt a request may have, tokens: above any model's context window (a few million),
+/// so a longer one is a broken trace, not a workload.
+pub const MAX_PROMPT_TOKENS: u64 = 1 << 24;
 
 /// A request-trace simulation.
 #[derive(Debug, Clone)]
@@ -189,6 +198,7 @@ pub fn run_requests(
     if run.requests.is_empty() {
         return Err(SimError::Input("the request trace has no requests".into()));
     }
+    check_work(run)?;
     let schedules: Vec<(Option<f64>, Vec<f64>)> = if run.rates.is_empty() {
         vec![(None, arrival_times(Arrivals::Replay { speedup: 1.0 }, run)?)]
     } else {
@@ -204,7 +214,9 @@ pub fn run_requests(
                     rate: RequestRate::PerSecond(rate),
                     burstiness: 1.0,
                 };
-                Ok((Some(rate), arrival_times(arrivals, run)?))
+                let times = arrival_times(arrivals, run)
+                    .map_err(|e| SimError::Input(format!("--rates {rate:?}: {e}")))?;
+                Ok((Some(rate), times))
             })
             .collect::<Result<_, _>>()?
     };
@@ -267,8 +279,58 @@ pub fn run_requests(
     Ok(timelines.iter().map(|t| t.report(input_tokens)).collect())
 }
 
+/// Arrival times in seconds, all within [`MAX_ARRIVAL_S`].
 fn arrival_times(arrivals: Arrivals, run: &RequestRun) -> Result<Vec<f64>, SimError> {
-    schedule(arrivals, &run.requests, run.spec.seed)
-        .map(|d| d.iter().map(|d| d.as_secs_f64()).collect())
-        .map_err(|e| SimError::Input(e.to_string()))
+    let times: Vec<f64> = schedule(arrivals, &run.requests, run.spec.seed)
+        .map_err(|e| SimError::Input(e.to_string()))?
+        .iter()
+        .map(|d| d.as_secs_f64())
+        .collect();
+    match times.iter().position(|&t| t > MAX_ARRIVAL_S) {
+        Some(i) => Err(SimError::Input(format!(
+            "request {i} would arrive {:e} s after the first, later than the {MAX_ARRIVAL_S:e} s a \
+             simulation spans",
+            times[i]
+        ))),
+        None => Ok(times),
+    }
+}
+
+/// Refuses prompts over [`MAX_PROMPT_TOKENS`] and traces that need more than [`MAX_STEPS`] steps
+/// whatever the arrivals: a request of `n` prompt tokens needs `n / chunk` steps, and all of them
+/// `total / (chunk x ranks)` (an input length of 2^64-1 stepped for ever).
+fn check_work(run: &RequestRun) -> Result<(), SimError> {
+    let spec = &run.spec;
+    let chunk = u128::from(spec.chunk_tokens);
+    let lengths = run.requests.iter().map(|r| r.input_len as u128);
+    let (longest, i) = lengths
+        .clone()
+        .zip(0..)
+        .max()
+        .expect("the trace has requests");
+    let total: u128 = lengths.sum();
+    if longest > u128::from(MAX_PROMPT_TOKENS) {
+        return Err(SimError::Input(format!(
+            "request {i} has {longest} prompt tokens, more than {MAX_PROMPT_TOKENS} (longer than \
+             any model's context)"
+        )));
+    }
+    let too_many = |steps: u128| steps > MAX_STEPS as u128;
+    if too_many(longest.div_ceil(chunk)) {
+        return Err(SimError::Input(format!(
+            "request {i} has {longest} prompt tokens: at least {} steps of --chunk-tokens {chunk}, \
+             more than the {MAX_STEPS} a simulation runs",
+            longest.div_ceil(chunk)
+        )));
+    }
+    let steps = total.div_ceil(chunk * spec.ep as u128);
+    if too_many(steps) {
+        return Err(SimError::Input(format!(
+            "the request trace holds {total} prompt tokens: at least {steps} steps of \
+             --chunk-tokens {chunk} on each of {} ranks, more than the {MAX_STEPS} a simulation \
+             runs",
+            spec.ep
+        )));
+    }
+    Ok(())
 }
