@@ -6,8 +6,8 @@
 use crate::balance_cmd::BalanceArgs;
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
-use rackfill_bench::ep::{run_ep, EpCase};
-use rackfill_bench::forward::{run_forward, synthetic_bench_model};
+use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
+use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
 use rackfill_engine::DataPlane;
 use rackfill_models::ModelBundle;
 use std::io::Write as _;
@@ -51,15 +51,16 @@ pub struct EpArgs {
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<PathBuf>,
 
-    /// Random prompts per step (one per rank at EP 8 by default).
+    /// Random prompts per step (one per rank at EP 8 by default); all prompts together hold at
+    /// most 65536 tokens.
     #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub sequences: usize,
 
-    /// Tokens per random prompt.
+    /// Tokens per random prompt, at most the model's context.
     #[arg(long, default_value_t = 512, value_parser = parse_positive)]
     pub tokens: usize,
 
-    /// EP sizes to run, comma-separated.
+    /// EP sizes to run, comma-separated, each at most the model's routed experts.
     #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "8")]
     pub ep: Vec<usize>,
 
@@ -76,8 +77,9 @@ pub struct EpArgs {
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub data_planes: Vec<DataPlane>,
 
-    /// Timed rounds after one warm-up; every round runs dense and every configuration.
-    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    /// Timed rounds after one warm-up, at most 1000; every round runs dense and every
+    /// configuration.
+    #[arg(long, default_value_t = 3, value_parser = parse_repeats)]
     pub rounds: usize,
 
     /// Seed for the random weights and prompts.
@@ -96,12 +98,13 @@ pub struct ForwardArgs {
     #[arg(long)]
     pub model: Option<String>,
 
-    /// Prompt lengths in tokens, comma-separated.
+    /// Prompt lengths in tokens, comma-separated, each at most the model's context
+    /// (max_position_embeddings: 8192 for the bench shape).
     #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "512,2048,4096")]
     pub tokens: Vec<usize>,
 
-    /// Timed runs per length (after one warm-up); the median is reported.
-    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    /// Timed runs per length (after one warm-up), at most 1000; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = parse_repeats)]
     pub repeats: usize,
 
     /// Seed for the random weights and prompts.
@@ -117,6 +120,18 @@ pub(crate) fn parse_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("invalid value '{s}': expected a positive integer")),
+    }
+}
+
+/// Most timed runs or rounds a bench takes: more only re-measures the median, for hours.
+const MAX_REPEATS: usize = 1000;
+
+fn parse_repeats(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_REPEATS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "invalid value '{s}': expected an integer in 1..={MAX_REPEATS}"
+        )),
     }
 }
 
@@ -154,12 +169,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
                 .map(|t| tokenizer.encode(t, false))
                 .collect::<Result<Vec<_>, _>>()?
         }
-        None => random_prompts(
-            model.config().vocab_size,
-            args.sequences,
-            args.tokens,
-            args.seed,
-        ),
+        None => random_prompts(&model, args.sequences, args.tokens, args.seed)?,
     };
     let mut cases = Vec::new();
     for &data_plane in &args.data_planes {
@@ -173,6 +183,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
             }
         }
     }
+    check_step(&model, &prompts, &cases)?;
     note!(
         "bench ep: {name}, {} prompts ({} tokens), {} rounds",
         prompts.len(),
@@ -213,15 +224,6 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
     Ok(texts)
 }
 
-/// `count` seeded random prompts of `len` tokens.
-fn random_prompts(vocab: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
-    use rand::{Rng as _, SeedableRng as _};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5EED);
-    (0..count)
-        .map(|_| (0..len).map(|_| rng.gen_range(0..vocab as u32)).collect())
-        .collect()
-}
-
 /// Keeps the first occurrence of every value.
 pub(crate) fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
     let mut out: Vec<T> = Vec::with_capacity(values.len());
@@ -242,6 +244,7 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
         }
         None => (synthetic_bench_model(args.seed)?, "bench-shape".to_string()),
     };
+    check_lengths(&model, &args.tokens)?;
     note!(
         "bench forward: {name}, prompts {:?} tokens, {} repeats",
         args.tokens,

@@ -17,6 +17,10 @@ use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
 
+/// Most prompt tokens one step may carry, all sequences together: the dense path and every EP
+/// configuration prefill them at once in this process (the default is 8 x 512).
+pub const MAX_STEP_TOKENS: usize = 1 << 16;
+
 /// Errors of the EP bench.
 #[derive(Debug, thiserror::Error)]
 pub enum EpBenchError {
@@ -26,6 +30,60 @@ pub enum EpBenchError {
     Engine(#[from] rackfill_engine::EngineError),
     #[error("no prompts to run")]
     NoPrompts,
+    #[error("prompt {index} has {tokens} tokens, more than the model's context of {context}")]
+    PromptTooLong {
+        index: usize,
+        tokens: usize,
+        context: usize,
+    },
+    #[error("the prompts hold more than {MAX_STEP_TOKENS} tokens in all (one step prefills them at once)")]
+    TooManyTokens,
+    #[error(
+        "EP size {ep} must be in 1..={experts}: the model has {experts} routed experts, and a rank \
+         beyond them would home none"
+    )]
+    EpSize { ep: usize, experts: usize },
+}
+
+/// Checks that one step of prompts of these lengths can run: each within the model's context,
+/// together within [`MAX_STEP_TOKENS`] (stops at the first excess, so any count is cheap).
+fn check_prompt_lengths(
+    model: &MoeModel,
+    lengths: impl IntoIterator<Item = usize>,
+) -> Result<(), EpBenchError> {
+    let context = model.config().max_position_embeddings;
+    let mut total = 0usize;
+    for (index, tokens) in lengths.into_iter().enumerate() {
+        if tokens > context {
+            return Err(EpBenchError::PromptTooLong {
+                index,
+                tokens,
+                context,
+            });
+        }
+        total = total.saturating_add(tokens);
+        if total > MAX_STEP_TOKENS {
+            return Err(EpBenchError::TooManyTokens);
+        }
+    }
+    Ok(())
+}
+
+/// `count` seeded random prompts of `len` tokens from the model's vocabulary, checked before
+/// anything is allocated.
+pub fn random_prompts(
+    model: &MoeModel,
+    count: usize,
+    len: usize,
+    seed: u64,
+) -> Result<Vec<Vec<u32>>, EpBenchError> {
+    use rand::{Rng as _, SeedableRng as _};
+    check_prompt_lengths(model, std::iter::repeat_n(len, count))?;
+    let vocab = model.config().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5EED);
+    Ok((0..count)
+        .map(|_| (0..len).map(|_| rng.gen_range(0..vocab)).collect())
+        .collect())
 }
 
 /// One EP configuration to time.
@@ -76,6 +134,27 @@ pub struct EpReport {
     pub results: Vec<EpResult>,
 }
 
+/// Checks a step can run before anything is built: prompts present, each within the model's
+/// context and together within [`MAX_STEP_TOKENS`], and every EP size within the model's experts.
+pub fn check_step(
+    model: &MoeModel,
+    prompts: &[Vec<u32>],
+    cases: &[EpCase],
+) -> Result<(), EpBenchError> {
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(EpBenchError::NoPrompts);
+    }
+    check_prompt_lengths(model, prompts.iter().map(Vec::len))?;
+    let experts = model.config().moe.num_experts;
+    match cases.iter().find(|c| !(1..=experts).contains(&c.ep_size)) {
+        Some(case) => Err(EpBenchError::EpSize {
+            ep: case.ep_size,
+            experts,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Runs the comparison over `rounds` alternating rounds after one warm-up round.
 pub fn run_ep(
     model: Arc<MoeModel>,
@@ -85,9 +164,7 @@ pub fn run_ep(
     redundant_slots: usize,
     rounds: usize,
 ) -> Result<EpReport, EpBenchError> {
-    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
-        return Err(EpBenchError::NoPrompts);
-    }
+    check_step(&model, prompts, cases)?;
     let tokens: usize = prompts.iter().map(Vec::len).sum();
     let mut runtimes: Vec<EpRuntime> = cases
         .iter()

@@ -24,6 +24,8 @@ pub enum ForwardBenchError {
     Synthetic(String),
     #[error("prompt length must be positive")]
     EmptyPrompt,
+    #[error("prompt length {tokens} exceeds the model's context of {context} tokens")]
+    TooLong { tokens: usize, context: usize },
 }
 
 /// `config.json` of the bench shape.
@@ -140,6 +142,21 @@ pub struct ForwardReport {
     pub results: Vec<ForwardResult>,
 }
 
+/// Checks every prompt length before the first is timed: positive and within the model's context
+/// (2^64-1 tokens overflowed the prompt's allocation, 2^32 ate memory for minutes).
+pub fn check_lengths(model: &MoeModel, lengths: &[usize]) -> Result<(), ForwardBenchError> {
+    let context = model.config().max_position_embeddings;
+    for &tokens in lengths {
+        if tokens == 0 {
+            return Err(ForwardBenchError::EmptyPrompt);
+        }
+        if tokens > context {
+            return Err(ForwardBenchError::TooLong { tokens, context });
+        }
+    }
+    Ok(())
+}
+
 /// Times one prefill (whole prompt, last-position logits) per repeat after one warm-up, for each
 /// prompt length.
 pub fn run_forward(
@@ -149,13 +166,11 @@ pub fn run_forward(
     repeats: usize,
     seed: u64,
 ) -> Result<ForwardReport, ForwardBenchError> {
+    check_lengths(model, lengths)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let vocab = model.config().vocab_size as u32;
     let mut results = Vec::with_capacity(lengths.len());
     for &length in lengths {
-        if length == 0 {
-            return Err(ForwardBenchError::EmptyPrompt);
-        }
         let prompt: Vec<u32> = (0..length).map(|_| rng.gen_range(0..vocab)).collect();
         let time_once = || -> Result<f64, ForwardBenchError> {
             let mut cache = model.new_cache();
