@@ -24,7 +24,7 @@ pub enum KernelsCommand {
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
     /// Comma-separated NVRTC architectures.
-    #[arg(long, value_delimiter = ',', default_values_t = ["sm_90".to_string(), "sm_100".to_string()])]
+    #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_100")]
     arch: Vec<String>,
 }
 
@@ -154,5 +154,24 @@ mod imp {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CheckArgs;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Check {
+        #[command(flatten)]
+        args: CheckArgs,
+    }
+
+    #[test]
+    fn default_arches_are_shown_as_the_comma_list_arch_takes() {
+        assert_eq!(Check::parse_from(["check"]).args.arch, ["sm_90", "sm_100"]);
+        let help = Check::command().render_help().to_string();
+        assert!(help.contains("[default: sm_90,sm_100]"), "{help}");
     }
 }

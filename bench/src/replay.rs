@@ -14,7 +14,7 @@
 //! apart from the per-step series (a handful of numbers per step and balancer) and the samples the
 //! percentiles need (two per layer-step and balancer).
 
-use crate::balance::{percentile, MAX_FAILURES_KEPT};
+use crate::balance::{percentile, round_us, MAX_FAILURES_KEPT};
 use crate::routing_trace::TraceStep;
 use rackfill_balancer::{metrics, Algo, Layout, Plan, Settings};
 use serde::Serialize;
@@ -385,7 +385,7 @@ impl Acc {
         self.series.imbalance_max.push(nan_if_none(imb_max));
         self.series.replicas.push(replicas);
         self.series.slot_changes.push(changes);
-        self.series.solve_us_mean.push(nan_if_none(solve / n));
+        self.series.solve_us_mean.push(nan_if_none(round_us(solve / n)));
     }
 
     fn finish(mut self, name: &str, steps: usize, expert_bytes: Option<u64>) -> ReplayStats {
@@ -393,7 +393,7 @@ impl Acc {
         let mean = |sum: f64| if n == 0 { 0.0 } else { sum / n as f64 };
         let per_step = |sum: f64| if steps == 0 { 0.0 } else { sum / steps as f64 };
         let imbalance_mean = mean(self.imbalance.iter().sum());
-        let solve_us_mean = mean(self.solve_us.iter().sum());
+        let solve_us_mean = round_us(mean(self.solve_us.iter().sum()));
         self.imbalance.sort_by(f64::total_cmp);
         self.solve_us.sort_by(f64::total_cmp);
         let bytes = |count: u64| expert_bytes.map(|b| per_step(count as f64 * b as f64));

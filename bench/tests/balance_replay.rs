@@ -260,6 +260,29 @@ fn synthetic_multi_layer_trace_round_trips_exactly() {
 }
 
 #[test]
+fn solve_times_are_reported_in_whole_nanoseconds() {
+    assert_eq!(rackfill_bench::balance::round_us(0.39499999999999996), 0.395);
+    let trace = synthetic(TracePattern::Mixed, 3, 12, 7);
+    let cfg = config(
+        Layout::contiguous(8, 64, 2).unwrap(),
+        Algo::ALL.to_vec(),
+        Settings::default(),
+    );
+    let report = replay_trace(&trace, &cfg);
+    // Means of nanosecond samples printed float noise (7.594999999999999) in the JSON report.
+    let three_decimals = |v: f64| {
+        let text = serde_json::to_string(&v).unwrap();
+        text.split('.').nth(1).is_none_or(|frac| frac.len() <= 3)
+    };
+    for s in &report.stats {
+        assert!(three_decimals(s.solve_us_mean), "{}", s.solve_us_mean);
+        for &v in &s.series.solve_us_mean {
+            assert!(three_decimals(v), "{v}");
+        }
+    }
+}
+
+#[test]
 fn eplb_history_changes_placement_only_every_interval() {
     let interval = 4;
     let trace = synthetic(TracePattern::Drifting, 2, 26, 3);

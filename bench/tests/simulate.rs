@@ -740,3 +740,15 @@ fn request_traces_that_could_not_finish_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn measured_solve_times_are_reported_in_whole_nanoseconds() {
+    let mut run = tiny_run(0);
+    run.spec.solve_us = None;
+    let report = run_throughput(&run, |_, _| {}).unwrap();
+    for b in &report.balancers {
+        let text = serde_json::to_string(&b.solve_us_mean).unwrap();
+        let decimals = text.split('.').nth(1).map_or(0, str::len);
+        assert!(decimals <= 3, "{}: {text}", b.balancer);
+    }
+}

@@ -29,6 +29,7 @@ use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use report::{BalancerReport, Imbalance, ThroughputReport, TimedTerms};
+use crate::balance::round_us;
 use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use shape::ModelShape;
 use std::time::Instant;
@@ -444,7 +445,7 @@ pub fn run_throughput(
             replicas_mean: stat.replicas / n,
             max_fanout_mean: stat.max_fanout / n,
             replica_mb_busiest_mean: stat.replica_mb / n,
-            solve_us_mean: stat.solve_us / n,
+            solve_us_mean: round_us(stat.solve_us / n),
             step_ms_series: acc.step_ms.clone(),
         })
         .collect();
