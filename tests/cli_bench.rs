@@ -1,0 +1,175 @@
+//! The `rackfill` binary's bench and simulate commands on bad input: exit 2 with one `error:`
+//! line before any work (clap's own usage errors add its "For more information" hint), and
+//! reports that say what ran.
+
+use serde_json::Value;
+use std::ffi::OsStr;
+use std::fmt::Debug;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn rackfill<S: AsRef<OsStr>>(args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rackfill"))
+        .args(args)
+        .output()
+        .expect("rackfill runs")
+}
+
+/// Exit 2 and a first stderr line `error: ...` containing `want`; one line unless clap parsed it.
+fn refused<S: AsRef<OsStr> + Debug>(args: &[S], want: &str) {
+    let out = rackfill(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    let first = err.lines().next().unwrap_or_default();
+    assert!(first.starts_with("error: "), "{args:?}: {err}");
+    assert!(first.contains(want), "{args:?}: {first} lacks {want}");
+    if !first.starts_with("error: invalid value") {
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+fn temp_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rackfill-cli-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// 4 MoE layers of 32 experts, top-8: small enough for a debug binary.
+const SHAPE: &str = r#"{"name": "m32", "layers": 4, "experts": 32, "top_k": 8, "hidden": 64,
+    "moe_intermediate": 32, "attention": {"kind": "gqa", "q_heads": 2, "kv_heads": 1, "head_dim": 32}}"#;
+
+/// A routing trace of `steps` steps x `layers` layers on 2 ranks x 32 experts, 64 tokens per rank.
+fn trace(steps: u64, layers: usize) -> String {
+    let row = serde_json::to_string(&[[16u64; 32], [16u64; 32]]).unwrap();
+    let mut text = String::new();
+    for step in 0..steps {
+        for layer in 0..layers {
+            text += &format!(
+                "{{\"step\": {step}, \"layer\": {layer}, \"ranks\": 2, \"experts\": 32, \"load\": {row}}}\n"
+            );
+        }
+    }
+    text
+}
+
+#[test]
+fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
+    let dir = temp_dir();
+    let shape = write(&dir, "shape.json", SHAPE);
+    let tr = write(&dir, "trace8.jsonl", &trace(2, 8));
+    let out = rackfill(&[
+        "simulate",
+        "--model-shape",
+        &shape,
+        "--ep",
+        "4",
+        "--trace",
+        &tr,
+        "--balancer",
+        "quota,none",
+        "--solve-us",
+        "1",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["simulated_layers"], 8, "{doc}");
+    assert_eq!(doc["moe_layers"], 4);
+    assert_eq!(doc["chunk_tokens"], Value::Null);
+    // 2 x 512 pairs re-split over 4 ranks at top-8: 32 tokens per rank.
+    assert_eq!(doc["tokens_per_rank_mean"], 32.0);
+    for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
+        let mut args = vec!["simulate", "--model-shape", &shape, "--ep", "4", "--trace", &tr];
+        args.extend(flag);
+        refused(&args, &format!("{} applies to synthetic routing", flag[0]));
+    }
+}
+
+#[test]
+fn simulate_refuses_what_it_cannot_run() {
+    let dir = temp_dir();
+    let shape = write(&dir, "shape.json", SHAPE);
+    let base = ["simulate", "--model-shape", &shape, "--ep", "4", "--steps", "1"];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    refused(
+        &with(&["--chunk-tokens", "18446744073709551615"]),
+        "--chunk-tokens must be in 1..=65536",
+    );
+    refused(
+        &with(&["--balancer", "eplb-history", "--history-window", "0"]),
+        "expected a positive integer",
+    );
+    refused(
+        &with(&["--balancer", "eplb-history", "--rebalance-interval", "0"]),
+        "expected a positive integer",
+    );
+    let rack = write(
+        &dir,
+        "rack.json",
+        r#"{"name": "r", "gpus": 8, "scale_up_gbytes_per_s": 900, "bf16_tflops": 2250,
+            "hbm_tbytes_per_s": 8, "gemm_efficiency": []}"#,
+    );
+    refused(
+        &with(&["--rack", &rack]),
+        "gemm_efficiency needs at least one [tokens, efficiency] point",
+    );
+    let huge = write(
+        &dir,
+        "huge.json",
+        &SHAPE.replace("\"hidden\": 64", "\"hidden\": 4611686018427387904"),
+    );
+    refused(
+        &["simulate", "--model-shape", &huge, "--ep", "4"],
+        "hidden must be in 1..=262144",
+    );
+    let requests = write(
+        &dir,
+        "requests.jsonl",
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1}\n\
+         {\"timestamp\": 5, \"input_length\": 10, \"output_length\": 1}\n",
+    );
+    refused(
+        &with(&["--requests", &requests, "--rates", "1e-18"]),
+        "--rates 1e-18: request 1 ",
+    );
+}
+
+#[test]
+fn benches_refuse_sizes_they_cannot_run() {
+    let builtin = concat!(env!("CARGO_MANIFEST_DIR"), "/models/builtin");
+    refused(
+        &["bench", "forward", "--model", builtin, "--tokens", "18446744073709551615"],
+        "prompt length 18446744073709551615 exceeds the model's context",
+    );
+    refused(
+        &["bench", "ep", "--model", "rackfill-tiny-moe", "--ep", "18446744073709551615"],
+        "EP size 18446744073709551615 must be in 1..=",
+    );
+    refused(
+        &["bench", "balance", "--synthetic", "--steps", "1", "--shapes", "18446744073709551615/32/2"],
+        "needs 1..=1024 ranks",
+    );
+    refused(
+        &["bench", "balance", "--synthetic-trace", "mixed", "--shapes", "8/64/65"],
+        "65 redundant slots per rank, at most 64",
+    );
+    refused(
+        &["bench", "balance", "--synthetic-trace", "mixed", "--shapes", "8/64/2", "--layers", "100000000"],
+        "at most 67108864 load counts per step",
+    );
+}
+
+#[test]
+fn help_lists_every_balancer() {
+    let out = rackfill(&["bench", "balance", "--help"]);
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(help.contains("quota-paper"), "{help}");
+}
