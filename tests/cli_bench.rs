@@ -77,7 +77,11 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
         "1",
         "--json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["simulated_layers"], 8, "{doc}");
     assert_eq!(doc["moe_layers"], 4);
@@ -85,7 +89,15 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     // 2 x 512 pairs re-split over 4 ranks at top-8: 32 tokens per rank.
     assert_eq!(doc["tokens_per_rank_mean"], 32.0);
     for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
-        let mut args = vec!["simulate", "--model-shape", &shape, "--ep", "4", "--trace", &tr];
+        let mut args = vec![
+            "simulate",
+            "--model-shape",
+            &shape,
+            "--ep",
+            "4",
+            "--trace",
+            &tr,
+        ];
         args.extend(flag);
         refused(&args, &format!("{} applies to synthetic routing", flag[0]));
     }
@@ -95,7 +107,15 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
 fn simulate_refuses_what_it_cannot_run() {
     let dir = temp_dir();
     let shape = write(&dir, "shape.json", SHAPE);
-    let base = ["simulate", "--model-shape", &shape, "--ep", "4", "--steps", "1"];
+    let base = [
+        "simulate",
+        "--model-shape",
+        &shape,
+        "--ep",
+        "4",
+        "--steps",
+        "1",
+    ];
     let with = |extra: &[&str]| -> Vec<String> {
         base.iter().chain(extra).map(|s| s.to_string()).collect()
     };
@@ -146,23 +166,61 @@ fn simulate_refuses_what_it_cannot_run() {
 fn benches_refuse_sizes_they_cannot_run() {
     let builtin = concat!(env!("CARGO_MANIFEST_DIR"), "/models/builtin");
     refused(
-        &["bench", "forward", "--model", builtin, "--tokens", "18446744073709551615"],
+        &[
+            "bench",
+            "forward",
+            "--model",
+            builtin,
+            "--tokens",
+            "18446744073709551615",
+        ],
         "prompt length 18446744073709551615 exceeds the model's context",
     );
     refused(
-        &["bench", "ep", "--model", "rackfill-tiny-moe", "--ep", "18446744073709551615"],
+        &[
+            "bench",
+            "ep",
+            "--model",
+            "rackfill-tiny-moe",
+            "--ep",
+            "18446744073709551615",
+        ],
         "EP size 18446744073709551615 must be in 1..=",
     );
     refused(
-        &["bench", "balance", "--synthetic", "--steps", "1", "--shapes", "18446744073709551615/32/2"],
+        &[
+            "bench",
+            "balance",
+            "--synthetic",
+            "--steps",
+            "1",
+            "--shapes",
+            "18446744073709551615/32/2",
+        ],
         "needs 1..=1024 ranks",
     );
     refused(
-        &["bench", "balance", "--synthetic-trace", "mixed", "--shapes", "8/64/65"],
+        &[
+            "bench",
+            "balance",
+            "--synthetic-trace",
+            "mixed",
+            "--shapes",
+            "8/64/65",
+        ],
         "65 redundant slots per rank, at most 64",
     );
     refused(
-        &["bench", "balance", "--synthetic-trace", "mixed", "--shapes", "8/64/2", "--layers", "100000000"],
+        &[
+            "bench",
+            "balance",
+            "--synthetic-trace",
+            "mixed",
+            "--shapes",
+            "8/64/2",
+            "--layers",
+            "100000000",
+        ],
         "at most 67108864 load counts per step",
     );
 }

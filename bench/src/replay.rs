@@ -385,7 +385,9 @@ impl Acc {
         self.series.imbalance_max.push(nan_if_none(imb_max));
         self.series.replicas.push(replicas);
         self.series.slot_changes.push(changes);
-        self.series.solve_us_mean.push(nan_if_none(round_us(solve / n)));
+        self.series
+            .solve_us_mean
+            .push(nan_if_none(round_us(solve / n)));
     }
 
     fn finish(mut self, name: &str, steps: usize, expert_bytes: Option<u64>) -> ReplayStats {

@@ -261,7 +261,10 @@ fn synthetic_multi_layer_trace_round_trips_exactly() {
 
 #[test]
 fn solve_times_are_reported_in_whole_nanoseconds() {
-    assert_eq!(rackfill_bench::balance::round_us(0.39499999999999996), 0.395);
+    assert_eq!(
+        rackfill_bench::balance::round_us(0.39499999999999996),
+        0.395
+    );
     let trace = synthetic(TracePattern::Mixed, 3, 12, 7);
     let cfg = config(
         Layout::contiguous(8, 64, 2).unwrap(),

@@ -455,7 +455,10 @@ fn bad_rack_and_shape_files_are_one_line_errors() {
     let mut s = spec(4, 4, vec![Algo::Quota]);
     s.rack.gemm_efficiency.clear();
     let err = s.validate().unwrap_err().to_string();
-    assert!(err.starts_with("rack tiny: gemm_efficiency needs at least one"), "{err}");
+    assert!(
+        err.starts_with("rack tiny: gemm_efficiency needs at least one"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -715,7 +718,10 @@ fn request_traces_that_could_not_finish_are_refused() {
     // not the simulated clock's precision is refused too.
     for rate in [1e-18, 1e-30] {
         let err = run_on(ok, vec![rate]);
-        assert!(err.starts_with(&format!("--rates {rate:?}: request 1 ")), "{err}");
+        assert!(
+            err.starts_with(&format!("--rates {rate:?}: request 1 ")),
+            "{err}"
+        );
         assert!(!err.contains('\n'), "{err}");
     }
     // An input length of 2^64-1 stepped for ever.

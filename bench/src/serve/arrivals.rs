@@ -225,7 +225,10 @@ mod tests {
             burstiness: 1.0,
         };
         let err = schedule(glacial, &requests[..3], 0).unwrap_err();
-        assert!(matches!(err, ArrivalError::TooLate { request: 1, .. }), "{err}");
+        assert!(
+            matches!(err, ArrivalError::TooLate { request: 1, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("too late to schedule"), "{err}");
     }
 

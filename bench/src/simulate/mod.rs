@@ -23,14 +23,14 @@ pub mod report;
 pub mod shape;
 pub mod trace;
 
+use crate::balance::round_us;
+use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use cost::{CostModel, ReplicaTraffic, Segment, Terms};
 use rack::Rack;
 use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use report::{BalancerReport, Imbalance, ThroughputReport, TimedTerms};
-use crate::balance::round_us;
-use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use shape::ModelShape;
 use std::time::Instant;
 use trace::{even_load, Routing, TraceSource};
@@ -202,11 +202,7 @@ impl<'a> Engine<'a> {
     }
 
     /// An engine whose steps bring `layers` load matrices (a recorded trace's own layers).
-    pub fn with_layers(
-        spec: &'a SimSpec,
-        algos: &[Algo],
-        layers: usize,
-    ) -> Result<Self, SimError> {
+    pub fn with_layers(spec: &'a SimSpec, algos: &[Algo], layers: usize) -> Result<Self, SimError> {
         spec.validate()?;
         spec.check_step_size(layers)?;
         let layout = Layout::contiguous(spec.ep, spec.shape.experts, spec.slots)

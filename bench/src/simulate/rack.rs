@@ -128,7 +128,10 @@ impl Rack {
     /// Checks every figure; the reason names the field.
     pub fn validate(&self) -> Result<(), String> {
         if !(1..=MAX_RANKS).contains(&self.gpus) {
-            return Err(format!("gpus must be in 1..={MAX_RANKS}, got {}", self.gpus));
+            return Err(format!(
+                "gpus must be in 1..={MAX_RANKS}, got {}",
+                self.gpus
+            ));
         }
         let positive = [
             ("scale_up_gbytes_per_s", self.scale_up_gbytes_per_s),

@@ -468,15 +468,30 @@ mod tests {
         // Sizes are bounded before anything is allocated (100000 x 100000 asked for 80 GB, 10^8
         // layers ran out of memory, 2^64-1 ranks never finished).
         for (ranks, experts, layers, tokens, why) in [
-            (100_000, 100_000, 8, 64, "needs 1..=1024 ranks and at most 4096 experts"),
+            (
+                100_000,
+                100_000,
+                8,
+                64,
+                "needs 1..=1024 ranks and at most 4096 experts",
+            ),
             (usize::MAX, 32, 8, 64, "needs 1..=1024 ranks"),
-            (8, 64, 100_000_000, 64, "at most 67108864 load counts per step"),
+            (
+                8,
+                64,
+                100_000_000,
+                64,
+                "at most 67108864 load counts per step",
+            ),
             (1024, 4096, 17, 64, "at most 67108864 load counts per step"),
             (8, 64, 8, (1 << 20) + 1, "needs 1..=1048576 tokens per rank"),
         ] {
             let s = TraceSpec::new(TracePattern::Mixed, ranks, experts, layers, 1, tokens);
             let err = TraceGenerator::new(&s, 0).unwrap_err().0;
-            assert!(err.starts_with("synthetic trace: ") && err.contains(why), "{err}");
+            assert!(
+                err.starts_with("synthetic trace: ") && err.contains(why),
+                "{err}"
+            );
         }
         let s = TraceSpec::new(TracePattern::Mixed, 1024, 4096, 16, 1, 64);
         assert!(s.check().is_ok());
