@@ -225,6 +225,15 @@ fn replica_streaming_direct_versus_relay() {
         cost.replicate_ms(&traffic, 64),
         1152.0 + 0.01 + 128.0 + 0.01
     ));
+    // The engine plans whole copies (chunk 0): the same volumes and trees, one transfer per copy.
+    let whole = RelayConfig {
+        chunk_bytes: 0,
+        ..relay
+    };
+    assert_eq!(
+        ReplicaTraffic::streamed(&plan_transfers(&plan, b, &whole)),
+        traffic
+    );
 }
 
 #[test]
