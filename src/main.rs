@@ -85,6 +85,29 @@ fn write_err(text: std::fmt::Arguments<'_>) {
     let _ = std::io::stderr().lock().write_fmt(text);
 }
 
+/// Help and version go to stdout (exit 0) as clap prints them; a bad flag or value gets the
+/// project's one-line error (clap's message, usage and tips folded into that line), exit 2.
+fn flag_error(err: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        err.exit();
+    }
+    let text = err.to_string();
+    let line: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    note!("{}", line.join(" "));
+    ExitCode::from(2)
+}
+
 /// Whether `err` comes from writing to a pipe whose reader has gone.
 fn is_broken_pipe(err: &anyhow::Error) -> bool {
     let broken = Some(std::io::ErrorKind::BrokenPipe);
@@ -98,7 +121,10 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return flag_error(err),
+    };
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),

@@ -145,7 +145,8 @@ fn build_report(
         lower_bound: m.lower_bound,
         replicas: m.replicas,
         max_fanout: m.max_fanout,
-        solve_us,
+        // Whole nanoseconds, as the bench reports print them (no float noise).
+        solve_us: rackfill_bench::balance::round_us(solve_us),
     }
 }
 

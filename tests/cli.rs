@@ -266,3 +266,32 @@ fn readme_example_file_plans() {
     let after = doc["imbalance_after"].as_f64().unwrap();
     assert!(before > 2.0 && after < 1.01, "{before} -> {after}");
 }
+
+#[test]
+fn bad_flags_get_one_line_and_help_still_works() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_rackfill"))
+            .args(args)
+            .output()
+            .expect("rackfill runs")
+    };
+    for args in [
+        &["plan", "--load", "x", "--slots", "-1"][..],
+        &["plan"],
+        &["nope"],
+        &["bench", "balance", "--synthetic", "--history-window", "0"],
+        &["serve", "--balancer", "nope"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+    }
+    let out = run(&["plan", "--load", "x", "--slots"]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--slots"), "the flag is named: {err}");
+    let out = run(&["plan", "--help"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8(out.stdout).unwrap().contains("--slots"));
+}
