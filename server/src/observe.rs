@@ -82,7 +82,6 @@ impl Observation {
 
 impl Drop for Observation {
     fn drop(&mut self) {
-        gauge!(metrics::HTTP_IN_FLIGHT).decrement(1.0);
         let elapsed = self.start.elapsed();
         let status = self.status.unwrap_or(CLIENT_CLOSED);
         counter!(metrics::HTTP_REQUESTS, "method" => self.method.clone(),
@@ -91,6 +90,8 @@ impl Drop for Observation {
         histogram!(metrics::HTTP_DURATION, "method" => self.method.clone(),
             "route" => self.route.clone())
         .record(elapsed.as_secs_f64());
+        // Last: a request leaves the gauge only once it is counted.
+        gauge!(metrics::HTTP_IN_FLIGHT).decrement(1.0);
         self.span.in_scope(|| {
             let elapsed_ms = elapsed.as_secs_f64() * 1e3;
             if self.status.is_some() {

@@ -35,16 +35,34 @@ async fn metrics(server: &TestServer) -> String {
     text
 }
 
-/// Polls `/metrics` until the gauge reads `want` (the `/metrics` request itself included).
-async fn wait_for_in_flight(server: &TestServer, want: f64) -> String {
+/// Polls `/metrics` until `ready` holds for its text (the metrics of a request that just ended
+/// are recorded by the server's threads, not before the client sees the end).
+async fn wait_for(server: &TestServer, what: &str, ready: impl Fn(&str) -> bool) -> String {
     for _ in 0..200 {
         let text = metrics(server).await;
-        if sample(&text, IN_FLIGHT, &[]) == want {
+        if ready(&text) {
             return text;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("{IN_FLIGHT} never read {want}");
+    panic!("never reached: {what}\n{}", metrics(server).await);
+}
+
+/// The gauge reads `in_flight` (the `/metrics` request itself included) and `/v1/completions`
+/// has been answered `answered` times (with `status` when given).
+async fn wait_for_completions(
+    server: &TestServer,
+    in_flight: f64,
+    answered: f64,
+    status: Option<&str>,
+) -> String {
+    let route = "route=\"/v1/completions\"";
+    let labels: Vec<&str> = std::iter::once(route).chain(status).collect();
+    wait_for(server, "completions counted and out of flight", |text| {
+        sample(text, IN_FLIGHT, &[]) == in_flight
+            && sample(text, "rackfill:http_requests_total", &labels) == answered
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,7 +71,7 @@ async fn requests_are_observed_to_the_end_of_their_body() {
     let long = json!({"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true});
 
     // Only the /metrics request itself is in flight.
-    wait_for_in_flight(&server, 1.0).await;
+    wait_for_completions(&server, 1.0, 0.0, None).await;
 
     // A stream is in flight from its first event until its client goes away.
     let mut stream_request = long.clone();
@@ -69,18 +87,13 @@ async fn requests_are_observed_to_the_end_of_their_body() {
     assert!(!body.next().await.unwrap().unwrap().is_empty());
     assert_eq!(sample(&metrics(&server).await, IN_FLIGHT, &[]), 2.0);
     drop(body);
-    let text = wait_for_in_flight(&server, 1.0).await;
-    let completions = ["route=\"/v1/completions\""];
-    assert_eq!(
-        sample(&text, "rackfill:http_requests_total", &completions),
-        1.0,
-        "the stream is counted once it ends"
-    );
+    // Counted once it ended, and no longer in flight.
+    let text = wait_for_completions(&server, 1.0, 1.0, None).await;
     // Its duration covers the events sent, not just the response head.
     let duration = sample(
         &text,
         "rackfill:http_request_duration_seconds_sum",
-        &completions,
+        &["route=\"/v1/completions\""],
     );
     assert!(duration > 0.0, "{duration}");
 
@@ -95,21 +108,12 @@ async fn requests_are_observed_to_the_end_of_their_body() {
     )
     .unwrap();
     socket.write_all(&payload).unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(sample(&metrics(&server).await, IN_FLIGHT, &[]), 2.0);
+    wait_for(&server, "the request in flight", |text| {
+        sample(text, IN_FLIGHT, &[]) == 2.0
+    })
+    .await;
     drop(socket);
-    let text = wait_for_in_flight(&server, 1.0).await;
-    assert_eq!(
-        sample(
-            &text,
-            "rackfill:http_requests_total",
-            &["route=\"/v1/completions\"", "status=\"499\""]
-        ),
-        1.0
-    );
-    assert_eq!(
-        sample(&text, "rackfill:http_requests_total", &completions),
-        2.0
-    );
+    wait_for_completions(&server, 1.0, 1.0, Some("status=\"499\"")).await;
+    wait_for_completions(&server, 1.0, 2.0, None).await;
     server.shutdown().await.unwrap();
 }
