@@ -52,7 +52,12 @@ fn host_source() -> String {
         .split_once("#line 1")
         .map(|(prelude, _)| prelude.to_string())
         .unwrap_or_default();
-    src += nvrtc::QUOTA_SOLVER.source;
+    // The solver's packed target keys can be switched off, to run both pick paths on one layer.
+    src += &replace(
+        nvrtc::QUOTA_SOLVER.source,
+        "ctl.key_shift = packed_key_shift(R, hi0);",
+        "ctl.key_shift = g_emu_packed_keys ? packed_key_shift(R, hi0) : NONE_U32;",
+    );
     src += nvrtc::PERMUTE.source;
     src += nvrtc::EXPERTS.source;
     // Inline PTX has host stand-ins; the stall limit is the emulator's, set per run.
@@ -237,17 +242,44 @@ fn widen(v: &[u32]) -> Vec<u64> {
     v.iter().map(|&x| u64::from(x)).collect()
 }
 
-/// Solves one layer in the emulator with the host's layout for `warps` warps; returns the plan
-/// arrays and whether the probes picked targets by packed 32-bit keys.
+/// How the emulated solver runs: `warps` probe warps, the load staged in shared memory or not,
+/// and whether it may pick targets by packed keys (off: the shuffle tree, whatever the load).
+#[derive(Debug, Clone, Copy)]
+struct SolverLaunch {
+    warps: u32,
+    stage: bool,
+    packed_keys: bool,
+}
+
+impl SolverLaunch {
+    fn new(warps: u32, stage: bool) -> Self {
+        Self {
+            warps,
+            stage,
+            packed_keys: true,
+        }
+    }
+}
+
+/// What the emulated solver produced for one layer.
+struct EmulatedSolve {
+    arrays: PlanArrays,
+    /// Whether the probes picked targets by packed 32-bit keys.
+    packed_keys: bool,
+    /// Warp-synchronous operations on the longest thread's path (a count, not a time).
+    warp_ops: u64,
+}
+
+/// Solves one layer in the emulator with the host's layout for `launch`.
 fn emulate_solver(
     exe: &Path,
     layout: &Layout,
     load: &LoadMatrix,
     u_min: u64,
     rule: TargetRule,
-    warps: u32,
-    stage: bool,
-) -> (PlanArrays, bool) {
+    launch: SolverLaunch,
+) -> EmulatedSolve {
+    let SolverLaunch { warps, stage, .. } = launch;
     let shape = SolverShape::new(layout, u_min, rule, warps, stage).unwrap();
     let p = shape.params;
     let mut input = format!(
@@ -285,7 +317,8 @@ fn emulate_solver(
         p.w_rank,
     ];
     writeln!(input, "{}{}", join(&offsets), shape.shared_bytes).unwrap();
-    let out = run(exe, "solver", warps, &input);
+    let pack = u8::from(launch.packed_keys).to_string();
+    let out = run_args(exe, &["solver", &warps.to_string(), &pack], &input);
     let status = get(&out, "status");
     assert_eq!(status[0], 0, "solver status");
     let packed_keys = status[8] != 0;
@@ -303,32 +336,37 @@ fn emulate_solver(
         split_offsets: narrow("split_offsets"),
         cumulative: get(&out, "cumulative").to_vec(),
     };
-    (arrays, packed_keys)
+    EmulatedSolve {
+        arrays,
+        packed_keys,
+        warp_ops: get(&out, "warp_ops")[0],
+    }
 }
 
-/// The emulated solver's plan for one layer, which must be the CPU planner's; returns whether it
-/// packed its keys (checked against [`cuda_common::packs_keys`]).
+/// The emulated solver's plan for one layer, which must be the CPU planner's, and whether it
+/// packed its keys: where `launch` allows them, exactly when [`cuda_common::packs_keys`] says.
+/// Returns the CPU plan and what the emulation reported.
 fn assert_emulated_plan(
     exe: &Path,
     layout: &Layout,
     load: &LoadMatrix,
     u_min: u64,
     rule: TargetRule,
-    (warps, stage): (u32, bool),
+    launch: SolverLaunch,
     what: &str,
-) -> bool {
+) -> (Plan, EmulatedSolve) {
     let cpu = QuotaPlanner::with_rule(u_min, rule)
         .plan(layout, load)
         .unwrap();
-    let (arrays, packed) = emulate_solver(exe, layout, load, u_min, rule, warps, stage);
-    let gpu = arrays.into_plan(layout, load, u_min).unwrap();
-    assert_eq!(gpu, cpu, "{what}: u_min={u_min} {rule:?} warps={warps}");
+    let solve = emulate_solver(exe, layout, load, u_min, rule, launch);
+    let gpu = solve.arrays.clone().into_plan(layout, load, u_min).unwrap();
+    assert_eq!(gpu, cpu, "{what}: u_min={u_min} {rule:?} {launch:?}");
     assert_eq!(
-        packed,
-        cuda_common::packs_keys(layout, load),
+        solve.packed_keys,
+        launch.packed_keys && cuda_common::packs_keys(layout, load),
         "{what}: packed keys"
     );
-    packed
+    (cpu, solve)
 }
 
 #[test]
@@ -368,17 +406,11 @@ fn emulated_solver_reproduces_the_cpu_planner() {
         } else {
             TargetRule::LargestSlack
         };
-        let launch = ([1, 2, 3, 4][rng.below(4) as usize], rng.below(2) == 0);
+        let launch = SolverLaunch::new([1, 2, 3, 4][rng.below(4) as usize], rng.below(2) == 0);
         let what = format!("case {case}: R={ranks} E={experts} n_slot={slots}");
-        let packed = assert_emulated_plan(exe, &layout, &load, u_min, rule, launch, &what);
-        replicated += usize::from(
-            QuotaPlanner::new(1)
-                .plan(&layout, &load)
-                .unwrap()
-                .replicas()
-                > 0,
-        );
-        wide += usize::from(!packed);
+        let (cpu, solve) = assert_emulated_plan(exe, &layout, &load, u_min, rule, launch, &what);
+        replicated += usize::from(cpu.replicas() > 0);
+        wide += usize::from(!solve.packed_keys);
     }
     assert!(replicated >= 15, "only {replicated} cases replicated");
     assert!(
@@ -397,38 +429,39 @@ fn emulated_solver_reproduces_the_cpu_planner() {
         rows[2][4] = 2;
         let load = LoadMatrix::from_rows(&rows).unwrap();
         let what = format!("rank load 2^30 - 1 + {extra}");
-        let packed = assert_emulated_plan(
-            exe,
-            &layout,
-            &load,
-            1,
-            TargetRule::BestFit,
-            (2, true),
-            &what,
-        );
-        assert_eq!(packed, extra == 0, "{what}");
-        let plan = QuotaPlanner::new(1).plan(&layout, &load).unwrap();
-        assert!(plan.replicas() > 0, "{what}");
+        let launch = SolverLaunch::new(2, true);
+        let (cpu, solve) =
+            assert_emulated_plan(exe, &layout, &load, 1, TargetRule::BestFit, launch, &what);
+        assert_eq!(solve.packed_keys, extra == 0, "{what}");
+        assert!(cpu.replicas() > 0, "{what}");
     }
-    // The paper's shape once, load staged, as a GPU with large shared memory runs it.
+    // The paper's shape, load staged, as a GPU with large shared memory runs it: once with
+    // packed keys and once forced onto the shuffle tree. Both give the CPU plan; the packed picks
+    // shorten the warp-level critical path (the figure docs/gpu.md quotes, printed here).
     let layout = Layout::contiguous(64, 256, 2).unwrap();
     let load = cuda_common::skewed_load(&mut rng, 64, 256, 3);
-    let launch = (4, true);
-    assert!(assert_emulated_plan(
-        exe,
-        &layout,
-        &load,
-        1,
-        TargetRule::BestFit,
-        launch,
-        "R=64 E=256"
-    ));
+    let packed = SolverLaunch::new(4, true);
+    let tree = SolverLaunch {
+        packed_keys: false,
+        ..packed
+    };
+    let what = "R=64 E=256";
+    let (cpu, fast) =
+        assert_emulated_plan(exe, &layout, &load, 1, TargetRule::BestFit, packed, what);
+    let (_, slow) = assert_emulated_plan(exe, &layout, &load, 1, TargetRule::BestFit, tree, what);
+    assert!(fast.packed_keys && cpu.replicas() > 0);
+    eprintln!(
+        "emulated quota solver, R=64 E=256 n_slot=2, {} replicas: {} warp-synchronous operations \
+         on the longest path with the shuffle tree, {} with packed keys",
+        cpu.replicas(),
+        slow.warp_ops,
+        fast.warp_ops
+    );
     assert!(
-        QuotaPlanner::new(1)
-            .plan(&layout, &load)
-            .unwrap()
-            .replicas()
-            > 0
+        fast.warp_ops * 2 < slow.warp_ops,
+        "packed keys: {} warp operations, shuffle tree {}",
+        fast.warp_ops,
+        slow.warp_ops
     );
 }
 

@@ -498,6 +498,7 @@ impl Raw<'_> {
                 max_position_embeddings = max_position_embeddings.min(window);
             }
         }
+        let attention_bias = self.opt_bool(&["attention_bias"])?.unwrap_or(false);
         Ok(ModelConfig {
             family,
             vocab_size: self.usize(&["vocab_size"])?,
@@ -514,12 +515,9 @@ impl Raw<'_> {
                 Family::Qwen2Moe => self.opt_bool(&["qkv_bias"])?.unwrap_or(true),
                 // transformers' Mixtral has no attention bias, whatever the config says.
                 Family::Mixtral => false,
-                Family::Qwen3Moe | Family::DeepseekV3 => {
-                    self.opt_bool(&["attention_bias"])?.unwrap_or(false)
-                }
+                Family::Qwen3Moe | Family::DeepseekV3 => attention_bias,
             },
-            attention_out_bias: family == Family::Qwen3Moe
-                && self.opt_bool(&["attention_bias"])?.unwrap_or(false),
+            attention_out_bias: family == Family::Qwen3Moe && attention_bias,
             qk_norm: family == Family::Qwen3Moe,
             intermediate_size,
             moe: MoeConfig {

@@ -151,6 +151,8 @@ impl Gpu {
             Ok((ctx, stream))
         })
         .map_err(CudaUnavailable::Broken)??;
+        // cuFuncSetAttribute (in load_source) does not make the context current by itself.
+        ctx.bind_to_thread()?;
         let mut kernels = HashMap::new();
         for source in nvrtc::SOURCES {
             load_source(&ctx, &source, &info, &mut kernels)?;
@@ -247,8 +249,6 @@ fn load_source(
         let function = module.load_function(entry)?;
         let static_bytes = usize::try_from(function.shared_size_bytes()?).unwrap_or(usize::MAX);
         let limit = info.max_shared_per_block.saturating_sub(static_bytes);
-        // cuFuncSetAttribute does not make the context current by itself.
-        ctx.bind_to_thread()?;
         function.set_attribute(
             CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             i32::try_from(limit).unwrap_or(i32::MAX),

@@ -36,7 +36,16 @@ static std::vector<WarpX*> g_warps;
 static unsigned char* g_smem;
 
 #define __syncthreads() g_block->arrive_and_wait()
-#define __syncwarp() g_warps[t_warp]->bar->arrive_and_wait()
+// Warp-synchronous operations (shuffles, matches, reductions, warp barriers) this thread has
+// run, and the most any thread of the block ran: the length of a kernel's warp-level critical
+// path, a count the solver test reports (not a time).
+static thread_local unsigned long long t_warp_ops = 0;
+static std::atomic<unsigned long long> g_max_warp_ops{0};
+inline void warp_sync() {
+    ++t_warp_ops;
+    g_warps[t_warp]->bar->arrive_and_wait();
+}
+#define __syncwarp() warp_sync()
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -48,6 +57,7 @@ struct uint4 { unsigned x, y, z, w; };
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = (unsigned long long)v;
     w->bar->arrive_and_wait();
@@ -57,6 +67,7 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
 }
 template <class T> T __shfl_up_sync(unsigned, T v, int o) {
     WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
     int lane = threadIdx.x & 31;
     w->x[lane] = (unsigned long long)v;
     w->bar->arrive_and_wait();
@@ -66,6 +77,7 @@ template <class T> T __shfl_up_sync(unsigned, T v, int o) {
 }
 inline unsigned __match_any_sync(unsigned, unsigned k) {
     WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = k;
     w->bar->arrive_and_wait();
@@ -77,6 +89,7 @@ inline unsigned __match_any_sync(unsigned, unsigned k) {
 }
 template <class Op> unsigned reduce_warp(unsigned v, Op op) {
     WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
     const unsigned lane = threadIdx.x & 31, first = threadIdx.x - lane;
     const unsigned lanes = std::min(32u, blockDim.x - first);
     w->x[lane] = v;
@@ -103,6 +116,9 @@ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+// Whether the quota solver may pick targets by packed keys (the solver test turns it off to run
+// the shuffle-tree path on the same layer).
+static bool g_emu_packed_keys = true;
 // How long tile_stream waits for a relay chunk before it declares the stream broken
 // (TILE_STALL_NS, set per run by the emulator).
 static unsigned long long g_tile_stall_ns = 50000000ull;
@@ -143,7 +159,14 @@ template <class F> void run_block(unsigned threads, F f, unsigned block = 0, uns
     }
     std::vector<std::thread> ts;
     for (unsigned t = 0; t < threads; ++t)
-        ts.emplace_back([&, t] { threadIdx.x = t; t_warp = t / 32; f(); });
+        ts.emplace_back([&, t] {
+            threadIdx.x = t;
+            t_warp = t / 32;
+            t_warp_ops = 0;
+            f();
+            unsigned long long most = g_max_warp_ops.load();
+            while (t_warp_ops > most && !g_max_warp_ops.compare_exchange_weak(most, t_warp_ops)) {}
+        });
     for (auto& t : ts) t.join();
 }
 

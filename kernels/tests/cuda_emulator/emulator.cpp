@@ -4,7 +4,8 @@
 //
 // Usage: emulator MODE WARPS [BLOCKS FENCE_DELAY_US STALL_MS] < input > output, MODE one of
 // solver, send, recv, replicate, tiles, distribute, act; the last three shape tile_stream's grid
-// (replicate, distribute; default 1, 0 and 50). Inputs
+// (replicate, distribute; default 1, 0 and 50). `emulator solver WARPS 0` makes the solver pick
+// targets by the shuffle tree even where packed keys fit. Inputs
 // and outputs are whitespace-separated integers (floats as their IEEE bits); see each mode.
 #include "emu.h"
 #include "kernels.inc"
@@ -81,6 +82,7 @@ static void solver(unsigned warps) {
                     inst_offsets.data(), inst_rank.data(), quota.data(), split_offsets.data(), cumulative.data());
     });
     print("status", status, ST_LEN);
+    print("warp_ops", std::vector<u64>{g_max_warp_ops.load()}, 1);
     if (status[0] != 0) return;
     print("slots", slots, (size_t)R * n_slot);
     print("inst_offsets", inst_offsets, E + 1);
@@ -369,7 +371,10 @@ int main(int argc, char** argv) {
         grid.fence_delay_us = (unsigned)atoi(argv[4]);
         grid.stall_ms = (unsigned)atoi(argv[5]);
     }
-    if (mode == "solver") solver(warps);
+    if (mode == "solver") {
+        if (argc >= 4) g_emu_packed_keys = atoi(argv[3]) != 0;
+        solver(warps);
+    }
     else if (mode == "send") send(warps);
     else if (mode == "recv") recv(warps);
     else if (mode == "replicate") replicate(grid);
