@@ -226,6 +226,41 @@ def _cfg_deepseek(q_lora_rank, yarn):
     )
 
 
+def cfg_deepseek_v3_linear_eps():
+    # Linear RoPE scaling with mscale_all_dim (transformers scales the softmax by
+    # yarn_get_mscale(factor, mscale_all_dim)^2 for every rope_type but "default", not only
+    # YaRN) and rms_norm_eps far from 1e-6 (the q/kv latent norms keep eps 1e-6 regardless).
+    return DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        intermediate_size=64,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "mscale_all_dim": 1.0},
+    )
+
+
 FIXTURES = {
     # name: (config builder, on-disk dtype, save_pretrained kwargs, base seed)
     "qwen3_moe": (cfg_qwen3_moe, torch.float32, {}, 1000),
@@ -235,6 +270,7 @@ FIXTURES = {
     "mixtral": (cfg_mixtral, torch.float16, {"max_shard_size": "100KB"}, 4000),
     "deepseek_v3": (lambda: _cfg_deepseek(32, True), torch.float32, {}, 5000),
     "deepseek_v3_noqlora": (lambda: _cfg_deepseek(None, False), torch.bfloat16, {}, 6000),
+    "deepseek_v3_linear_eps": (cfg_deepseek_v3_linear_eps, torch.bfloat16, {}, 8000),
 }
 
 

@@ -23,6 +23,31 @@ const SUPPORTED: &str =
     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM";
 
 impl Family {
+    /// `rms_norm_eps` when `config.json` omits it (transformers' config class default).
+    fn default_rms_norm_eps(self) -> f64 {
+        match self {
+            Self::Mixtral => 1e-5,
+            Self::Qwen3Moe | Self::Qwen2Moe | Self::DeepseekV3 => 1e-6,
+        }
+    }
+
+    /// `rope_theta` when `config.json` gives none (transformers' config class default).
+    fn default_rope_theta(self) -> f64 {
+        match self {
+            Self::Mixtral => 1e6,
+            Self::Qwen3Moe | Self::Qwen2Moe | Self::DeepseekV3 => 10_000.0,
+        }
+    }
+
+    /// `max_position_embeddings` when `config.json` omits it (transformers' default).
+    fn default_max_position_embeddings(self) -> usize {
+        match self {
+            Self::Qwen3Moe | Self::Qwen2Moe => 32_768,
+            Self::Mixtral => 131_072,
+            Self::DeepseekV3 => 4096,
+        }
+    }
+
     fn from_architecture(name: &str) -> Option<Self> {
         match name {
             "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
@@ -117,6 +142,10 @@ pub struct MlaConfig {
     pub v_head_dim: usize,
     /// Rotary dims stored interleaved (pairs) rather than as two halves.
     pub rope_interleave: bool,
+    /// The RoPE parameters' `mscale_all_dim` when the RoPE is scaled (any `rope_type` but
+    /// `default`), else 0: the softmax scale is multiplied by `yarn_mscale(factor, it)^2`, as
+    /// transformers does for every scaled RoPE, not only YaRN.
+    pub mscale_all_dim: f64,
 }
 
 /// A checkpoint's architecture, normalised across families and transformers versions.
@@ -376,8 +405,20 @@ impl Raw<'_> {
         })
     }
 
+    /// A number inside the RoPE parameters object (`rope_parameters` or `rope_scaling`).
+    fn rope_param_f64(&self, name: &str) -> Result<Option<f64>> {
+        match self.first(&["rope_parameters", "rope_scaling"]) {
+            Some((_, Value::Object(map))) => Raw {
+                map,
+                path: self.path.clone(),
+            }
+            .opt_f64(&[name]),
+            _ => Ok(None),
+        }
+    }
+
     /// `rope_parameters` (newer transformers) or `rope_scaling` + `rope_theta` (classic).
-    fn rope(&self) -> Result<RopeConfig> {
+    fn rope(&self, family: Family) -> Result<RopeConfig> {
         let params = self.first(&["rope_parameters", "rope_scaling"]);
         let params = match params {
             None => None,
@@ -391,7 +432,9 @@ impl Raw<'_> {
         let theta = match nested.as_ref().map(|n| n.opt_f64(&["rope_theta"])) {
             Some(Ok(Some(theta))) => theta,
             Some(Err(e)) => return Err(e),
-            _ => self.opt_f64(&["rope_theta"])?.unwrap_or(10_000.0),
+            _ => self
+                .opt_f64(&["rope_theta"])?
+                .unwrap_or(family.default_rope_theta()),
         };
         let Some(p) = nested else {
             return Ok(RopeConfig {
@@ -456,17 +499,23 @@ impl Raw<'_> {
         };
         let num_experts = self.usize(&["num_experts", "num_local_experts", "n_routed_experts"])?;
         let top_k = self.usize(&["num_experts_per_tok"])?;
-        let norm_topk_default = matches!(family, Family::Mixtral);
-        let norm_topk_prob = self
-            .opt_bool(&["norm_topk_prob"])?
-            .unwrap_or(norm_topk_default);
+        let norm_topk_prob = match family {
+            // transformers' Mixtral always renormalises, whatever the config says.
+            Family::Mixtral => true,
+            // DeepseekV3Config defaults to true, the Qwen configs to false.
+            Family::DeepseekV3 => self.opt_bool(&["norm_topk_prob"])?.unwrap_or(true),
+            Family::Qwen3Moe | Family::Qwen2Moe => {
+                self.opt_bool(&["norm_topk_prob"])?.unwrap_or(false)
+            }
+        };
         let intermediate_size = self.opt_usize(&["intermediate_size"])?.unwrap_or(0);
         let moe_intermediate = match family {
             Family::Mixtral => intermediate_size,
             _ => self.usize(&["moe_intermediate_size"])?,
         };
+        let rope = self.rope(family)?;
         let (router, shared, mla) = match family {
-            Family::DeepseekV3 => self.deepseek_parts(norm_topk_prob, moe_intermediate)?,
+            Family::DeepseekV3 => self.deepseek_parts(norm_topk_prob, moe_intermediate, &rope)?,
             Family::Qwen2Moe => {
                 let shared = self
                     .opt_usize(&["shared_expert_intermediate_size"])?
@@ -490,7 +539,7 @@ impl Raw<'_> {
         }
         let mut max_position_embeddings = self
             .opt_usize(&["max_position_embeddings"])?
-            .unwrap_or(4096);
+            .unwrap_or(family.default_max_position_embeddings());
         if family == Family::Mixtral {
             // Within the window, sliding-window attention is plain causal attention; the
             // context is capped there rather than computed differently from transformers.
@@ -507,10 +556,12 @@ impl Raw<'_> {
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: self.opt_f64(&["rms_norm_eps"])?.unwrap_or(1e-6),
+            rms_norm_eps: self
+                .opt_f64(&["rms_norm_eps"])?
+                .unwrap_or(family.default_rms_norm_eps()),
             max_position_embeddings,
             tie_word_embeddings: self.opt_bool(&["tie_word_embeddings"])?.unwrap_or(false),
-            rope: self.rope()?,
+            rope,
             attention_bias: match family {
                 Family::Qwen2Moe => self.opt_bool(&["qkv_bias"])?.unwrap_or(true),
                 // transformers' Mixtral has no attention bias, whatever the config says.
@@ -534,35 +585,73 @@ impl Raw<'_> {
         })
     }
 
+    /// A string field that, when present, must be `expected`: DeepSeek's original code switches
+    /// behaviour on it while transformers' DeepseekV3 only implements `expected`, so anything else
+    /// is refused rather than computed the other way.
+    fn require_str(&self, name: &str, expected: &str) -> Result<()> {
+        match self.first(&[name]) {
+            None => Ok(()),
+            Some((_, Value::String(value))) if value == expected => Ok(()),
+            Some((_, value)) => Err(self.error(format!(
+                "{name} {value} is not supported: only \"{expected}\" (what transformers' \
+                 DeepseekV3 computes)"
+            ))),
+        }
+    }
+
+    /// Router, shared experts and latent-attention dimensions of DeepSeek-V3. Absent fields take
+    /// `DeepseekV3Config`'s defaults (an absent `q_lora_rank` is 1536; `null` means no q LoRA).
     fn deepseek_parts(
         &self,
         norm_topk_prob: bool,
         moe_intermediate: usize,
+        rope: &RopeConfig,
     ) -> Result<(RouterKind, Option<SharedExpertConfig>, Option<MlaConfig>)> {
+        self.require_str("scoring_func", "sigmoid")?;
+        self.require_str("topk_method", "noaux_tc")?;
+        if let Some(freq) = self.opt_usize(&["moe_layer_freq"])? {
+            if freq != 1 {
+                return Err(self.error(format!(
+                    "moe_layer_freq {freq} is not supported: DeepSeek-V3 layers from \
+                     first_k_dense_replace on are all MoE (moe_layer_freq 1)"
+                )));
+            }
+        }
         let router = RouterKind::SigmoidGrouped {
-            n_group: self.opt_usize(&["n_group"])?.unwrap_or(1),
-            topk_group: self.opt_usize(&["topk_group"])?.unwrap_or(1),
+            n_group: self.opt_usize(&["n_group"])?.unwrap_or(8),
+            topk_group: self.opt_usize(&["topk_group"])?.unwrap_or(4),
             norm_topk_prob,
-            routed_scaling_factor: self.opt_f64(&["routed_scaling_factor"])?.unwrap_or(1.0) as f32,
+            routed_scaling_factor: self.opt_f64(&["routed_scaling_factor"])?.unwrap_or(2.5) as f32,
         };
-        let n_shared = self.opt_usize(&["n_shared_experts"])?.unwrap_or(0);
+        let n_shared = self.opt_usize(&["n_shared_experts"])?.unwrap_or(1);
         let shared = (n_shared > 0).then(|| SharedExpertConfig {
             intermediate_size: moe_intermediate * n_shared,
             gated: false,
         });
+        let q_lora_rank = match self.map.get("q_lora_rank") {
+            None => Some(1536),
+            Some(_) => self.opt_usize(&["q_lora_rank"])?,
+        };
+        let mscale_all_dim = match &rope.scaling {
+            RopeScaling::None => 0.0,
+            RopeScaling::Yarn { mscale_all_dim, .. } => *mscale_all_dim,
+            RopeScaling::Linear { .. } => self.rope_param_f64("mscale_all_dim")?.unwrap_or(0.0),
+        };
         let mla = MlaConfig {
-            q_lora_rank: self.opt_usize(&["q_lora_rank"])?,
+            q_lora_rank,
             kv_lora_rank: self.usize(&["kv_lora_rank"])?,
             qk_nope_head_dim: self.usize(&["qk_nope_head_dim"])?,
             qk_rope_head_dim: self.usize(&["qk_rope_head_dim"])?,
             v_head_dim: self.usize(&["v_head_dim"])?,
             rope_interleave: self.opt_bool(&["rope_interleave"])?.unwrap_or(true),
+            mscale_all_dim,
         };
         Ok((router, shared, Some(mla)))
     }
 
     /// Which layers are MoE: Qwen's `mlp_only_layers` + `decoder_sparse_step`, DeepSeek's
-    /// `first_k_dense_replace` + `moe_layer_freq`, Mixtral all.
+    /// `first_k_dense_replace` (its `moe_layer_freq` must be 1, checked with the router), Mixtral
+    /// all.
     fn sparse_layers(&self, family: Family, layers: usize, experts: usize) -> Result<Vec<bool>> {
         match family {
             Family::Mixtral => Ok(vec![true; layers]),
@@ -582,10 +671,9 @@ impl Raw<'_> {
                     .collect())
             }
             Family::DeepseekV3 => {
-                let first_dense = self.opt_usize(&["first_k_dense_replace"])?.unwrap_or(0);
-                let freq = self.opt_usize(&["moe_layer_freq"])?.unwrap_or(1).max(1);
+                let first_dense = self.opt_usize(&["first_k_dense_replace"])?.unwrap_or(3);
                 Ok((0..layers)
-                    .map(|i| experts > 0 && i >= first_dense && i % freq == 0)
+                    .map(|i| experts > 0 && i >= first_dense)
                     .collect())
             }
         }

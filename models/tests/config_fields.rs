@@ -154,3 +154,103 @@ fn output_projection_bias_follows_the_family() {
     let config = parse(&qwen3(json!({"num_experts": 8}))).unwrap();
     assert!(!config.attention_bias && !config.attention_out_bias);
 }
+
+fn mixtral(extra: Value) -> Value {
+    let mut base = json!({
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+    });
+    base.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    base
+}
+
+fn deepseek(extra: Value) -> Value {
+    let mut base = json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "moe_intermediate_size": 8, "intermediate_size": 32,
+        "n_routed_experts": 16, "num_experts_per_tok": 2, "kv_lora_rank": 8,
+        "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+    });
+    base.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    base
+}
+
+#[test]
+fn absent_fields_take_the_family_defaults_of_transformers() {
+    // MixtralConfig defaults: rms_norm_eps 1e-5, rope_theta 1e6.
+    let config = parse(&mixtral(json!({}))).unwrap();
+    assert_eq!(config.rms_norm_eps, 1e-5);
+    assert_eq!(config.rope.theta, 1e6);
+    let config = parse(&qwen3(json!({"num_experts": 8}))).unwrap();
+    assert_eq!(config.rms_norm_eps, 1e-6);
+    assert_eq!(config.rope.theta, 10_000.0);
+    // DeepseekV3Config defaults: 8 groups, 4 kept, renormalised, scaled by 2.5, one shared
+    // expert, three dense layers, q LoRA rank 1536 (an explicit null means no q LoRA).
+    let config = parse(&deepseek(json!({}))).unwrap();
+    assert_eq!(
+        config.moe.router,
+        RouterKind::SigmoidGrouped {
+            n_group: 8,
+            topk_group: 4,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5
+        }
+    );
+    assert_eq!(config.moe.shared.as_ref().unwrap().intermediate_size, 8);
+    assert_eq!(config.sparse_layers, vec![false, false, false, true]);
+    assert_eq!(config.mla.as_ref().unwrap().q_lora_rank, Some(1536));
+    let config = parse(&deepseek(json!({"q_lora_rank": null}))).unwrap();
+    assert_eq!(config.mla.as_ref().unwrap().q_lora_rank, None);
+}
+
+#[test]
+fn mixtral_always_renormalises_its_top_k() {
+    // transformers' Mixtral router ignores a stray norm_topk_prob.
+    let config = parse(&mixtral(json!({"norm_topk_prob": false}))).unwrap();
+    assert_eq!(
+        config.moe.router,
+        RouterKind::SoftmaxTopK {
+            norm_topk_prob: true
+        }
+    );
+}
+
+#[test]
+fn deepseek_softmax_mscale_is_read_for_every_scaled_rope() {
+    let linear = parse(&deepseek(json!({
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "mscale_all_dim": 1.0},
+    })))
+    .unwrap();
+    assert_eq!(linear.mla.as_ref().unwrap().mscale_all_dim, 1.0);
+    let unscaled = parse(&deepseek(json!({
+        "rope_parameters": {"rope_type": "default", "mscale_all_dim": 1.0},
+    })))
+    .unwrap();
+    assert_eq!(unscaled.mla.as_ref().unwrap().mscale_all_dim, 0.0);
+}
+
+#[test]
+fn deepseek_routing_variants_transformers_lacks_are_refused() {
+    for (field, value) in [
+        ("scoring_func", json!("softmax")),
+        ("topk_method", json!("greedy")),
+        ("topk_method", json!("group_limited_greedy")),
+        ("moe_layer_freq", json!(2)),
+    ] {
+        let err = parse(&deepseek(json!({ field: value }))).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains(field), "{message}");
+        assert!(!message.contains('\n'), "{message}");
+    }
+    parse(&deepseek(json!({
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+    })))
+    .unwrap();
+}

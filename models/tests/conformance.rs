@@ -138,3 +138,10 @@ fn deepseek_v3_matches_transformers() {
 fn deepseek_v3_without_q_lora_matches_transformers() {
     check_family("deepseek_v3_noqlora");
 }
+
+#[test]
+fn deepseek_v3_with_linear_rope_and_large_eps_matches_transformers() {
+    // The softmax scale takes mscale(factor, mscale_all_dim)^2 for linear RoPE too, and the q/kv
+    // latent norms keep eps 1e-6 while every other norm uses rms_norm_eps 1e-2.
+    check_family("deepseek_v3_linear_eps");
+}

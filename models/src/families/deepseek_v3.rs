@@ -16,6 +16,10 @@ use crate::model::FamilyLoader;
 
 use super::qwen3_moe;
 
+/// Epsilon of the q and kv latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): transformers
+/// (like DeepSeek's own code) builds them with the norm's default, not `rms_norm_eps`.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention,
     moe,
@@ -47,7 +51,7 @@ fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
         ModelError::Input("DeepSeek-V3 config lacks the latent attention dimensions".into())
     })?;
     let w = w.pp("self_attn");
-    let (hidden, heads, eps) = (config.hidden_size, config.num_heads, config.rms_norm_eps);
+    let (hidden, heads) = (config.hidden_size, config.num_heads);
     let bias = config.attention_bias;
     let qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
     let query = match dims.q_lora_rank {
@@ -59,21 +63,18 @@ fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
         )?),
         Some(rank) => QueryProjection::LowRank {
             a: Linear::load(&w.pp("q_a_proj"), hidden, rank, bias)?,
-            norm: RmsNorm::load(&w.pp("q_a_layernorm"), rank, eps)?,
+            norm: RmsNorm::load(&w.pp("q_a_layernorm"), rank, LATENT_NORM_EPS)?,
             b: Linear::load(&w.pp("q_b_proj"), rank, heads * qk_head, false)?,
         },
     };
     let mut scale = 1.0 / (qk_head as f64).sqrt();
-    if let RopeScaling::Yarn {
-        factor,
-        mscale_all_dim,
-        ..
-    } = config.rope.scaling
-    {
-        if mscale_all_dim != 0.0 {
-            let m = yarn_mscale(factor, mscale_all_dim);
-            scale *= m * m;
-        }
+    let factor = match config.rope.scaling {
+        RopeScaling::None => None,
+        RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => Some(factor),
+    };
+    if let Some(factor) = factor.filter(|_| dims.mscale_all_dim != 0.0) {
+        let m = yarn_mscale(factor, dims.mscale_all_dim);
+        scale *= m * m;
     }
     Ok(Box::new(MlaAttention {
         query,
@@ -83,7 +84,7 @@ fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
             dims.kv_lora_rank + dims.qk_rope_head_dim,
             bias,
         )?,
-        kv_norm: RmsNorm::load(&w.pp("kv_a_layernorm"), dims.kv_lora_rank, eps)?,
+        kv_norm: RmsNorm::load(&w.pp("kv_a_layernorm"), dims.kv_lora_rank, LATENT_NORM_EPS)?,
         kv_b: Linear::load(
             &w.pp("kv_b_proj"),
             dims.kv_lora_rank,
