@@ -29,16 +29,24 @@ fn exp(x: f32) -> f32 {
     er * f32::from_bits(bits)
 }
 
-/// In place: `exp(scale * xs - max)`, the softmax numerators; returns their sum. Callers divide
-/// later, where fewer values remain (attention scales its `dv`-wide output row, not the
-/// `visible`-wide probability row).
-pub fn softmax_numerators(xs: &mut [f32], scale: f32) -> f32 {
+/// In place: `exp(scale * xs - max)`, one block of a row's softmax numerators, where `max` is
+/// the larger of `running_max` (the scaled maximum of the row's earlier blocks, `-inf` for the
+/// first) and this block's scaled maximum. Returns `(max, sum of the block's numerators)`; the
+/// caller rescales what it accumulated from earlier blocks by `exp(running_max - max)` and
+/// divides at the end, where fewer values remain (attention scales its `dv`-wide output row,
+/// not the `visible`-wide probability row).
+pub fn softmax_numerators(xs: &mut [f32], scale: f32, running_max: f32) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU has the features `softmax_numerators_avx2` is compiled for.
-        return unsafe { softmax_numerators_avx2(xs, scale) };
+        return unsafe { softmax_numerators_avx2(xs, scale, running_max) };
     }
-    softmax_numerators_body(xs, scale)
+    softmax_numerators_body(xs, scale, running_max)
+}
+
+/// `e^x`, for the rescaling factors of blocked softmax.
+pub fn exp_scalar(x: f32) -> f32 {
+    exp(x)
 }
 
 /// `out = silu(gate) * up`, element-wise.
@@ -58,8 +66,8 @@ fn has_avx2_fma() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_numerators_avx2(xs: &mut [f32], scale: f32) -> f32 {
-    softmax_numerators_body(xs, scale)
+unsafe fn softmax_numerators_avx2(xs: &mut [f32], scale: f32, running_max: f32) -> (f32, f32) {
+    softmax_numerators_body(xs, scale, running_max)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -69,12 +77,12 @@ unsafe fn silu_mul_avx2(out: &mut [f32], gate: &[f32], up: &[f32]) {
 }
 
 #[inline(always)]
-fn softmax_numerators_body(xs: &mut [f32], scale: f32) -> f32 {
-    let max = max(xs) * scale;
+fn softmax_numerators_body(xs: &mut [f32], scale: f32, running_max: f32) -> (f32, f32) {
+    let max = running_max.max(max(xs) * scale);
     for x in xs.iter_mut() {
         *x = exp(*x * scale - max);
     }
-    sum(xs)
+    (max, sum(xs))
 }
 
 #[inline(always)]
@@ -146,11 +154,22 @@ mod tests {
     #[test]
     fn softmax_and_silu_match_their_definitions() {
         let xs: Vec<f32> = (0..37).map(|i| (i as f32 * 0.7).sin() * 9.0).collect();
-        let mut got = xs.clone();
-        let sum = super::softmax_numerators(&mut got, 0.5);
         let exps: Vec<f64> = xs.iter().map(|&x| (0.5 * x as f64).exp()).collect();
         let total: f64 = exps.iter().sum();
+        // Whole, then in two blocks with the first block's numerators rescaled to the final max.
+        let mut got = xs.clone();
+        let (_, sum) = super::softmax_numerators(&mut got, 0.5, f32::NEG_INFINITY);
         for (g, e) in got.iter().zip(&exps) {
+            assert!((*g as f64 / sum as f64 - e / total).abs() < 1e-6);
+        }
+        let mut blocks = xs.clone();
+        let (head, tail) = blocks.split_at_mut(11);
+        let (first_max, first_sum) = super::softmax_numerators(head, 0.5, f32::NEG_INFINITY);
+        let (max, tail_sum) = super::softmax_numerators(tail, 0.5, first_max);
+        let correction = super::exp_scalar(first_max - max);
+        let sum = first_sum * correction + tail_sum;
+        head.iter_mut().for_each(|x| *x *= correction);
+        for (g, e) in blocks.iter().zip(&exps) {
             assert!((*g as f64 / sum as f64 - e / total).abs() < 1e-6);
         }
         let up: Vec<f32> = xs.iter().map(|x| x * 0.3 - 1.0).collect();

@@ -7,12 +7,25 @@ use rayon::prelude::*;
 
 /// `out[m, n] = a[m, k] · b[k, n]`; every matrix row-major with the given row strides.
 pub fn matmul_strided(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], dims: Dims) {
-    product(out, out_stride, a, b, BLayout::RowMajor, dims);
+    product(out, out_stride, a, b, BLayout::RowMajor, Write::Overwrite, dims);
+}
+
+/// `out[m, n] += a[m, k] · b[k, n]`, every matrix row-major (`out` with row stride `n`): the
+/// running value product of blocked attention.
+pub fn matmul_accumulate(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
+    product(out, dims.n, a, b, BLayout::RowMajor, Write::Accumulate, dims);
 }
 
 /// `out[m, n] = a[m, k] · b[n, k]^T` (b row-major `[n, k]`, e.g. keys for `Q K^T`).
 pub fn matmul_bt(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
-    product(out, dims.n, a, b, BLayout::Transposed, dims);
+    product(out, dims.n, a, b, BLayout::Transposed, Write::Overwrite, dims);
+}
+
+/// Whether a product replaces the output or adds to it.
+#[derive(Clone, Copy, PartialEq)]
+enum Write {
+    Overwrite,
+    Accumulate,
 }
 
 /// How the right-hand matrix of a product is stored.
@@ -24,8 +37,16 @@ enum BLayout {
     Transposed,
 }
 
-/// The one call into the `gemm` crate: bounds checked, single-threaded, `out` overwritten.
-fn product(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], layout: BLayout, dims: Dims) {
+/// The one call into the `gemm` crate: bounds checked, single-threaded.
+fn product(
+    out: &mut [f32],
+    out_stride: usize,
+    a: &[f32],
+    b: &[f32],
+    layout: BLayout,
+    write: Write,
+    dims: Dims,
+) {
     let Dims { m, k, n } = dims;
     if m == 0 || n == 0 {
         return;
@@ -43,6 +64,9 @@ fn product(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], layout: BLa
         BLayout::RowMajor => (1, n as isize),
         BLayout::Transposed => (k as isize, 1),
     };
+    // `out = alpha * out + beta * a b`, `out` read only when accumulating.
+    let accumulate = write == Write::Accumulate;
+    let alpha = if accumulate { 1.0 } else { 0.0 };
     // SAFETY: the asserts above keep every access of the m x k, k x n and m x n (row stride
     // `out_stride`) matrices inside the slices, whichever layout b has.
     unsafe {
@@ -53,14 +77,14 @@ fn product(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], layout: BLa
             out.as_mut_ptr(),
             1,
             out_stride as isize,
-            false,
+            accumulate,
             a.as_ptr(),
             1,
             k as isize,
             b.as_ptr(),
             b_col,
             b_row,
-            0.0,
+            alpha,
             1.0,
             false,
             false,
@@ -129,5 +153,8 @@ mod tests {
         let mut out = vec![0f32; m * n];
         matmul_bt(&mut out, &a, &bt, Dims { m, k, n });
         assert_eq!(out, want);
+        matmul_accumulate(&mut out, &a, &b, Dims { m, k, n });
+        let twice: Vec<f32> = want.iter().map(|x| 2.0 * x).collect();
+        assert_eq!(out, twice);
     }
 }
