@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use crate::error::Result;
 use crate::request::{Event, FinishEvent, FinishReason, StopReason, TokenEvent, Usage};
 use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob};
-use crate::stop::StopMatcher;
+use crate::stop::{StopMatcher, StopOutcome};
 
 /// A sequence admitted to (or waiting for) a rank.
 pub struct Sequence {
@@ -151,7 +151,13 @@ impl Sequence {
             return Ok(());
         }
         let last = rows.last().map(Vec::as_slice).unwrap_or_default();
-        let sampled = self.sampler.sample(last)?;
+        // Before `min_tokens`, no stop token may end the sequence.
+        let excluded: &[u32] = if self.generated.len() < self.params.min_tokens as usize {
+            &self.stop_ids
+        } else {
+            &[]
+        };
+        let sampled = self.sampler.sample_excluding(last, excluded)?;
         self.push_token(sampled);
         Ok(())
     }
@@ -180,7 +186,8 @@ impl Sequence {
     }
 
     /// Appends a sampled token, emits its text, and finishes on a stop token, a stop string or
-    /// `max_tokens`.
+    /// `max_tokens`. Stop strings are matched only in the text of tokens after the first
+    /// `min_tokens` (as vLLM does), so the text of those first tokens is emitted as it comes.
     fn push_token(&mut self, sampled: TokenLogprob) {
         let token = sampled.token;
         self.generated.push(token);
@@ -201,7 +208,14 @@ impl Sequence {
             return;
         }
         let delta = self.decoder.step(token).ok().flatten().unwrap_or_default();
-        let outcome = self.stops.push(&delta);
+        let outcome = if self.generated.len() <= self.params.min_tokens as usize {
+            StopOutcome {
+                text: delta,
+                stop: None,
+            }
+        } else {
+            self.stops.push(&delta)
+        };
         self.send(Event::Token(TokenEvent {
             token,
             text: outcome.text,
@@ -225,7 +239,11 @@ impl Sequence {
             String::new()
         } else {
             let tail = self.decoder.flush().ok().flatten().unwrap_or_default();
-            let mut held = self.stops.push(&tail).text;
+            let mut held = if self.generated.len() <= self.params.min_tokens as usize {
+                tail
+            } else {
+                self.stops.push(&tail).text
+            };
             held.push_str(&self.stops.finish());
             held
         };

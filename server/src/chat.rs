@@ -30,6 +30,8 @@ pub struct ChatRequest {
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
     #[serde(default)]
+    pub min_tokens: Option<i64>,
+    #[serde(default)]
     pub temperature: Option<f64>,
     #[serde(default)]
     pub top_p: Option<f64>,
@@ -65,6 +67,14 @@ pub struct ChatRequest {
     pub logit_bias: Option<Map<String, Value>>,
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    /// The deprecated form of `tools`.
+    #[serde(default)]
+    pub functions: Option<Vec<Value>>,
+    /// The deprecated form of `tool_choice`.
+    #[serde(default)]
+    pub function_call: Option<Value>,
     #[serde(default)]
     pub response_format: Option<Value>,
     #[serde(default)]
@@ -139,6 +149,35 @@ fn messages(input: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
         .collect()
 }
 
+/// Tool calling is not supported: refuses tools (`tools`, or the deprecated `functions`) and
+/// any `tool_choice` / `function_call` that would demand a call. `none` and `auto` are
+/// accepted, since a plain text answer honours both when no tools are given.
+fn check_no_tool_calls(request: &ChatRequest) -> Result<(), ApiError> {
+    for (param, tools) in [("tools", &request.tools), ("functions", &request.functions)] {
+        if tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid(param, "tool calling is not supported"));
+        }
+    }
+    for (param, choice) in [
+        ("tool_choice", &request.tool_choice),
+        ("function_call", &request.function_call),
+    ] {
+        match choice {
+            None | Some(Value::Null) => {}
+            Some(Value::String(mode)) if mode == "none" || mode == "auto" => {}
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "tool calling is not supported: `{param}` may only be \"none\" or \"auto\""
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The handler.
 pub async fn handle(
     State(state): State<AppState>,
@@ -158,9 +197,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let chat = messages(&request.messages)?;
     let common = common_params!(request);
     let mut resolved = common.resolve(&state)?;
-    if request.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid("tools", "tool calling is not supported"));
-    }
+    check_no_tool_calls(&request)?;
     match &request.response_format {
         None | Some(Value::Null) => {}
         Some(format) if format.get("type").and_then(Value::as_str) == Some("text") => {}
@@ -190,7 +227,9 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
         ));
     }
     resolved.params.logprobs = logprobs.then_some(top_logprobs.unwrap_or(0) as u32);
-    resolved.params.max_tokens = max_tokens.unwrap_or(0) as u32;
+    // Without a cap, `max_tokens` is known once the prompt is rendered (below): validate
+    // against no cap now; the engine checks `min_tokens` against the real one at submit.
+    resolved.params.max_tokens = max_tokens.map_or(u32::MAX, |n| n as u32);
     resolved
         .params
         .validate(info.vocab_size)

@@ -32,6 +32,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub max_tokens: Option<i64>,
     #[serde(default)]
+    pub min_tokens: Option<i64>,
+    #[serde(default)]
     pub temperature: Option<f64>,
     #[serde(default)]
     pub top_p: Option<f64>,
@@ -90,6 +92,7 @@ macro_rules! common_params {
             top_k: $request.top_k,
             min_p: $request.min_p,
             n: $request.n,
+            min_tokens: $request.min_tokens,
             stop: $request.stop.as_ref(),
             stop_token_ids: $request.stop_token_ids.as_deref(),
             seed: $request.seed,
@@ -112,6 +115,7 @@ pub(crate) struct CommonParams<'a> {
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
     pub n: Option<i64>,
+    pub min_tokens: Option<i64>,
     pub stop: Option<&'a Value>,
     pub stop_token_ids: Option<&'a [u32]>,
     pub seed: Option<i64>,
@@ -134,11 +138,18 @@ pub(crate) struct Resolved {
 
 impl CommonParams<'_> {
     /// Validates the shared fields and fills [`SamplingParams`] (`max_tokens` and logprobs are
-    /// set by the caller); omitted values take `generation_config.json`'s defaults.
+    /// set by the caller, who then checks `min_tokens` against it with
+    /// [`SamplingParams::validate`]); omitted values take `generation_config.json`'s defaults.
     pub fn resolve(&self, state: &AppState) -> Result<Resolved, ApiError> {
         let info = state.backend().info();
         let gen = &info.generation;
         let n = v::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
+        let min_tokens = v::int_in(
+            "min_tokens",
+            self.min_tokens.unwrap_or(0),
+            0,
+            u32::MAX as i64,
+        )?;
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
             return Err(ApiError::invalid(
@@ -162,7 +173,7 @@ impl CommonParams<'_> {
         };
         let params = SamplingParams {
             temperature: self.temperature.map_or(default_temperature, |t| t as f32),
-            top_p: self.top_p.map_or(gen.top_p.unwrap_or(1.0), |p| p as f32),
+            top_p: self.top_p.map_or(gen.top_p.unwrap_or(1.0), positive_f32),
             top_k,
             min_p: self.min_p.map_or(gen.min_p.unwrap_or(0.0), |p| p as f32),
             presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
@@ -177,6 +188,7 @@ impl CommonParams<'_> {
                 .unwrap_or_default(),
             seed: self.seed.map(|s| s as u64),
             max_tokens: 0,
+            min_tokens: min_tokens as u32,
             stop: v::stop_strings(self.stop)?,
             stop_token_ids: self.stop_token_ids.map(<[u32]>::to_vec).unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
@@ -189,6 +201,18 @@ impl CommonParams<'_> {
             stream,
             include_usage,
         })
+    }
+}
+
+/// `value` as `f32`, except that a positive value below `f32`'s range becomes its smallest
+/// positive value instead of 0: a tiny `top_p` is valid (it keeps only the most likely token),
+/// and 0 is not.
+fn positive_f32(value: f64) -> f32 {
+    let narrowed = value as f32;
+    if value > 0.0 && narrowed == 0.0 {
+        f32::MIN_POSITIVE
+    } else {
+        narrowed
     }
 }
 

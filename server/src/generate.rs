@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::convert::Infallible;
 use std::future::pending;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -246,10 +246,44 @@ fn sse_json(value: &Value) -> SseEvent {
     SseEvent::default().data(value.to_string())
 }
 
+/// How long the last events of an aborted stream (its error and `[DONE]`) may wait for a client
+/// that is not reading; [`crate::serve`] gives aborted requests two seconds to close.
+const ABORTED_STREAM_GRACE: Duration = Duration::from_secs(1);
+
+/// What became of one event handed to the response body.
+enum Delivery {
+    /// Queued for the client.
+    Queued,
+    /// The client went away: the body was dropped.
+    ClientGone,
+    /// The server aborts in-flight requests while the client was not reading.
+    Aborted,
+}
+
+/// Sends `event` to the response body, waiting while the client reads slowly, but not past an
+/// abort: a client that stopped reading must not keep its sequences (and the engine's
+/// shutdown) alive.
+async fn send(
+    tx: &mpsc::Sender<SseEvent>,
+    abort: &watch::Receiver<bool>,
+    event: SseEvent,
+) -> Delivery {
+    tokio::select! {
+        biased;
+        sent = tx.send(event) => match sent {
+            Ok(()) => Delivery::Queued,
+            Err(_) => Delivery::ClientGone,
+        },
+        () = aborted(abort.clone()) => Delivery::Aborted,
+    }
+}
+
 /// Streams `seqs` as SSE (`data: {chunk}` ... `data: [DONE]`). A task reads the engine and
 /// writes chunks into a small channel the response body drains; when the client goes away the
 /// channel closes, the task ends and drops the sequences, which cancels them in the engine.
-/// Errors after the stream started are sent as a final `data: {"error": ...}` event.
+/// Errors after the stream started are sent as a final `data: {"error": ...}` event. When the
+/// server aborts in-flight requests, the sequences are cancelled at once, even while the task
+/// waits for a client that is not reading.
 pub(crate) fn stream_response<F: ChunkFormat>(
     state: &AppState,
     seqs: Vec<Seq>,
@@ -268,9 +302,19 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         for seq in &seqs {
             started.extend(format.start(seq.index));
         }
+        let mut failure = None;
         for chunk in &started {
-            if tx.send(sse_json(chunk)).await.is_err() {
-                return;
+            match send(&tx, &abort, sse_json(chunk)).await {
+                Delivery::Queued => {}
+                Delivery::ClientGone => {
+                    timing.failed("abort");
+                    return;
+                }
+                Delivery::Aborted => {
+                    timing.failed("abort");
+                    failure = Some(shutting_down());
+                    break;
+                }
             }
         }
         let mut merged = stream::select_all(seqs.into_iter().map(|seq| {
@@ -283,12 +327,9 @@ pub(crate) fn stream_response<F: ChunkFormat>(
             })
             .boxed()
         }));
-        let abort = aborted(abort);
-        tokio::pin!(abort);
         let mut finished = HashSet::new();
         let mut completion_tokens = 0;
-        let mut failure = None;
-        while finished.len() < total {
+        'events: while failure.is_none() && finished.len() < total {
             let item = tokio::select! {
                 biased;
                 () = tx.closed() => {
@@ -296,9 +337,9 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                     tracing::info!("client disconnected; request cancelled");
                     return;
                 }
-                () = &mut abort => {
-                    failure = Some(shutting_down());
+                () = aborted(abort.clone()) => {
                     timing.failed("abort");
+                    failure = Some(shutting_down());
                     break;
                 }
                 item = merged.next() => item,
@@ -338,15 +379,24 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                 }
             };
             for chunk in &chunks {
-                if tx.send(sse_json(chunk)).await.is_err() {
-                    timing.failed("abort");
-                    return;
+                match send(&tx, &abort, sse_json(chunk)).await {
+                    Delivery::Queued => {}
+                    Delivery::ClientGone => {
+                        timing.failed("abort");
+                        return;
+                    }
+                    Delivery::Aborted => {
+                        timing.failed("abort");
+                        failure = Some(shutting_down());
+                        break 'events;
+                    }
                 }
             }
         }
         // The remaining sequences (on failure) are cancelled here, before the last events.
         drop(merged);
         timing.done();
+        let aborting = *abort.borrow();
         let last = match failure {
             Some(err) => {
                 tracing::warn!(%err, "stream failed after it started");
@@ -355,12 +405,23 @@ pub(crate) fn stream_response<F: ChunkFormat>(
             None if include_usage => Some(format.usage(prompt_tokens, completion_tokens)),
             None => None,
         };
-        if let Some(last) = last {
-            if tx.send(sse_json(&last)).await.is_err() {
+        let events = last
+            .iter()
+            .map(sse_json)
+            .chain([SseEvent::default().data("[DONE]")]);
+        for event in events {
+            let sent = if aborting {
+                // Only a short wait: the client may be the one that stopped reading.
+                tokio::time::timeout(ABORTED_STREAM_GRACE, tx.send(event))
+                    .await
+                    .is_ok_and(|sent| sent.is_ok())
+            } else {
+                matches!(send(&tx, &abort, event).await, Delivery::Queued)
+            };
+            if !sent {
                 return;
             }
         }
-        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
     };
     tokio::spawn(task.instrument(tracing::Span::current()));
     let body = stream::unfold(rx, |mut rx| async move {

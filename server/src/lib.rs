@@ -5,7 +5,7 @@
 //!
 //! | route | what |
 //! | --- | --- |
-//! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`); penalties, `logit_bias`, `min_p` (README) |
+//! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`); penalties, `logit_bias`, `min_p`, `min_tokens` (README) |
 //! | `POST /v1/chat/completions` | system/user/assistant messages through the model's chat template; `logprobs` + `top_logprobs`, `stream` |
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model (404 `model_not_found` for another id) |
 //! | `GET /health` | 200 `{"status":"ok"}`, 503 when the engine is down or the server is draining |
@@ -61,7 +61,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ::metrics::counter;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -428,8 +428,20 @@ async fn models(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /v1/models/{model}` (the id may hold slashes, as Hugging Face ids do): the served
-/// model's card, or 404 `model_not_found` for any other id.
-async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+/// model's card, 404 `model_not_found` for any other id, or 400 for an id that is not UTF-8
+/// once percent-decoded.
+async fn model(State(state): State<AppState>, id: Result<Path<String>, PathRejection>) -> Response {
+    let id = match id {
+        Ok(Path(id)) => id,
+        Err(rejection) => {
+            return ApiError::InvalidRequest {
+                message: format!("invalid model id in the path: {}", rejection.body_text()),
+                param: Some("model".into()),
+                code: Some("invalid_value"),
+            }
+            .into_response()
+        }
+    };
     match validation::check_model(Some(&id), &state.backend().info().name) {
         Ok(()) => Json(model_card(&state)).into_response(),
         Err(err) => err.into_response(),

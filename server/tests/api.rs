@@ -1555,3 +1555,262 @@ async fn stopped_engine_gives_503() {
     }
     server.shutdown().await.unwrap();
 }
+
+/// `min_tokens` (vLLM's): before it, no stop token is drawn and no stop string matches; then
+/// they work as usual. Above `max_tokens` it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_tokens_holds_off_stop_tokens_and_strings() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    // A +100 bias makes this token the one drawn whenever it may be.
+    let id = server.state.backend().tokenize(" world", false).unwrap()[0];
+    let text = server.state.backend().token_text(id);
+    let bias = json!({id.to_string(): 100});
+    let eos = rackfill_models::ModelBundle::load(None)
+        .unwrap()
+        .stop_token_ids[0];
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (route, base) in [
+        ("/v1/completions", json!({"prompt": "hi"})),
+        ("/v1/chat/completions", json!({"messages": user})),
+    ] {
+        let post = |extra: Value| {
+            let mut request = base.clone();
+            request
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let server = &server;
+            async move { server.post(route, &request).await }
+        };
+        // A stop token: the first token without `min_tokens`, the 5th with 4.
+        for (min_tokens, completion_tokens) in [(0, 1), (4, 5)] {
+            let (status, body) = post(json!({"logit_bias": bias, "stop_token_ids": [id],
+                "max_tokens": 8, "min_tokens": min_tokens, "temperature": 0}))
+            .await;
+            assert_eq!(status, 200, "{route}: {body}");
+            let choice = &body["choices"][0];
+            assert_eq!(choice["finish_reason"], "stop", "{route}: {body}");
+            assert_eq!(choice["stop_reason"], id, "{route}: {body}");
+            assert_eq!(
+                body["usage"]["completion_tokens"], completion_tokens,
+                "{route}: {body}"
+            );
+        }
+        // End-of-sequence alike (`stop_reason` null).
+        let (status, body) = post(json!({"logit_bias": {eos.to_string(): 100},
+            "max_tokens": 8, "min_tokens": 3, "temperature": 0}))
+        .await;
+        assert_eq!(status, 200, "{route}: {body}");
+        assert_eq!(
+            body["choices"][0]["finish_reason"], "stop",
+            "{route}: {body}"
+        );
+        assert!(body["choices"][0]["stop_reason"].is_null(), "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 4, "{route}: {body}");
+        // A stop string naming the forced token's text matches from the 4th token on.
+        let request = json!({"logit_bias": bias, "stop": [text.clone()], "max_tokens": 8,
+                             "min_tokens": 3, "temperature": 0});
+        let (status, body) = post(request.clone()).await;
+        assert_eq!(status, 200, "{route}: {body}");
+        assert_eq!(body["choices"][0]["stop_reason"], json!(text), "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 4, "{route}: {body}");
+        let content = match route {
+            "/v1/completions" => body["choices"][0]["text"].clone(),
+            _ => body["choices"][0]["message"]["content"].clone(),
+        };
+        assert_eq!(content, json!(text.repeat(3)), "{route}: {body}");
+        // Streamed, the same text.
+        let mut streamed = base.clone();
+        streamed
+            .as_object_mut()
+            .unwrap()
+            .extend(request.as_object().unwrap().clone());
+        streamed["stream"] = json!(true);
+        let response = server
+            .client
+            .post(server.url(route))
+            .json(&streamed)
+            .send()
+            .await
+            .unwrap();
+        let chunks = json_chunks(&read_sse(response).await);
+        let joined: String = chunks
+            .iter()
+            .filter_map(|c| {
+                let choice = &c["choices"][0];
+                choice["text"]
+                    .as_str()
+                    .or_else(|| choice["delta"]["content"].as_str())
+                    .map(str::to_owned)
+            })
+            .collect();
+        assert_eq!(joined, text.repeat(3), "{route}");
+        // Above `max_tokens`, or negative: 400 on `min_tokens`.
+        for (min_tokens, max_tokens) in [(9, json!(8)), (-1, json!(8))] {
+            let (status, body) =
+                post(json!({"min_tokens": min_tokens, "max_tokens": max_tokens})).await;
+            assert_eq!(status, 400, "{route}: {body}");
+            assert_eq!(body["error"]["param"], "min_tokens", "{route}: {body}");
+        }
+    }
+    // Chat without a cap: checked against the room the context leaves.
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user, "min_tokens": 5000}),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "min_tokens", "{body}");
+    server.shutdown().await.unwrap();
+}
+
+/// Tool calling is refused whichever field asks for it (`tools`, the deprecated `functions`, a
+/// `tool_choice` / `function_call` that demands a call); `none` and `auto` are plain chat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_are_refused_in_every_form() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let function = json!({"name": "f", "parameters": {"type": "object"}});
+    let refused = [
+        ("tools", json!([{"type": "function", "function": function}])),
+        ("functions", json!([function])),
+        ("tool_choice", json!("required")),
+        (
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "f"}}),
+        ),
+        ("function_call", json!({"name": "f"})),
+        ("tool_choice", json!("any")),
+    ];
+    for (field, value) in refused {
+        let mut request = json!({"messages": user, "max_tokens": 1});
+        request[field] = value.clone();
+        let (status, body) = server.post("/v1/chat/completions", &request).await;
+        assert_eq!(status, 400, "{field}={value}: {body}");
+        assert_eq!(body["error"]["param"], field, "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+    for (field, value) in [
+        ("tool_choice", json!("none")),
+        ("tool_choice", json!("auto")),
+        ("function_call", json!("none")),
+        ("tools", json!([])),
+        ("functions", json!(null)),
+    ] {
+        let mut request = json!({"messages": user, "max_tokens": 1});
+        request[field] = value.clone();
+        let (status, body) = server.post("/v1/chat/completions", &request).await;
+        assert_eq!(status, 200, "{field}={value}: {body}");
+    }
+    server.shutdown().await.unwrap();
+}
+
+/// A model id that is not UTF-8 once percent-decoded gets the error envelope, not plain text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_id_that_is_not_utf8_gets_the_error_envelope() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let response = server
+        .client
+        .get(server.url("/v1/models/%ff%fe"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert_eq!(body["error"]["param"], "model", "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    server.shutdown().await.unwrap();
+}
+
+/// A `top_p` too small for `f32` is still a valid (positive) `top_p`: it keeps the most likely
+/// token only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiny_top_p_is_greedy_not_zero() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let (status, greedy) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{greedy}");
+    let (status, tiny) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 1, "top_p": 1e-50,
+                    "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{tiny}");
+    assert_eq!(choice_texts(&tiny), choice_texts(&greedy));
+    server.shutdown().await.unwrap();
+}
+
+/// A streaming client that stopped reading does not hold the shutdown past
+/// `shutdown_timeout`: its sequences are cancelled although the stream waits on the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_timeout_cancels_a_stream_whose_client_stopped_reading() {
+    // Small socket buffers on both sides (accepted connections inherit the listener's), so the
+    // stream backs up behind the client after a few dozen chunks.
+    let listener = tokio::net::TcpSocket::new_v4().unwrap();
+    listener.set_send_buffer_size(4096).unwrap();
+    listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut server = TestServer::start_on(
+        listener.listen(16).unwrap(),
+        ServerConfig {
+            shutdown_timeout: Duration::from_millis(500),
+            ..ServerConfig::default()
+        },
+        common::engine_config(2),
+    );
+    let body = json!({"prompt": PROMPT, "n": 4, "max_tokens": 4000, "logprobs": 20,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let stream = socket.connect(server.addr).await.unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut written = 0;
+    while written < request.len() {
+        stream.writable().await.unwrap();
+        match stream.try_write(&request.as_bytes()[written..]) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // Read until tokens arrive, then stop reading.
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("token_logprobs") {
+        tokio::time::timeout(Duration::from_secs(60), stream.readable())
+            .await
+            .expect("the stream starts")
+            .unwrap();
+        match stream.try_read(&mut buffer) {
+            Ok(n) => {
+                assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+                seen.extend_from_slice(&buffer[..n]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    // Let the stream back up behind the client while tokens are generated (16,000 of them
+    // would take far longer than the test waits).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let state = server.state.clone();
+    server.trigger_shutdown();
+    tokio::time::timeout(Duration::from_secs(15), server.join())
+        .await
+        .expect("serve returns soon after the shutdown timeout")
+        .unwrap();
+    assert!(!state.backend().is_healthy(), "the engine was shut down");
+    drop(stream);
+}

@@ -42,9 +42,18 @@ impl TestServer {
     }
 
     pub async fn start_with(config: ServerConfig, engine: EngineConfig) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on(listener, config, engine)
+    }
+
+    /// Serves on `listener` (whose socket options the accepted connections inherit).
+    pub fn start_on(
+        listener: tokio::net::TcpListener,
+        config: ServerConfig,
+        engine: EngineConfig,
+    ) -> Self {
         let bundle = ModelBundle::load(None).expect("built-in model");
         let state = AppState::launch(bundle, engine, config).expect("engine starts");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(rackfill_server::serve(
