@@ -212,7 +212,12 @@ fn attend_block(
             k: dk,
             n: width,
         };
-        gemm::matmul_bt(scores, queries.q, &keys[from * dk..(from + width) * dk], dims);
+        gemm::matmul_bt(
+            scores,
+            queries.q,
+            &keys[from * dk..(from + width) * dk],
+            dims,
+        );
         for (i, row) in scores.chunks_exact_mut(width).enumerate() {
             // Keys this row sees in the block; the rest are causally masked.
             let seen = (queries.first_visible + i).saturating_sub(from).min(width);

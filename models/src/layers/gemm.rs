@@ -7,18 +7,42 @@ use rayon::prelude::*;
 
 /// `out[m, n] = a[m, k] · b[k, n]`; every matrix row-major with the given row strides.
 pub fn matmul_strided(out: &mut [f32], out_stride: usize, a: &[f32], b: &[f32], dims: Dims) {
-    product(out, out_stride, a, b, BLayout::RowMajor, Write::Overwrite, dims);
+    product(
+        out,
+        out_stride,
+        a,
+        b,
+        BLayout::RowMajor,
+        Write::Overwrite,
+        dims,
+    );
 }
 
 /// `out[m, n] += a[m, k] · b[k, n]`, every matrix row-major (`out` with row stride `n`): the
 /// running value product of blocked attention.
 pub fn matmul_accumulate(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
-    product(out, dims.n, a, b, BLayout::RowMajor, Write::Accumulate, dims);
+    product(
+        out,
+        dims.n,
+        a,
+        b,
+        BLayout::RowMajor,
+        Write::Accumulate,
+        dims,
+    );
 }
 
 /// `out[m, n] = a[m, k] · b[n, k]^T` (b row-major `[n, k]`, e.g. keys for `Q K^T`).
 pub fn matmul_bt(out: &mut [f32], a: &[f32], b: &[f32], dims: Dims) {
-    product(out, dims.n, a, b, BLayout::Transposed, Write::Overwrite, dims);
+    product(
+        out,
+        dims.n,
+        a,
+        b,
+        BLayout::Transposed,
+        Write::Overwrite,
+        dims,
+    );
 }
 
 /// Whether a product replaces the output or adds to it.
