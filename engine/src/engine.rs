@@ -80,6 +80,16 @@ struct Shared {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Whether the engine thread runs: set while an `AliveFlag` lives, cleared when it is dropped,
+/// which happens when the thread's loop returns and when it unwinds from a panic.
+struct AliveFlag(Arc<AtomicBool>);
+
+impl Drop for AliveFlag {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// A cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -116,6 +126,9 @@ impl EngineHandle {
             std::thread::Builder::new()
                 .name("rackfill-engine".into())
                 .spawn(move || {
+                    // Cleared when the loop ends, also when it panics: health checks then fail
+                    // and submissions get `Unavailable` instead of waiting on a dead thread.
+                    let _alive = AliveFlag(alive);
                     EngineLoop {
                         runtime,
                         scheduler,
@@ -124,7 +137,6 @@ impl EngineHandle {
                         step: 0,
                     }
                     .run(rx);
-                    alive.store(false, Ordering::Release);
                 })
                 .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?
         };
@@ -309,5 +321,22 @@ impl EngineLoop {
             }
             Command::Shutdown => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alive_flag_clears_when_its_thread_panics() {
+        let alive = Arc::new(AtomicBool::new(true));
+        let flag = AliveFlag(Arc::clone(&alive));
+        let thread = std::thread::spawn(move || {
+            let _flag = flag;
+            panic!("engine step failed");
+        });
+        assert!(thread.join().is_err());
+        assert!(!alive.load(Ordering::Acquire));
     }
 }

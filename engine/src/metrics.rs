@@ -1,7 +1,7 @@
 //! The engine's Prometheus metrics, recorded through the `metrics` facade (the server installs
 //! the exporter and its buckets). Names follow vLLM's `prefix:name` style.
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
 use crate::scheduler::StepSummary;
 
@@ -27,6 +27,40 @@ pub const WAITING: &str = "rackfill:num_requests_waiting";
 pub const RUNNING: &str = "rackfill:num_requests_running";
 /// Reserved KV over the KV budget, 0 to 1.
 pub const KV_USAGE: &str = "rackfill:kv_cache_usage_perc";
+
+/// Gives every engine metric its `# HELP` text in the installed recorder (call once, after
+/// installing it), so a scraper's users see what each series means.
+pub fn describe() {
+    describe_histogram!(
+        IMBALANCE_BEFORE,
+        "Per-layer rank-load imbalance before balancing (max over mean rank load)."
+    );
+    describe_histogram!(
+        IMBALANCE_AFTER,
+        "Per-layer rank-load imbalance after balancing (max over mean rank load)."
+    );
+    describe_counter!(
+        REPLICAS,
+        "Replica expert instances created, over layers and steps."
+    );
+    describe_counter!(
+        REPLICA_BYTES,
+        "Replica weight bytes streamed between ranks."
+    );
+    describe_histogram!(
+        SOLVE_US,
+        "Replication plan solve time per MoE layer, microseconds."
+    );
+    describe_histogram!(
+        PHASE_SECONDS,
+        "Wall time per MoE layer phase (route, solve, replicate, dispatch, experts, combine)."
+    );
+    describe_histogram!(STEP_TOKENS, "Tokens computed per engine step, all ranks.");
+    describe_counter!(STEPS, "Engine steps run.");
+    describe_gauge!(WAITING, "Sequences waiting for admission.");
+    describe_gauge!(RUNNING, "Sequences admitted and not finished.");
+    describe_gauge!(KV_USAGE, "Reserved KV cache over the KV budget, 0 to 1.");
+}
 
 /// Records one step's balancing figures and phase times.
 pub fn record_step(summary: &StepSummary) {

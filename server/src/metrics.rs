@@ -4,6 +4,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use rackfill_engine::metrics as engine;
 
@@ -68,6 +69,8 @@ pub fn install() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
             let handle = builder().ok()?.install_recorder().ok()?;
+            describe();
+            engine::describe();
             let upkeep = handle.clone();
             let _ = std::thread::Builder::new()
                 .name("rackfill-metrics-upkeep".into())
@@ -78,6 +81,41 @@ pub fn install() -> Option<PrometheusHandle> {
             Some(handle)
         })
         .clone()
+}
+
+/// The server metrics' `# HELP` texts.
+fn describe() {
+    describe_counter!(
+        HTTP_REQUESTS,
+        "HTTP requests answered, by method, route and status."
+    );
+    describe_histogram!(
+        HTTP_DURATION,
+        "Time from a request's arrival to the end of its response body, seconds."
+    );
+    describe_gauge!(
+        HTTP_IN_FLIGHT,
+        "HTTP requests being handled, until their response body is done."
+    );
+    describe_histogram!(
+        TTFT,
+        "Time from a generation request's arrival to its first output, seconds."
+    );
+    describe_histogram!(
+        E2E,
+        "Time from a generation request's arrival to its last output, seconds."
+    );
+    describe_histogram!(
+        QUEUE_TIME,
+        "Time a sequence waited in the engine before its first step, seconds."
+    );
+    describe_counter!(
+        REQUEST_SUCCESS,
+        "Generation requests finished, by finished_reason (stop, length, error, abort)."
+    );
+    describe_counter!(PROMPT_TOKENS, "Prompt tokens processed.");
+    describe_counter!(GENERATION_TOKENS, "Tokens generated.");
+    describe_counter!(REJECTED, "Requests refused by admission control (429).");
 }
 
 fn builder() -> Result<PrometheusBuilder, metrics_exporter_prometheus::BuildError> {

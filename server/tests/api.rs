@@ -685,6 +685,14 @@ async fn models_health_version_metrics_and_request_ids() {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
     assert!(metrics.contains("route=\"/v1/completions\""), "{metrics}");
+    // Every series is described for the scraper's users.
+    for line in metrics.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = line.split_whitespace().nth(2).unwrap();
+        assert!(
+            metrics.contains(&format!("# HELP {name} ")),
+            "{name} has no HELP line"
+        );
+    }
     server.shutdown().await.unwrap();
 }
 
