@@ -55,6 +55,9 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     shutdown_timeout: f64,
+    /// Seconds a client may take to send a request body after its headers (408 after that).
+    #[arg(long, default_value_t = 30.0)]
+    body_read_timeout: f64,
     /// Record every step's per-layer expert load matrices to this file.
     #[arg(long)]
     record_routing: Option<PathBuf>,
@@ -88,11 +91,10 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     if args.max_body_bytes == 0 {
         bail!("--max-body-bytes must be at least 1");
     }
-    if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
-        bail!(
-            "--shutdown-timeout must be a non-negative number of seconds, got {}",
-            args.shutdown_timeout
-        );
+    let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
+    let body_read_timeout = seconds("--body-read-timeout", args.body_read_timeout)?;
+    if body_read_timeout.is_zero() {
+        bail!("--body-read-timeout must be more than 0 seconds");
     }
     if args.served_model_name.as_deref() == Some("") {
         bail!("--served-model-name must not be empty");
@@ -122,9 +124,20 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         api_key,
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
-        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+        body_read_timeout,
+        shutdown_timeout,
     };
     Ok((engine, server))
+}
+
+/// `value` seconds of the flag `flag` as a duration: a non-negative number no larger than a
+/// duration holds (about 5.8e11 years).
+fn seconds(flag: &str, value: f64) -> Result<Duration> {
+    if value < 0.0 {
+        bail!("{flag} must be a non-negative number of seconds, got {value}");
+    }
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a finite number of seconds, got {value}"))
 }
 
 fn init_logging() {
@@ -289,12 +302,15 @@ mod tests {
             "k",
             "--shutdown-timeout",
             "2.5",
+            "--body-read-timeout",
+            "0.25",
         ])
         .unwrap();
         assert_eq!(engine.ep.ep_size, 4);
         assert_eq!(engine.ep.balancer.name(), "eplb-history");
         assert_eq!(server.api_key.as_deref(), Some("k"));
         assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
+        assert_eq!(server.body_read_timeout, Duration::from_millis(250));
     }
 
     #[test]
@@ -304,6 +320,10 @@ mod tests {
             &["--ep-size", "0"],
             &["--max-concurrent-requests", "0"],
             &["--shutdown-timeout=-1"],
+            &["--shutdown-timeout", "1e300"],
+            &["--shutdown-timeout", "NaN"],
+            &["--body-read-timeout", "0"],
+            &["--body-read-timeout", "inf"],
             &["--served-model-name", ""],
             &["--data-plane", "tpu"],
             &["--data-plane", "gpu:x"],

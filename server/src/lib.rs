@@ -45,6 +45,7 @@
 //! shutdown.
 
 mod backend;
+mod body;
 mod chat;
 mod completions;
 mod generate;
@@ -92,6 +93,9 @@ pub struct ServerConfig {
     pub max_concurrent_requests: usize,
     /// Largest accepted request body; larger ones get 413 (default 4 MiB).
     pub max_body_bytes: usize,
+    /// How long a client may take to send its request body once the headers are in; a body not
+    /// finished by then gets 408 (default 30 s).
+    pub body_read_timeout: Duration,
     /// How long [`serve`] lets in-flight requests finish after the shutdown signal before
     /// cancelling them (default 30 s).
     pub shutdown_timeout: Duration,
@@ -103,6 +107,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_concurrent_requests: 256,
             max_body_bytes: 4 << 20,
+            body_read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
         }
     }
@@ -272,7 +277,7 @@ pub fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
         .layer(middleware::from_fn_with_state(
             state.clone(),
-            reject_oversized,
+            body::read_body,
         ))
         .layer(middleware::from_fn(observe::observe))
         .with_state(state)
@@ -344,32 +349,6 @@ pub async fn serve(
 }
 
 /// Bearer auth on `/v1/*` when an API key is configured; the comparison is constant-time.
-/// Bodies declared larger than the limit are read and discarded, up to this many bytes, before
-/// the 413 goes out. A server that answers while the client is still sending, then closes,
-/// resets the connection, and the client sees a broken pipe instead of the 413.
-const DRAIN_OVERSIZED_UP_TO: u64 = 64 << 20;
-
-/// 413 for a body whose `Content-Length` exceeds the limit, after draining it (see
-/// [`DRAIN_OVERSIZED_UP_TO`]); bodies without a length are capped by `DefaultBodyLimit`.
-async fn reject_oversized(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let limit = state.config().max_body_bytes;
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    match declared {
-        Some(len) if len > limit as u64 => {
-            if len <= DRAIN_OVERSIZED_UP_TO {
-                let mut body = request.into_body().into_data_stream();
-                while let Some(Ok(_)) = futures_util::StreamExt::next(&mut body).await {}
-            }
-            ApiError::PayloadTooLarge(limit).into_response()
-        }
-        _ => next.run(request).await,
-    }
-}
-
 async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config().api_key {
         let given = request

@@ -37,6 +37,10 @@ pub enum ApiError {
     /// The body is larger than `--max-body-bytes` (413).
     #[error("the request body exceeds the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    /// The client did not finish sending its body within the server's body read timeout (408);
+    /// the message names the limit.
+    #[error("the request body was not received within {0}")]
+    RequestTimeout(String),
     /// The admission limit or the engine's queue is full (429).
     #[error("{0}")]
     TooManyRequests(String),
@@ -66,6 +70,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -80,7 +85,8 @@ impl ApiError {
             | Self::ModelNotFound(_)
             | Self::RouteNotFound(_)
             | Self::MethodNotAllowed(_)
-            | Self::PayloadTooLarge(_) => "invalid_request_error",
+            | Self::PayloadTooLarge(_)
+            | Self::RequestTimeout(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::TooManyRequests(_) => "rate_limit_error",
             Self::Unavailable(_) => "service_unavailable_error",
@@ -108,6 +114,7 @@ impl ApiError {
             Self::RouteNotFound(_) => Some("not_found"),
             Self::MethodNotAllowed(_) => Some("method_not_allowed"),
             Self::PayloadTooLarge(_) => Some("payload_too_large"),
+            Self::RequestTimeout(_) => Some("request_timeout"),
             Self::TooManyRequests(_) => Some("rate_limit_exceeded"),
             Self::Unavailable(_) => Some("service_unavailable"),
             Self::Internal(_) => Some("internal_error"),

@@ -1,0 +1,111 @@
+//! Request bodies are read within a size and a time limit before any handler runs: a client that
+//! declares a body and stops sending gets a 408 (or its 413) when the time is up, and the
+//! server goes on serving everyone else.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::TestServer;
+use rackfill_server::ServerConfig;
+use serde_json::{json, Value};
+
+const TIMEOUT: Duration = Duration::from_millis(600);
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        body_read_timeout: TIMEOUT,
+        max_body_bytes: 64 * 1024,
+        ..ServerConfig::default()
+    }
+}
+
+/// Sends the request line, headers and `partial` body bytes of a body of `content_length`,
+/// then stops sending while keeping the connection open; returns the status and JSON body of
+/// the answer and how long it took to come. Blocking: run it off the runtime.
+fn stall(server: SocketAddr, content_length: usize, partial: &[u8]) -> (u16, Value, Duration) {
+    let mut stream = TcpStream::connect(server).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {content_length}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(partial).unwrap();
+    let sent = Instant::now();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read until the JSON body is complete (the server may keep the connection open).
+    loop {
+        let n = stream.read(&mut buf).expect("no answer within 30 s");
+        answer.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&answer);
+        if n == 0
+            || text
+                .split_once("\r\n\r\n")
+                .is_some_and(|(_, b)| b.ends_with('}'))
+        {
+            break;
+        }
+    }
+    let took = sent.elapsed();
+    let text = String::from_utf8(answer).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap(), took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_not_finished_in_time_gets_408_and_others_are_served() {
+    let server = TestServer::start(config()).await;
+    let addr = server.addr;
+    let stalled = tokio::task::spawn_blocking(move || stall(addr, 100, br#"{"prompt": "#));
+    // Meanwhile a normal request is answered.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hello", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    let (status, body, took) = stalled.await.unwrap();
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("0.6 s"),
+        "{body}"
+    );
+    assert!(
+        took >= TIMEOUT && took < TIMEOUT * 20,
+        "answered after {took:?}"
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_that_stalls_still_gets_its_413() {
+    let server = TestServer::start(config()).await;
+    let addr = server.addr;
+    let (status, body, took) =
+        tokio::task::spawn_blocking(move || stall(addr, 1 << 20, &[b' '; 1000]))
+            .await
+            .unwrap();
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(body["error"]["code"], "payload_too_large", "{body}");
+    assert!(
+        took >= TIMEOUT && took < TIMEOUT * 20,
+        "answered after {took:?}"
+    );
+    // A body sent whole and in time is served as before.
+    let (status, body) = server
+        .post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 1}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    server.shutdown().await.unwrap();
+}
