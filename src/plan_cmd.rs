@@ -1,13 +1,16 @@
 //! `rackfill plan`: solve one layer's replication plan from a load matrix in a JSON file.
 //!
 //! Input: `{"load": [[count; E]; R], "home": [rank; E]?}`. Every malformed input is rejected with a
-//! one-line reason (exit status 2) before any planner runs.
+//! one-line reason (exit status 2) before any planner runs ([`load_file`]).
+
+mod load_file;
 
 use anyhow::{bail, Context, Result};
+use load_file::LoadInput;
 use rackfill_balancer::metrics::evaluate;
-use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings};
+use rackfill_balancer::{Algo, Instance, Layout, LoadMatrix, Plan, Settings};
 use serde::Serialize;
-use serde_json::Value;
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -35,14 +38,14 @@ pub struct PlanArgs {
 }
 
 /// The JSON document `rackfill plan --json` prints; other tools parse it, keep it stable.
-#[derive(Debug, Serialize)]
-struct PlanReport {
+#[derive(Serialize)]
+struct PlanReport<'a> {
     algo: String,
     ranks: usize,
     experts: usize,
     slots_per_rank: usize,
     slots: Vec<Vec<Option<u32>>>,
-    quotas: Vec<Vec<(u32, u64)>>,
+    quotas: Quotas<'a>,
     rank_load_before: Vec<u64>,
     rank_load_after: Vec<u64>,
     imbalance_before: f64,
@@ -59,13 +62,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if algo == Algo::EplbHistory {
         bail!("eplb-history plans from a history of loads; replay a sequence with `rackfill bench balance`");
     }
-    let text = if args.load.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("cannot read standard input")?
-    } else {
-        std::fs::read_to_string(&args.load)
-            .with_context(|| format!("cannot read {}", args.load.display()))?
-    };
-    let (load, home) = parse_load(&text)?;
+    let LoadInput { load, home } = load_file::read(&args.load)?;
     if let Some(ranks) = args.ranks {
         if ranks != load.ranks() {
             bail!("--ranks is {ranks} but the load has {} rows", load.ranks());
@@ -82,7 +79,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let (plan, solve_us) = solve_timed(algo, &settings, &layout, &load)?;
     let report = build_report(algo, &layout, &load, &plan, solve_us);
     if args.json {
-        outln!("{}", serde_json::to_string(&report)?);
+        // Streamed: the document is several times the input's size.
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        serde_json::to_writer(&mut out, &report)?;
+        out.write_all(b"\n")?;
+        out.flush()?;
     } else {
         print_summary(&report);
     }
@@ -114,13 +115,32 @@ fn solve_timed(
     Ok((plan, times[RUNS / 2]))
 }
 
-fn build_report(
+/// `quotas[e]`: every instance of expert `e` as `[rank, tokens]`, the main one first; written
+/// straight from the plan (one list per expert would take tens of bytes per expert).
+struct Quotas<'a>(&'a Plan, usize);
+
+impl Serialize for Quotas<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq((0..self.1).map(|e| Instances(self.0.instances(e))))
+    }
+}
+
+/// One expert's instances as `[[rank, tokens], ...]`.
+struct Instances<'a>(&'a [Instance]);
+
+impl Serialize for Instances<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|i| (i.rank, i.quota)))
+    }
+}
+
+fn build_report<'a>(
     algo: Algo,
     layout: &Layout,
     load: &LoadMatrix,
-    plan: &Plan,
+    plan: &'a Plan,
     solve_us: f64,
-) -> PlanReport {
+) -> PlanReport<'a> {
     let m = evaluate(layout, load, plan);
     PlanReport {
         algo: algo.name().to_string(),
@@ -130,14 +150,7 @@ fn build_report(
         slots: (0..layout.ranks())
             .map(|r| plan.rank_slots(r).to_vec())
             .collect(),
-        quotas: (0..layout.experts())
-            .map(|e| {
-                plan.instances(e)
-                    .iter()
-                    .map(|i| (i.rank, i.quota))
-                    .collect()
-            })
-            .collect(),
+        quotas: Quotas(plan, layout.experts()),
         rank_load_before: m.rank_load_before,
         rank_load_after: m.rank_load_after,
         imbalance_before: m.imbalance_before,
@@ -173,81 +186,4 @@ fn print_summary(r: &PlanReport) {
         r.max_fanout,
         r.solve_us
     );
-}
-
-/// The input document. Fields stay JSON values so that errors can name the offending row and
-/// column; the struct itself refuses unknown and duplicate fields (a repeated `"load"` must not
-/// silently replace the first).
-#[derive(serde::Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "a JSON object with a \"load\" field and an optional \"home\""
-)]
-struct LoadDocument {
-    load: Option<Value>,
-    home: Option<Value>,
-}
-
-/// Parses and checks the input document, naming the offending row, column or field.
-fn parse_load(text: &str) -> Result<(LoadMatrix, Option<Vec<u32>>)> {
-    // serde would also read the struct from an array of its fields; only an object is valid.
-    if !text.trim_start().starts_with('{') {
-        bail!("load file must be a JSON object with a \"load\" field");
-    }
-    let doc: LoadDocument = serde_json::from_str(text)
-        .map_err(|e| anyhow::anyhow!("load file is not a valid load document: {e}"))?;
-    let rows = match &doc.load {
-        Some(Value::Array(rows)) => rows,
-        Some(Value::Null) | None => bail!("missing field \"load\""),
-        Some(_) => bail!("\"load\" must be an array of rows"),
-    };
-    if rows.is_empty() {
-        bail!("\"load\" has no rows: at least one rank is needed");
-    }
-    let mut matrix = Vec::with_capacity(rows.len());
-    for (r, row) in rows.iter().enumerate() {
-        let Value::Array(cells) = row else {
-            bail!("load row {r} is not an array");
-        };
-        let counts = cells
-            .iter()
-            .enumerate()
-            .map(|(e, c)| {
-                c.as_u64().ok_or_else(|| {
-                    anyhow::anyhow!("load[{r}][{e}] = {c} is not a whole number from 0 to 2^64-1")
-                })
-            })
-            .collect::<Result<Vec<u64>>>()?;
-        matrix.push(counts);
-    }
-    let load = LoadMatrix::from_rows(&matrix)?;
-    if load.experts() == 0 {
-        bail!("load rows are empty: at least one expert is needed");
-    }
-    let home = match &doc.home {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(h)) => {
-            if h.len() != load.experts() {
-                bail!(
-                    "\"home\" has {} entries, the load has {} experts",
-                    h.len(),
-                    load.experts()
-                );
-            }
-            let ranks = load.ranks() as u64;
-            let home = h
-                .iter()
-                .enumerate()
-                .map(|(e, v)| match v.as_u64() {
-                    Some(rank) if rank < ranks => Ok(rank as u32),
-                    _ => Err(anyhow::anyhow!(
-                        "home[{e}] = {v} is not a rank in 0..{ranks}"
-                    )),
-                })
-                .collect::<Result<Vec<u32>>>()?;
-            Some(home)
-        }
-        Some(_) => bail!("\"home\" must be an array of ranks"),
-    };
-    Ok((load, home))
 }

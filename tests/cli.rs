@@ -295,3 +295,35 @@ fn bad_flags_get_one_line_and_help_still_works() {
     assert_eq!(out.status.code(), Some(0));
     assert!(String::from_utf8(out.stdout).unwrap().contains("--slots"));
 }
+
+#[test]
+fn oversized_inputs_are_refused_with_one_line() {
+    let refused = |args: &[&str], stdin: &str, needle: &str| {
+        let out = plan(args, stdin);
+        assert_eq!(out.status.code(), Some(2), "{needle}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{err} lacks {needle:?}");
+    };
+    // 16384 ranks of two experts (a 100 kB file): the plan's reroute split alone would be
+    // 16384 x 16384 counts (the quota planner took 6 GB and half a minute).
+    let rows = vec!["[3, 1]"; 16384].join(",");
+    refused(
+        &["--load", "-", "--slots", "1"],
+        &format!("{{\"load\": [{rows}]}}"),
+        "use fewer ranks or slots",
+    );
+    // One row of 2^23 + 1 counts: refused at the limit instead of read (as JSON values it took
+    // gigabytes).
+    let row = "0,".repeat(1 << 23);
+    refused(
+        &["--load", "-"],
+        &format!("{{\"load\": [[{row}0]]}}"),
+        "the load has more than 8388608 counts",
+    );
+    refused(
+        &["--load", env!("CARGO_MANIFEST_DIR")],
+        "",
+        "is a directory",
+    );
+}

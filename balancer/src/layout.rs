@@ -3,6 +3,11 @@
 
 use crate::BalanceError;
 
+/// Most reroute-split counts a plan on a layout may need, [`Layout::max_split_cells`]: 2^25
+/// (256 MiB), more than a hundred times 72 ranks x 256 experts x 32 slots. Past it a single
+/// plan's split alone takes gigabytes (and plans index it with `u32` offsets).
+pub const MAX_SPLIT_CELLS: u128 = 1 << 25;
+
 /// Where every logical expert's main instance lives and how many replica slots each rank has.
 ///
 /// The layout never changes while serving: main placement is immutable and balancing only fills the
@@ -60,6 +65,15 @@ impl Layout {
                 experts: home.len(),
             });
         }
+        let cells = split_cells(ranks, home.len(), slots_per_rank);
+        if cells > MAX_SPLIT_CELLS {
+            return Err(BalanceError::PlanTooLarge {
+                ranks,
+                experts: home.len(),
+                slots: slots_per_rank,
+                cells,
+            });
+        }
         let mut counts = vec![0u32; ranks + 1];
         for (expert, &h) in home.iter().enumerate() {
             if h as usize >= ranks {
@@ -115,10 +129,23 @@ impl Layout {
         &self.home
     }
 
+    /// The most reroute-split counts a plan on this layout can hold,
+    /// `R x (min(E, R x n_slot) + R x n_slot)`: every source rank's share of every instance of a
+    /// replicated expert (at most that many mains and `R x n_slot` replicas). Layouts above
+    /// [`MAX_SPLIT_CELLS`] are refused.
+    pub fn max_split_cells(&self) -> u128 {
+        split_cells(self.ranks, self.experts(), self.slots_per_rank)
+    }
+
     /// Main experts of rank `r`, in ascending expert id.
     pub fn main_experts(&self, rank: usize) -> &[u32] {
         &self.mains[self.main_offsets[rank] as usize..self.main_offsets[rank + 1] as usize]
     }
+}
+
+fn split_cells(ranks: usize, experts: usize, slots_per_rank: usize) -> u128 {
+    let (r, e, s) = (ranks as u128, experts as u128, slots_per_rank as u128);
+    r * (e.min(r * s) + r * s)
 }
 
 #[cfg(test)]
@@ -151,6 +178,26 @@ mod tests {
             Layout::contiguous(0, 4, 1),
             Err(BalanceError::NoRanks)
         ));
+    }
+
+    #[test]
+    fn layouts_whose_plans_could_take_gigabytes_are_refused() {
+        // 1024 ranks x 4096 experts x 4096 slots: eplb-exact fills every slot, and the split of
+        // its plan would be 1024 x (4096 + 1024 x 4096) counts, 34 GB.
+        let err = Layout::contiguous(1024, 4096, 4096).unwrap_err();
+        assert!(matches!(err, BalanceError::PlanTooLarge { .. }), "{err}");
+        assert!(err.to_string().contains("1024 ranks"), "{err}");
+        // A tiny load on many ranks is just as large: 16384 ranks x 2 experts x 1 slot.
+        assert!(Layout::contiguous(16384, 2, 1).is_err());
+        // The biggest shapes the benches take with a few slots stay well inside.
+        let layout = Layout::contiguous(1024, 4096, 16).unwrap();
+        assert_eq!(layout.max_split_cells(), 1024 * (4096 + 1024 * 16));
+        assert_eq!(
+            Layout::contiguous(4, 64, 2).unwrap().max_split_cells(),
+            4 * (8 + 8)
+        );
+        // Without slots there are no replicas: any rank count is fine.
+        assert!(Layout::contiguous(1 << 20, 2, 0).is_ok());
     }
 
     #[test]

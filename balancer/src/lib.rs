@@ -31,7 +31,7 @@ pub mod relay;
 mod reroute;
 
 pub use assignment::TokenAssignment;
-pub use layout::Layout;
+pub use layout::{Layout, MAX_SPLIT_CELLS};
 pub use load::{main_rank_loads, LoadMatrix};
 pub use plan::{Instance, Plan, PlanParts, PlanViolation};
 
@@ -48,6 +48,18 @@ pub enum BalanceError {
          replica"
     )]
     TooManySlots { slots: usize, experts: usize },
+    #[error(
+        "{ranks} ranks x {experts} experts with {slots} slots per rank: a plan could split \
+         tokens over {cells} (source rank, instance) pairs, more than {max}; use fewer ranks or \
+         slots",
+        max = layout::MAX_SPLIT_CELLS
+    )]
+    PlanTooLarge {
+        ranks: usize,
+        experts: usize,
+        slots: usize,
+        cells: u128,
+    },
     #[error("input too large: counts or sizes overflow 64-bit totals")]
     TooLarge,
     #[error("home of expert {expert} is rank {home}, but there are only {ranks} ranks")]

@@ -36,8 +36,10 @@ pub struct TraceStep {
     pub loads: Vec<LoadMatrix>,
 }
 
-/// One line as it is written. Unknown fields are ignored so that recorders may add some.
+/// One line as it is written. Unknown fields are refused, as in every other input file: a
+/// misspelt field must not pass for a trace (the engine's recorder writes exactly these five).
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct LineIn {
     step: u64,
     layer: usize,
@@ -50,6 +52,17 @@ struct LineIn {
 /// array of its fields too, and name the Rust type in its error.
 const LINE_EXPECTED: &str =
     "expected a JSON object {\"step\", \"layer\", \"ranks\", \"experts\", \"load\"}";
+
+/// serde_json's message without its " at line 1 column N" (a trace line is parsed on its own, so
+/// that line is never the file's): the column is kept.
+fn without_position(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    let suffix = format!(" at line {} column {}", e.line(), e.column());
+    match message.strip_suffix(&suffix) {
+        Some(text) => format!("{text} (column {})", e.column()),
+        None => message,
+    }
+}
 
 /// A checked line: its number, step, layer and matrix.
 struct Parsed {
@@ -163,7 +176,7 @@ impl<R: BufRead> TraceReader<R> {
         }
         let parsed: LineIn = serde_json::from_str(&self.buf).map_err(|e| TraceError::Json {
             line,
-            message: e.to_string(),
+            message: without_position(&e),
         })?;
         if parsed.ranks == 0 || parsed.experts == 0 {
             return Err(TraceError::ZeroShape {
@@ -188,18 +201,21 @@ impl<R: BufRead> TraceReader<R> {
                 ranks: parsed.ranks,
             });
         }
-        let mut flat = Vec::with_capacity(parsed.ranks * parsed.experts);
-        for (row, counts) in parsed.load.iter().enumerate() {
-            if counts.len() != parsed.experts {
-                return Err(TraceError::RowLength {
-                    line,
-                    row,
-                    len: counts.len(),
-                    experts: parsed.experts,
-                });
-            }
-            flat.extend_from_slice(counts);
+        if let Some((row, counts)) = parsed
+            .load
+            .iter()
+            .enumerate()
+            .find(|(_, counts)| counts.len() != parsed.experts)
+        {
+            return Err(TraceError::RowLength {
+                line,
+                row,
+                len: counts.len(),
+                experts: parsed.experts,
+            });
         }
+        // Sized from the rows just checked, never from the line's own `ranks x experts`.
+        let flat = parsed.load.concat();
         let load = LoadMatrix::from_flat(parsed.ranks, parsed.experts, flat)
             .map_err(|_| TraceError::TooLarge { line })?;
         Ok(Some(Parsed {
@@ -537,6 +553,23 @@ mod tests {
                 r#"{"step":0,"layer":0,"ranks":0,"experts":3,"load":[]}"#.into(),
                 1,
                 "at least one rank",
+            ),
+            // A misspelt or foreign field is refused, named with its column.
+            (
+                trace(&[
+                    line(0, 0, A),
+                    r#"{"step":1,"layer":0,"ranks":2,"experts":3,"lood":[],"load":[[1,2,3],[4,5,6]]}"#
+                        .into(),
+                ]),
+                2,
+                "not a routing-trace line: unknown field `lood`, expected one of `step`, `layer`, \
+                 `ranks`, `experts`, `load` (column 48)",
+            ),
+            // `experts` is checked against the rows before anything is sized from it.
+            (
+                r#"{"step":0,"layer":0,"ranks":1,"experts":1000000000000000,"load":[[1]]}"#.into(),
+                1,
+                "load row 0 has 1 counts, \"experts\" is 1000000000000000",
             ),
             (
                 trace(&[line(0, 0, A), line(1, 0, &[&[1, 2], &[3, 4]])]),

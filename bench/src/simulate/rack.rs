@@ -9,6 +9,18 @@ use super::SimError;
 use crate::synthetic::MAX_RANKS;
 use serde::{Deserialize, Serialize};
 
+/// Smallest bandwidth, peak or efficiency a rack file may give (in its field's unit).
+/// Together with [`MAX_FIGURE`] this keeps every step time finite: figures like 1e-300 TFLOP/s
+/// or a latency of 1e300 us made the times overflow to infinity (printed `inf`, and `null` in
+/// the JSON report).
+pub const MIN_FIGURE: f64 = 1e-9;
+
+/// Largest bandwidth, peak or latency a rack file may give (in its field's unit).
+pub const MAX_FIGURE: f64 = 1e9;
+
+/// Largest `tokens` of a `gemm_efficiency` point.
+pub const MAX_CURVE_TOKENS: f64 = 1e12;
+
 /// Fraction of the BF16 peak a large grouped GEMM sustains (the flat top of the default curve).
 ///
 /// Assumption, from published kernel figures: DeepGEMM reports up to 1550 of the H800's 1979 dense
@@ -139,13 +151,15 @@ impl Rack {
             ("hbm_tbytes_per_s", self.hbm_tbytes_per_s),
         ];
         for (name, v) in positive {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{name} must be a positive number, got {v}"));
+            if !(MIN_FIGURE..=MAX_FIGURE).contains(&v) {
+                return Err(format!(
+                    "{name} must be a positive number from {MIN_FIGURE:e} to {MAX_FIGURE:e}, got {v:?}"
+                ));
             }
         }
-        if !(self.link_latency_us.is_finite() && self.link_latency_us >= 0.0) {
+        if !(0.0..=MAX_FIGURE).contains(&self.link_latency_us) {
             return Err(format!(
-                "link_latency_us must be a non-negative number, got {}",
+                "link_latency_us must be a non-negative number up to {MAX_FIGURE:e}, got {:?}",
                 self.link_latency_us
             ));
         }
@@ -160,9 +174,10 @@ impl Rack {
         }
         let mut last = 0.0;
         for (i, &[tokens, eff]) in self.gemm_efficiency.iter().enumerate() {
-            if !(tokens.is_finite() && tokens > last) {
+            if !(tokens > last && tokens <= MAX_CURVE_TOKENS) {
                 return Err(format!(
-                    "gemm_efficiency point {i}: tokens must be positive and strictly increasing, got {tokens}"
+                    "gemm_efficiency point {i}: tokens must be positive, strictly increasing and \
+                     at most {MAX_CURVE_TOKENS:e}, got {tokens:?}"
                 ));
             }
             check_fraction(&format!("gemm_efficiency point {i}"), eff)?;
@@ -205,10 +220,12 @@ impl Rack {
 }
 
 fn check_fraction(name: &str, v: f64) -> Result<(), String> {
-    if v.is_finite() && v > 0.0 && v <= 1.0 {
+    if (MIN_FIGURE..=1.0).contains(&v) {
         Ok(())
     } else {
-        Err(format!("{name} must be in (0, 1], got {v}"))
+        Err(format!(
+            "{name} must be in (0, 1] (at least {MIN_FIGURE:e}), got {v:?}"
+        ))
     }
 }
 
@@ -288,6 +305,27 @@ mod tests {
             (
                 r#"{"name": "x", "gpus": 8}"#,
                 "missing field `scale_up_gbytes_per_s`",
+            ),
+            // Finite but absurd figures made every time infinite (`inf`, `null` in JSON).
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1e-300, "hbm_tbytes_per_s": 1}"#,
+                "bf16_tflops must be a positive number from 1e-9 to 1e9, got 1e-300",
+            ),
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1e300, "bf16_tflops": 1, "hbm_tbytes_per_s": 1}"#,
+                "scale_up_gbytes_per_s must be a positive number from 1e-9 to 1e9",
+            ),
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1, "link_latency_us": 1e300}"#,
+                "link_latency_us must be a non-negative number up to 1e9",
+            ),
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1, "attention_efficiency": 1e-300}"#,
+                "attention_efficiency must be in (0, 1] (at least 1e-9)",
+            ),
+            (
+                r#"{"name": "x", "gpus": 8, "scale_up_gbytes_per_s": 1, "bf16_tflops": 1, "hbm_tbytes_per_s": 1, "gemm_efficiency": [[1, 0.5], [1e300, 0.6]]}"#,
+                "at most 1e12",
             ),
         ];
         for (text, want) in cases {
