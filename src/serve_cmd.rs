@@ -55,9 +55,10 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     shutdown_timeout: f64,
-    /// Seconds a client may take to send a request body after its headers (408 after that).
+    /// Seconds a client may take to send a request's head (also how long an idle keep-alive
+    /// connection stays open), and again its body (408 after that).
     #[arg(long, default_value_t = 30.0)]
-    body_read_timeout: f64,
+    read_timeout: f64,
     /// Record every step's per-layer expert load matrices to this file.
     #[arg(long)]
     record_routing: Option<PathBuf>,
@@ -92,9 +93,9 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         bail!("--max-body-bytes must be at least 1");
     }
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
-    let body_read_timeout = seconds("--body-read-timeout", args.body_read_timeout)?;
-    if body_read_timeout.is_zero() {
-        bail!("--body-read-timeout must be more than 0 seconds");
+    let read_timeout = seconds("--read-timeout", args.read_timeout)?;
+    if read_timeout.is_zero() {
+        bail!("--read-timeout must be more than 0 seconds");
     }
     if args.served_model_name.as_deref() == Some("") {
         bail!("--served-model-name must not be empty");
@@ -124,7 +125,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         api_key,
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
-        body_read_timeout,
+        read_timeout,
         shutdown_timeout,
     };
     Ok((engine, server))
@@ -302,7 +303,7 @@ mod tests {
             "k",
             "--shutdown-timeout",
             "2.5",
-            "--body-read-timeout",
+            "--read-timeout",
             "0.25",
         ])
         .unwrap();
@@ -310,7 +311,7 @@ mod tests {
         assert_eq!(engine.ep.balancer.name(), "eplb-history");
         assert_eq!(server.api_key.as_deref(), Some("k"));
         assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
-        assert_eq!(server.body_read_timeout, Duration::from_millis(250));
+        assert_eq!(server.read_timeout, Duration::from_millis(250));
     }
 
     #[test]
@@ -322,8 +323,8 @@ mod tests {
             &["--shutdown-timeout=-1"],
             &["--shutdown-timeout", "1e300"],
             &["--shutdown-timeout", "NaN"],
-            &["--body-read-timeout", "0"],
-            &["--body-read-timeout", "inf"],
+            &["--read-timeout", "0"],
+            &["--read-timeout", "inf"],
             &["--served-model-name", ""],
             &["--data-plane", "tpu"],
             &["--data-plane", "gpu:x"],

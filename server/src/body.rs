@@ -20,7 +20,7 @@ use crate::AppState;
 /// resets the connection, and the client sees a broken pipe instead of the 413.
 const DRAIN_OVERSIZED_UP_TO: u64 = 64 << 20;
 
-/// Buffers the request body (at most `max_body_bytes`, within `body_read_timeout`) and passes
+/// Buffers the request body (at most `max_body_bytes`, within `read_timeout`) and passes
 /// the request on with the buffered body. A body declared too large by its `Content-Length` is
 /// drained (see [`DRAIN_OVERSIZED_UP_TO`], also within the timeout) and answered 413; one that
 /// turns out too large while reading (chunked) is 413 too; one not finished in time is 408.
@@ -30,7 +30,7 @@ pub(crate) async fn read_body(
     next: Next,
 ) -> Response {
     let config = state.config();
-    let (limit, timeout) = (config.max_body_bytes, config.body_read_timeout);
+    let (limit, timeout) = (config.max_body_bytes, config.read_timeout);
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)

@@ -49,12 +49,13 @@ mod body;
 mod chat;
 mod completions;
 mod generate;
+mod listen;
 pub mod metrics;
 mod observe;
 mod token_text;
 mod validation;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -68,7 +69,6 @@ use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
@@ -93,9 +93,11 @@ pub struct ServerConfig {
     pub max_concurrent_requests: usize,
     /// Largest accepted request body; larger ones get 413 (default 4 MiB).
     pub max_body_bytes: usize,
-    /// How long a client may take to send its request body once the headers are in; a body not
-    /// finished by then gets 408 (default 30 s).
-    pub body_read_timeout: Duration,
+    /// How long a client may take to send a request head (request line and headers, counted
+    /// from when the connection waits for one, so it also closes idle keep-alive connections),
+    /// and again its body once the head is in; a body not finished by then gets 408 (default
+    /// 30 s).
+    pub read_timeout: Duration,
     /// How long [`serve`] lets in-flight requests finish after the shutdown signal before
     /// cancelling them (default 30 s).
     pub shutdown_timeout: Duration,
@@ -107,7 +109,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_concurrent_requests: 256,
             max_body_bytes: 4 << 20,
-            body_read_timeout: Duration::from_secs(30),
+            read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
         }
     }
@@ -303,16 +305,12 @@ pub async fn serve(
         drain_state.begin_drain();
         signalled_tx.send_replace(true);
     };
-    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
-    // back until the client acknowledges the previous (tens of milliseconds with delayed ACKs).
-    let listener = listener.tap_io(|tcp| {
-        if let Err(err) = tcp.set_nodelay(true) {
-            tracing::warn!(%err, "cannot set TCP_NODELAY");
-        }
-    });
-    let server = axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(signal)
-        .into_future();
+    let server = listen::serve_until(
+        listener,
+        router(state.clone()),
+        state.config().read_timeout,
+        signal,
+    );
     tokio::pin!(server);
     let timeout = state.config().shutdown_timeout;
     let drain_deadline = async {

@@ -37,7 +37,7 @@ pub enum ApiError {
     /// The body is larger than `--max-body-bytes` (413).
     #[error("the request body exceeds the limit of {0} bytes")]
     PayloadTooLarge(usize),
-    /// The client did not finish sending its body within the server's body read timeout (408);
+    /// The client did not finish sending its body within the server's read timeout (408);
     /// the message names the limit.
     #[error("the request body was not received within {0}")]
     RequestTimeout(String),

@@ -1,6 +1,6 @@
-//! Request bodies are read within a size and a time limit before any handler runs: a client that
-//! declares a body and stops sending gets a 408 (or its 413) when the time is up, and the
-//! server goes on serving everyone else.
+//! Requests are read within a time limit: a client that never finishes its request head is
+//! disconnected, one that declares a body and stops sending gets a 408 (or its 413) when the time
+//! is up, and the server goes on serving everyone else.
 
 mod common;
 
@@ -16,7 +16,7 @@ const TIMEOUT: Duration = Duration::from_millis(600);
 
 fn config() -> ServerConfig {
     ServerConfig {
-        body_read_timeout: TIMEOUT,
+        read_timeout: TIMEOUT,
         max_body_bytes: 64 * 1024,
         ..ServerConfig::default()
     }
@@ -107,5 +107,44 @@ async fn an_oversized_body_that_stalls_still_gets_its_413() {
         .post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 1}))
         .await;
     assert_eq!(status, 200, "{body}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_not_finished_in_time_closes_the_connection() {
+    let server = TestServer::start(config()).await;
+    let addr = server.addr;
+    let closed_after = tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        stream
+            .write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            .unwrap();
+        let sent = Instant::now();
+        let mut buf = [0u8; 1024];
+        // The server answers nothing and closes (0 bytes), or resets the connection.
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        sent.elapsed()
+    });
+    // Others are served meanwhile.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hello", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let took = closed_after.await.unwrap();
+    assert!(
+        took >= TIMEOUT && took < TIMEOUT * 20,
+        "closed after {took:?}"
+    );
     server.shutdown().await.unwrap();
 }
