@@ -77,7 +77,7 @@ impl Sequence {
             arrived: Instant::now(),
             scheduled: None,
             sampler,
-            decoder: tokenizer.decode_stream(true),
+            decoder: tokenizer.decode_stream(params.skip_special_tokens),
             stops: StopMatcher::new(&params.stop),
             stop_ids: stop_ids.into(),
             prompt_logprobs: Vec::new(),
@@ -193,9 +193,19 @@ impl Sequence {
         self.generated.push(token);
         let logprob = self.params.logprobs.is_some().then_some(sampled);
         if self.stop_ids.contains(&token) {
+            // The stop token's own text only with `include_stop_str_in_output` (as vLLM), and
+            // then only what the decoder shows (nothing for a skipped special token), after the
+            // text held back for a possible stop string; otherwise `finish` releases that.
+            let text = if self.params.include_stop_str_in_output {
+                let mut text = self.stops.finish();
+                text.push_str(&self.decoder.step(token).ok().flatten().unwrap_or_default());
+                text
+            } else {
+                String::new()
+            };
             self.send(Event::Token(TokenEvent {
                 token,
-                text: String::new(),
+                text,
                 logprob,
             }));
             // vLLM reports a requested stop token, not end-of-sequence.
@@ -208,7 +218,7 @@ impl Sequence {
             return;
         }
         let delta = self.decoder.step(token).ok().flatten().unwrap_or_default();
-        let outcome = if self.generated.len() <= self.params.min_tokens as usize {
+        let mut outcome = if self.generated.len() <= self.params.min_tokens as usize {
             StopOutcome {
                 text: delta,
                 stop: None,
@@ -216,6 +226,10 @@ impl Sequence {
         } else {
             self.stops.push(&delta)
         };
+        if let Some(stop) = outcome.stop.as_ref().filter(|_| self.params.include_stop_str_in_output)
+        {
+            outcome.text.push_str(stop);
+        }
         self.send(Event::Token(TokenEvent {
             token,
             text: outcome.text,

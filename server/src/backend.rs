@@ -46,9 +46,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Text of `ids` (blocking: CPU work).
     fn detokenize(&self, ids: &[u32]) -> Result<String, String>;
 
-    /// Renders a conversation with the model's chat template, generation prompt appended
-    /// (blocking: CPU work). `Err` when the model has no template or the template refuses.
-    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String>;
+    /// Renders a conversation with the model's chat template as `options` ask (blocking: CPU
+    /// work). `Err` when the model has no template or the template refuses.
+    fn render_chat(&self, messages: &[ChatMessage], options: &ChatRender)
+        -> Result<String, String>;
 
     /// How one token is shown in logprobs (`bytes:\xNN` for partial UTF-8); cheap.
     fn token_text(&self, id: u32) -> String;
@@ -125,12 +126,32 @@ impl Backend for EngineBackend {
         self.tokenizer.decode(ids, false).map_err(|e| e.to_string())
     }
 
-    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+    fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatRender,
+    ) -> Result<String, String> {
         let template = self
             .chat_template
             .as_ref()
             .ok_or_else(|| format!("the model `{}` has no chat template", self.info.name))?;
-        template.render(messages, true).map_err(|e| e.to_string())
+        let text = template
+            .render_with_kwargs(messages, options.add_generation_prompt, &options.kwargs)
+            .map_err(|e| e.to_string())?;
+        if !options.continue_final_message {
+            return Ok(text);
+        }
+        // As vLLM: the prompt ends right after the final message's text, so the model goes on
+        // with that message instead of starting a new one.
+        let last = messages.last().map_or("", |m| m.content.as_str());
+        match text.rfind(last) {
+            Some(at) if !last.is_empty() => Ok(text[..at + last.len()].to_owned()),
+            _ => Err(
+                "continue_final_message: the final message's text is empty or does not \
+                      appear in the rendered prompt"
+                    .into(),
+            ),
+        }
     }
 
     fn token_text(&self, id: u32) -> String {
@@ -143,5 +164,27 @@ impl Backend for EngineBackend {
 
     fn shutdown(&self) {
         self.engine.shutdown();
+    }
+}
+
+/// How a chat is rendered (vLLM's chat request fields).
+#[derive(Debug, Clone)]
+pub struct ChatRender {
+    /// End with the assistant header so the model answers (default true).
+    pub add_generation_prompt: bool,
+    /// End right after the final message's text, so the model continues that message
+    /// (default false; exclusive with `add_generation_prompt`).
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`, e.g. `{"enable_thinking": false}`).
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for ChatRender {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            kwargs: serde_json::Map::new(),
+        }
     }
 }

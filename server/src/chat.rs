@@ -12,12 +12,12 @@ use rackfill_models::ChatMessage;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::completions::{common_params, CommonParams, StreamOptions};
 use crate::generate::{self, finish_reason, stop_reason, usage_json, ChunkFormat, Timing};
 use crate::metrics as m;
+use crate::params::{common_params, CommonParams, StreamOptions};
 use crate::token_text::token_bytes;
 use crate::validation::{self as v, ApiError};
-use crate::{unix_now, AppState};
+use crate::{unix_now, AppState, ChatRender};
 
 /// The fields of an OpenAI chat request rackfill reads (unknown fields are ignored).
 #[derive(Debug, Deserialize)]
@@ -77,8 +77,28 @@ pub struct ChatRequest {
     pub function_call: Option<Value>,
     #[serde(default)]
     pub response_format: Option<Value>,
+    /// vLLM: end the prompt with the assistant header (default true).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM: let the model continue the final message (default false).
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
+    /// vLLM: extra chat template variables.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// vLLM: return the final message's text before the generated text (not supported).
+    #[serde(default)]
+    pub echo: Option<bool>,
+    #[serde(default)]
+    pub include_stop_str_in_output: Option<bool>,
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
     #[serde(default)]
     pub user: Option<String>,
+    /// Fields not named above: ignored, except the vLLM fields rackfill refuses
+    /// ([`crate::params::UNSUPPORTED_FIELDS`]).
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
 }
 
 /// One message as sent.
@@ -87,6 +107,32 @@ pub struct MessageIn {
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+}
+
+/// The rendering fields, checked: `add_generation_prompt` and `continue_final_message` exclude
+/// each other (as in vLLM); `echo` is refused.
+fn render_options(request: &ChatRequest) -> Result<ChatRender, ApiError> {
+    if request.echo == Some(true) {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` is not supported on chat completions; use /v1/completions",
+        ));
+    }
+    let continue_final_message = request.continue_final_message.unwrap_or(false);
+    let add_generation_prompt = request
+        .add_generation_prompt
+        .unwrap_or(!continue_final_message);
+    if add_generation_prompt && continue_final_message {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "`continue_final_message` and `add_generation_prompt` cannot both be true",
+        ));
+    }
+    Ok(ChatRender {
+        add_generation_prompt,
+        continue_final_message,
+        kwargs: request.chat_template_kwargs.clone().unwrap_or_default(),
+    })
 }
 
 fn messages(input: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
@@ -208,6 +254,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
             ))
         }
     }
+    let render = render_options(&request)?;
     let (max_param, max_tokens) = match (request.max_completion_tokens, request.max_tokens) {
         (Some(n), _) => ("max_completion_tokens", Some(n)),
         (None, n) => ("max_tokens", n),
@@ -254,7 +301,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let backend = state.backend().clone();
     let prompt = tokio::task::spawn_blocking(move || {
         let text = backend
-            .render_chat(&chat)
+            .render_chat(&chat, &render)
             .map_err(|e| ApiError::invalid("messages", e))?;
         backend
             .tokenize(&text, false)

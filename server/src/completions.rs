@@ -8,20 +8,19 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use metrics::counter;
-use rackfill_engine::{FinishEvent, GenerateRequest, SamplingParams, TokenEvent, TokenLogprob};
+use rackfill_engine::{FinishEvent, GenerateRequest, TokenEvent, TokenLogprob};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::generate::{self, finish_reason, stop_reason, usage_json, ChunkFormat, Output, Timing};
 use crate::metrics as m;
+use crate::params::{common_params, CommonParams, StreamOptions};
 use crate::token_text::{token_bytes, TextOffsets};
 use crate::validation::{self as v, ApiError};
 use crate::{unix_now, AppState};
 
 /// Most sequences (prompts times `n`) one request may ask for.
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 1024;
-/// Largest `n`.
-pub const MAX_N: i64 = 128;
 
 /// The fields of an OpenAI completion request rackfill reads (unknown fields are ignored).
 #[derive(Debug, Deserialize)]
@@ -72,148 +71,15 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub suffix: Option<String>,
     #[serde(default)]
-    pub user: Option<String>,
-}
-
-/// `stream_options`.
-#[derive(Debug, Default, Deserialize)]
-pub struct StreamOptions {
+    pub include_stop_str_in_output: Option<bool>,
     #[serde(default)]
-    pub include_usage: Option<bool>,
-}
-
-/// Borrows the sampling fields that completion and chat requests share (they have the same
-/// names in both request types) as [`CommonParams`].
-macro_rules! common_params {
-    ($request:expr) => {
-        CommonParams {
-            temperature: $request.temperature,
-            top_p: $request.top_p,
-            top_k: $request.top_k,
-            min_p: $request.min_p,
-            n: $request.n,
-            min_tokens: $request.min_tokens,
-            stop: $request.stop.as_ref(),
-            stop_token_ids: $request.stop_token_ids.as_deref(),
-            seed: $request.seed,
-            ignore_eos: $request.ignore_eos,
-            presence_penalty: $request.presence_penalty,
-            frequency_penalty: $request.frequency_penalty,
-            repetition_penalty: $request.repetition_penalty,
-            logit_bias: $request.logit_bias.as_ref(),
-            stream: $request.stream,
-            stream_options: $request.stream_options.as_ref(),
-        }
-    };
-}
-pub(crate) use common_params;
-
-/// Sampling fields shared by completions and chat, already read from the request.
-pub(crate) struct CommonParams<'a> {
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f64>,
-    pub n: Option<i64>,
-    pub min_tokens: Option<i64>,
-    pub stop: Option<&'a Value>,
-    pub stop_token_ids: Option<&'a [u32]>,
-    pub seed: Option<i64>,
-    pub ignore_eos: Option<bool>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub logit_bias: Option<&'a Map<String, Value>>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<&'a StreamOptions>,
-}
-
-/// What [`CommonParams::resolve`] gives back.
-pub(crate) struct Resolved {
-    pub params: SamplingParams,
-    pub n: usize,
-    pub stream: bool,
-    pub include_usage: bool,
-}
-
-impl CommonParams<'_> {
-    /// Validates the shared fields and fills [`SamplingParams`] (`max_tokens` and logprobs are
-    /// set by the caller, who then checks `min_tokens` against it with
-    /// [`SamplingParams::validate`]); omitted values take `generation_config.json`'s defaults.
-    pub fn resolve(&self, state: &AppState) -> Result<Resolved, ApiError> {
-        let info = state.backend().info();
-        let gen = &info.generation;
-        let n = v::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
-        let min_tokens = v::int_in(
-            "min_tokens",
-            self.min_tokens.unwrap_or(0),
-            0,
-            u32::MAX as i64,
-        )?;
-        let stream = self.stream.unwrap_or(false);
-        if self.stream_options.is_some() && !stream {
-            return Err(ApiError::invalid(
-                "stream_options",
-                "`stream_options` is only allowed when `stream` is true",
-            ));
-        }
-        let include_usage = self
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        let default_temperature = match gen.do_sample {
-            Some(false) => 0.0,
-            _ => gen.temperature.unwrap_or(1.0),
-        };
-        let top_k = v::int_in("top_k", self.top_k.unwrap_or(-1), -1, i64::MAX)?;
-        let top_k = match (self.top_k, top_k) {
-            (None, _) => gen.top_k.unwrap_or(0),
-            (Some(_), -1) => 0,
-            (Some(_), k) => k.min(u32::MAX as i64) as u32,
-        };
-        let params = SamplingParams {
-            temperature: self.temperature.map_or(default_temperature, |t| t as f32),
-            top_p: self.top_p.map_or(gen.top_p.unwrap_or(1.0), positive_f32),
-            top_k,
-            min_p: self.min_p.map_or(gen.min_p.unwrap_or(0.0), |p| p as f32),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
-            repetition_penalty: self
-                .repetition_penalty
-                .map_or(gen.repetition_penalty.unwrap_or(1.0), |p| p as f32),
-            logit_bias: self
-                .logit_bias
-                .map(v::logit_bias)
-                .transpose()?
-                .unwrap_or_default(),
-            seed: self.seed.map(|s| s as u64),
-            max_tokens: 0,
-            min_tokens: min_tokens as u32,
-            stop: v::stop_strings(self.stop)?,
-            stop_token_ids: self.stop_token_ids.map(<[u32]>::to_vec).unwrap_or_default(),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
-            logprobs: None,
-            prompt_logprobs: None,
-        };
-        Ok(Resolved {
-            params,
-            n,
-            stream,
-            include_usage,
-        })
-    }
-}
-
-/// `value` as `f32`, except that a positive value below `f32`'s range becomes its smallest
-/// positive value instead of 0: a tiny `top_p` is valid (it keeps only the most likely token),
-/// and 0 is not.
-fn positive_f32(value: f64) -> f32 {
-    let narrowed = value as f32;
-    if value > 0.0 && narrowed == 0.0 {
-        f32::MIN_POSITIVE
-    } else {
-        narrowed
-    }
+    pub skip_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Fields not named above: ignored, except the vLLM fields rackfill refuses
+    /// ([`crate::params::UNSUPPORTED_FIELDS`]).
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
 }
 
 /// A prompt as given: text, or token ids.

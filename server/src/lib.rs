@@ -52,6 +52,7 @@ mod generate;
 mod listen;
 pub mod metrics;
 mod observe;
+mod params;
 mod token_text;
 mod validation;
 
@@ -77,8 +78,9 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-pub use backend::{Backend, EngineBackend, ModelInfo, ModelMeta};
-pub use completions::{MAX_N, MAX_SEQUENCES_PER_REQUEST};
+pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta};
+pub use completions::MAX_SEQUENCES_PER_REQUEST;
+pub use params::MAX_N;
 pub use validation::ApiError;
 
 /// The request-id header, echoed or generated on every response.

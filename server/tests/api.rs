@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::{json_chunks, read_sse, TestServer};
 use rackfill_engine::{Event, GenerateRequest, SamplingParams};
 use rackfill_models::{ChatMessage, BUILTIN_MODEL_NAME};
-use rackfill_server::ServerConfig;
+use rackfill_server::{ChatRender, ServerConfig};
 use serde_json::{json, Value};
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog";
@@ -364,16 +364,19 @@ async fn chat_template_stop_and_seed() {
     // The template was applied: the prompt is the rendered conversation's tokens.
     let backend = server.state.backend();
     let rendered = backend
-        .render_chat(&[
-            ChatMessage {
-                role: "system".into(),
-                content: "You are terse.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: "Name a colour.".into(),
-            },
-        ])
+        .render_chat(
+            &[
+                ChatMessage {
+                    role: "system".into(),
+                    content: "You are terse.".into(),
+                },
+                ChatMessage {
+                    role: "user".into(),
+                    content: "Name a colour.".into(),
+                },
+            ],
+            &ChatRender::default(),
+        )
         .unwrap();
     assert!(rendered.contains("Name a colour."));
     let prompt = backend.tokenize(&rendered, false).unwrap();

@@ -85,8 +85,14 @@ pub struct SamplingParams {
     /// Tokens to generate at least (vLLM's `min_tokens`, at most `max_tokens`): until then
     /// end-of-sequence and `stop_token_ids` are never drawn and stop strings are not matched.
     pub min_tokens: u32,
-    /// Strings that end generation; the matched string is not returned.
+    /// Strings that end generation; the matched string is returned only with
+    /// `include_stop_str_in_output`.
     pub stop: Vec<String>,
+    /// Return the stop string that ended generation at the end of the text (vLLM's field).
+    pub include_stop_str_in_output: bool,
+    /// Leave special tokens (end-of-turn markers and the like) out of the generated text
+    /// (vLLM's field, default true); their ids and logprobs are reported either way.
+    pub skip_special_tokens: bool,
     /// Token ids that end generation, in addition to EOS.
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS (benchmarks that need a fixed output length).
@@ -113,6 +119,8 @@ impl Default for SamplingParams {
             max_tokens: 16,
             min_tokens: 0,
             stop: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,

@@ -53,6 +53,16 @@ impl TestServer {
         engine: EngineConfig,
     ) -> Self {
         let bundle = ModelBundle::load(None).expect("built-in model");
+        Self::start_bundle(listener, bundle, config, engine)
+    }
+
+    /// Serves `bundle` (a model loaded from a directory, say) on `listener`.
+    pub fn start_bundle(
+        listener: tokio::net::TcpListener,
+        bundle: ModelBundle,
+        config: ServerConfig,
+        engine: EngineConfig,
+    ) -> Self {
         let state = AppState::launch(bundle, engine, config).expect("engine starts");
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();

@@ -1,0 +1,228 @@
+//! The request fields completions and chat share: sampling, stopping, streaming and vLLM's
+//! extensions, read into the engine's [`SamplingParams`] with `generation_config.json`'s
+//! defaults; and the vLLM fields rackfill does not implement, refused by name instead of
+//! silently ignored.
+
+use rackfill_engine::SamplingParams;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::validation::{self as v, ApiError};
+use crate::AppState;
+
+/// Largest `n`.
+pub const MAX_N: i64 = 128;
+
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Borrows the sampling fields that completion and chat requests share (they have the same
+/// names in both request types) as [`CommonParams`].
+macro_rules! common_params {
+    ($request:expr) => {
+        CommonParams {
+            temperature: $request.temperature,
+            top_p: $request.top_p,
+            top_k: $request.top_k,
+            min_p: $request.min_p,
+            n: $request.n,
+            min_tokens: $request.min_tokens,
+            stop: $request.stop.as_ref(),
+            stop_token_ids: $request.stop_token_ids.as_deref(),
+            seed: $request.seed,
+            ignore_eos: $request.ignore_eos,
+            presence_penalty: $request.presence_penalty,
+            frequency_penalty: $request.frequency_penalty,
+            repetition_penalty: $request.repetition_penalty,
+            logit_bias: $request.logit_bias.as_ref(),
+            stream: $request.stream,
+            stream_options: $request.stream_options.as_ref(),
+            include_stop_str_in_output: $request.include_stop_str_in_output,
+            skip_special_tokens: $request.skip_special_tokens,
+            other: &$request.other,
+        }
+    };
+}
+pub(crate) use common_params;
+
+/// Sampling fields shared by completions and chat, already read from the request.
+pub(crate) struct CommonParams<'a> {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub n: Option<i64>,
+    pub min_tokens: Option<i64>,
+    pub stop: Option<&'a Value>,
+    pub stop_token_ids: Option<&'a [u32]>,
+    pub seed: Option<i64>,
+    pub ignore_eos: Option<bool>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<&'a Map<String, Value>>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<&'a StreamOptions>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    /// The request's fields the request type does not name, checked against
+    /// [`UNSUPPORTED_FIELDS`].
+    pub other: &'a Map<String, Value>,
+}
+
+/// What [`CommonParams::resolve`] gives back.
+pub(crate) struct Resolved {
+    pub params: SamplingParams,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl CommonParams<'_> {
+    /// Validates the shared fields and fills [`SamplingParams`] (`max_tokens` and logprobs are
+    /// set by the caller, who then checks `min_tokens` against it with
+    /// [`SamplingParams::validate`]); omitted values take `generation_config.json`'s defaults.
+    pub fn resolve(&self, state: &AppState) -> Result<Resolved, ApiError> {
+        let info = state.backend().info();
+        let gen = &info.generation;
+        refuse_unsupported(self.other)?;
+        let n = v::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
+        let min_tokens = v::int_in(
+            "min_tokens",
+            self.min_tokens.unwrap_or(0),
+            0,
+            u32::MAX as i64,
+        )?;
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "`stream_options` is only allowed when `stream` is true",
+            ));
+        }
+        let include_usage = self
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let default_temperature = match gen.do_sample {
+            Some(false) => 0.0,
+            _ => gen.temperature.unwrap_or(1.0),
+        };
+        let top_k = v::int_in("top_k", self.top_k.unwrap_or(-1), -1, i64::MAX)?;
+        let top_k = match (self.top_k, top_k) {
+            (None, _) => gen.top_k.unwrap_or(0),
+            (Some(_), -1) => 0,
+            (Some(_), k) => k.min(u32::MAX as i64) as u32,
+        };
+        let params = SamplingParams {
+            temperature: self.temperature.map_or(default_temperature, |t| t as f32),
+            top_p: self.top_p.map_or(gen.top_p.unwrap_or(1.0), positive_f32),
+            top_k,
+            min_p: self.min_p.map_or(gen.min_p.unwrap_or(0.0), |p| p as f32),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
+            repetition_penalty: self
+                .repetition_penalty
+                .map_or(gen.repetition_penalty.unwrap_or(1.0), |p| p as f32),
+            logit_bias: self
+                .logit_bias
+                .map(v::logit_bias)
+                .transpose()?
+                .unwrap_or_default(),
+            seed: self.seed.map(|s| s as u64),
+            max_tokens: 0,
+            min_tokens: min_tokens as u32,
+            stop: v::stop_strings(self.stop)?,
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            stop_token_ids: self.stop_token_ids.map(<[u32]>::to_vec).unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs: None,
+            prompt_logprobs: None,
+        };
+        Ok(Resolved {
+            params,
+            n,
+            stream,
+            include_usage,
+        })
+    }
+}
+
+/// `value` as `f32`, except that a positive value below `f32`'s range becomes its smallest
+/// positive value instead of 0: a tiny `top_p` is valid (it keeps only the most likely token),
+/// and 0 is not.
+fn positive_f32(value: f64) -> f32 {
+    let narrowed = value as f32;
+    if value > 0.0 && narrowed == 0.0 {
+        f32::MIN_POSITIVE
+    } else {
+        narrowed
+    }
+}
+
+/// vLLM request fields that change what is generated or returned and that rackfill does not
+/// implement, with what to use instead: a client relying on one gets a 400 naming it, not a
+/// response that silently ignored it. `null` (and `false` for the flags) is accepted as absent.
+pub(crate) const UNSUPPORTED_FIELDS: &[(&str, &str)] = &[
+    (
+        "guided_json",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "guided_regex",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "guided_choice",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "guided_grammar",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "guided_decoding_backend",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "guided_whitespace_pattern",
+        "structured output (guided decoding) is not supported",
+    ),
+    (
+        "structured_outputs",
+        "structured output (guided decoding) is not supported",
+    ),
+    ("use_beam_search", "beam search is not supported"),
+    ("length_penalty", "beam search is not supported"),
+    (
+        "prompt_logprobs",
+        "use `echo: true` with `logprobs` on /v1/completions to score a prompt",
+    ),
+    (
+        "logits_processors",
+        "custom logits processors are not supported",
+    ),
+    (
+        "bad_words",
+        "`bad_words` is not supported; `logit_bias` -100 bans single tokens",
+    ),
+    ("allowed_token_ids", "`allowed_token_ids` is not supported"),
+];
+
+/// 400 for the first field of [`UNSUPPORTED_FIELDS`] that `other` sets.
+fn refuse_unsupported(other: &Map<String, Value>) -> Result<(), ApiError> {
+    for (field, why) in UNSUPPORTED_FIELDS {
+        let set = other
+            .get(*field)
+            .is_some_and(|value| !matches!(value, Value::Null | Value::Bool(false)));
+        if set {
+            return Err(ApiError::invalid(*field, format!("`{field}`: {why}")));
+        }
+    }
+    Ok(())
+}
