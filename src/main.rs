@@ -25,6 +25,7 @@ macro_rules! note {
     };
 }
 
+mod allocator;
 mod balance_cmd;
 mod bench_cmd;
 mod kernels_cmd;
@@ -36,12 +37,6 @@ mod simulate_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-
-/// mimalloc keeps freed pages for reuse: prefill allocates and frees multi-megabyte activation
-/// buffers every layer, and glibc's allocator returned them to the OS, so each layer paid page
-/// faults and kernel zeroing again (a tenth of a 4096-token prefill's profile).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// rackfill: prefill serving engine for MoE models under large expert parallelism.
 #[derive(Debug, Parser)]
@@ -121,6 +116,7 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
 }
 
 fn main() -> ExitCode {
+    allocator::configure();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => return flag_error(err),
