@@ -226,7 +226,10 @@ impl Sequence {
         } else {
             self.stops.push(&delta)
         };
-        if let Some(stop) = outcome.stop.as_ref().filter(|_| self.params.include_stop_str_in_output)
+        if let Some(stop) = outcome
+            .stop
+            .as_ref()
+            .filter(|_| self.params.include_stop_str_in_output)
         {
             outcome.text.push_str(stop);
         }
