@@ -77,9 +77,9 @@ pub struct ServeBenchArgs {
     /// Trace: tokens per hash_ids block (Mooncake traces use 512).
     #[arg(long, default_value_t = dataset::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
-    /// Trace: replay this many times faster than recorded.
-    #[arg(long, default_value_t = 1.0)]
-    pub trace_speedup: f64,
+    /// Trace: replay this many times faster than recorded [default: 1]
+    #[arg(long)]
+    pub trace_speedup: Option<f64>,
     /// Trace: ignore the timestamps and send at --request-rate instead.
     #[arg(long)]
     pub retime: bool,
@@ -137,9 +137,16 @@ pub struct ServeBenchArgs {
     pub request_timeout: f64,
 }
 
+/// Longest `--duration` or `--request-timeout`: about 31 years, far from where adding it to
+/// the clock could overflow.
+const MAX_SECONDS: f64 = 1e9;
+
 fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
     if !(value.is_finite() && value > 0.0) {
         bail!("{flag} must be a positive number of seconds, got {value}");
+    }
+    if value > MAX_SECONDS {
+        bail!("{flag} must be at most {MAX_SECONDS:e} seconds, got {value}");
     }
     Ok(Duration::from_secs_f64(value))
 }
@@ -182,6 +189,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             seed: args.seed,
         },
     };
+    // Raised by the first Ctrl-C of the run (see below).
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let plan = SweepPlan {
         arrivals,
         seed: args.seed,
@@ -192,6 +201,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             duration,
             progress: !args.no_progress,
             label: String::new(),
+            stop: Some(stop_rx),
         },
         report: ReportOptions {
             percentiles: args.percentiles.clone(),
@@ -199,6 +209,25 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         },
     };
     plan.check(&workload)?;
+    // Found out before the run, not after it (which may take hours).
+    let plot_paths = args.plot_prefix.as_deref().map(|prefix| {
+        let format = match args.plot_format {
+            PlotFormatArg::Png => PlotFormat::Png,
+            PlotFormatArg::Svg => PlotFormat::Svg,
+        };
+        (prefix, format)
+    });
+    if let Some(path) = &args.output {
+        if path.is_dir() {
+            bail!("--output {} is a directory", path.display());
+        }
+        existing_parent("--output", path, path)?;
+    }
+    if let Some((prefix, _)) = plot_paths {
+        let mut chart = prefix.as_os_str().to_owned();
+        chart.push("-ttft-cdf");
+        existing_parent("--plot-prefix", prefix, std::path::Path::new(&chart))?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -216,8 +245,25 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             args.endpoint,
             target.model()
         );
+        // From here the first Ctrl-C ends the benchmark early but keeps what it measured:
+        // nothing more is sent, the requests in flight finish, and the runs so far are
+        // reported and written. A second Ctrl-C quits at once.
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_err() {
+                return;
+            }
+            note!(
+                "bench serve: interrupted: sending no more requests, waiting for those in \
+                 flight (Ctrl-C again to quit now)"
+            );
+            let _ = stop.send(true);
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        });
         run_sweep(&target, &workload, &plan).await
     })?;
+    let interrupted = plan.run.stopped();
     for report in &reports {
         out!("{}", format_table(&report.summary));
     }
@@ -243,14 +289,16 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot write {}", path.display()))?;
         note!("wrote {}", path.display());
     }
-    if let Some(prefix) = &args.plot_prefix {
-        let format = match args.plot_format {
-            PlotFormatArg::Png => PlotFormat::Png,
-            PlotFormatArg::Svg => PlotFormat::Svg,
-        };
+    if let Some((prefix, format)) = plot_paths {
         for path in write_plots(prefix, format, &reports)? {
             note!("wrote {}", path.display());
         }
+    }
+    if interrupted {
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        note!("bench serve: interrupted; the results above cover the requests sent before it");
+        std::process::exit(130);
     }
     if reports.iter().all(|r| r.summary.completed == 0) {
         let first = reports
@@ -263,10 +311,36 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses `value` of `flag` when the directory of `file`, a file it names, does not exist.
+fn existing_parent(
+    flag: &str,
+    value: &std::path::Path,
+    file: &std::path::Path,
+) -> anyhow::Result<()> {
+    let parent = match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !parent.is_dir() {
+        bail!(
+            "{flag} {}: the directory {} does not exist",
+            value.display(),
+            parent.display()
+        );
+    }
+    Ok(())
+}
+
 fn arrivals(args: &ServeBenchArgs) -> anyhow::Result<Vec<Arrivals>> {
     let replay = args.dataset == DatasetKind::Trace && !args.retime;
     if args.retime && args.dataset != DatasetKind::Trace {
         bail!("--retime applies to --dataset trace only");
+    }
+    if args.trace_speedup.is_some() && !replay {
+        bail!(
+            "--trace-speedup applies to a trace replayed at its timestamps (--dataset trace \
+             without --retime)"
+        );
     }
     if replay {
         if !args.request_rate.is_empty() || args.burstiness.is_some() {
@@ -275,7 +349,7 @@ fn arrivals(args: &ServeBenchArgs) -> anyhow::Result<Vec<Arrivals>> {
             );
         }
         return Ok(vec![Arrivals::Replay {
-            speedup: args.trace_speedup,
+            speedup: args.trace_speedup.unwrap_or(1.0),
         }]);
     }
     let burstiness = args.burstiness.unwrap_or(1.0);

@@ -568,3 +568,246 @@ async fn the_api_key_is_sent_as_a_bearer_token() {
     );
     server.shutdown().await;
 }
+
+#[test]
+fn plans_with_arrivals_that_cannot_be_scheduled_fail_their_check() {
+    // `check` is what the command runs before connecting: a bad burstiness or speed-up must be
+    // refused there, not after the warm-up request.
+    let workload = random(2, 4, 1);
+    let bursty = plan(vec![Arrivals::Rate {
+        rate: RequestRate::PerSecond(1.0),
+        burstiness: f64::NAN,
+    }]);
+    let err = bursty.check(&workload).unwrap_err();
+    assert!(err.to_string().contains("--burstiness"), "{err}");
+    let untimed = plan(vec![Arrivals::Replay { speedup: 1.0 }]);
+    let err = untimed.check(&workload).unwrap_err();
+    assert!(err.to_string().contains("no timestamp"), "{err}");
+    assert!(plan(burst()).check(&workload).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_order_trace_lines_are_sent_at_their_own_timestamps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.jsonl");
+    std::fs::write(
+        &path,
+        "{\"timestamp\": 5800, \"input_length\": 8, \"output_length\": 1}\n\
+         {\"timestamp\": 5000, \"input_length\": 8, \"output_length\": 1}\n\
+         {\"timestamp\": 5400, \"input_length\": 8, \"output_length\": 1}\n",
+    )
+    .unwrap();
+    let workload = Workload::new(dataset::load_trace(&path, 16, None).unwrap(), "trace");
+    let server = Server::start().await;
+    let target = Target::connect(config(&server.base, "/v1/completions"))
+        .await
+        .unwrap();
+    let report = one(run_sweep(
+        &target,
+        &workload,
+        &plan(vec![Arrivals::Replay { speedup: 1.0 }]),
+    )
+    .await
+    .unwrap());
+    assert_eq!(report.summary.completed, 3);
+    let indices: Vec<usize> = report.run.records.iter().map(|r| r.index).collect();
+    assert_eq!(indices, [0, 1, 2], "records stay in dataset order");
+    for (record, expected_ms) in report.run.records.iter().zip([800u64, 0, 400]) {
+        let expected = Duration::from_millis(expected_ms);
+        assert_eq!(record.scheduled, expected);
+        // Sent at its own time, not held back behind an earlier line with a later timestamp.
+        assert!(
+            record.sent >= expected && record.sent < expected + Duration::from_millis(250),
+            "request {} sent at {:?}, scheduled at {expected:?}",
+            record.index,
+            record.sent
+        );
+    }
+    server.shutdown().await;
+}
+
+/// A one-route HTTP server that answers every request with a 200 `text/event-stream` whose
+/// chunked body is `sse`, then ends the body, or with `hold` leaves it open for a minute.
+async fn canned_sse(sse: &'static str, hold: bool) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                // Read the headers and the body of one request.
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if request.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                            transfer-encoding: chunked\r\n\r\n";
+                let body = format!("{:x}\r\n{sse}\r\n", sse.len());
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(body.as_bytes()).await;
+                if hold {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                } else {
+                    let _ = socket.write_all(b"0\r\n\r\n").await;
+                }
+            });
+        }
+    });
+    base
+}
+
+async fn canned_run(sse: &'static str, hold: bool) -> RateReport {
+    let base = canned_sse(sse, hold).await;
+    let mut config = config(&base, "/v1/completions");
+    config.model = Some("m".into());
+    config.request_timeout = Duration::from_secs(20);
+    let target = Target::connect(config).await.unwrap();
+    let mut plan = plan(burst());
+    plan.warmup = false;
+    one(run_sweep(&target, &random(2, 4, 3), &plan).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_without_a_choice_fail() {
+    // Nothing but [DONE] (or chunks that are not completions): no output was streamed, which
+    // is a failure (vLLM: "never received a valid chunk"), not a completed request.
+    for sse in [
+        "data: [DONE]\n\n",
+        "data: {\"foo\": 1}\n\ndata: {\"foo\": 2}\n\ndata: [DONE]\n\n",
+    ] {
+        let report = canned_run(sse, false).await;
+        assert_eq!((report.summary.completed, report.summary.failed), (0, 2));
+        let message = &report.summary.error_samples[0].message;
+        assert!(message.contains("no chunk with a choice"), "{message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ends_at_done_even_if_the_server_keeps_the_connection_open() {
+    // The request ends at [DONE]; it does not wait for its 20 s timeout and fail.
+    const HELD: &str = "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\n\
+                        data: {\"choices\": [{\"index\": 0, \"text\": \" y\"}]}\n\n\
+                        data: [DONE]\n\n";
+    let started = std::time::Instant::now();
+    let report = canned_run(HELD, true).await;
+    assert_eq!(
+        report.summary.completed, 2,
+        "{:?}",
+        report.summary.error_samples
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        report.summary.e2el.mean < 1000.0,
+        "{}",
+        report.summary.e2el.mean
+    );
+    assert_eq!(report.summary.total_output_tokens, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_limit_beyond_any_semaphore_is_no_limit() {
+    let base = canned_sse(
+        "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\ndata: [DONE]\n\n",
+        false,
+    )
+    .await;
+    let mut config = config(&base, "/v1/completions");
+    config.model = Some("m".into());
+    let target = Target::connect(config).await.unwrap();
+    let mut plan = plan(burst());
+    plan.warmup = false;
+    plan.run.max_concurrency = Some(usize::MAX);
+    let report = one(run_sweep(&target, &random(3, 4, 1), &plan).await.unwrap());
+    assert_eq!(report.summary.completed, 3);
+    assert_eq!(report.summary.max_concurrency, Some(usize::MAX));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn null_choices_are_empty_and_misshapen_chunks_are_named() {
+    // `"choices": null` in a usage chunk is an empty list, not a failure.
+    const NULL_CHOICES: &str = "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\n\
+         data: {\"choices\": null, \"usage\": {\"prompt_tokens\": 4, \"completion_tokens\": 1}}\n\n\
+         data: [DONE]\n\n";
+    let report = canned_run(NULL_CHOICES, false).await;
+    assert_eq!(
+        report.summary.completed, 2,
+        "{:?}",
+        report.summary.error_samples
+    );
+    assert_eq!(report.summary.total_output_tokens, 2);
+
+    // JSON of the wrong shape is named as such, not as "not JSON".
+    let report = canned_run("data: {\"choices\": 3}\n\ndata: [DONE]\n\n", false).await;
+    assert_eq!(report.summary.failed, 2);
+    let message = &report.summary.error_samples[0].message;
+    assert!(
+        message.starts_with("stream event is not an OpenAI completion chunk"),
+        "{message}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raised_stop_ends_the_sweep_and_keeps_what_ran() {
+    let base = canned_sse(
+        "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\ndata: [DONE]\n\n",
+        false,
+    )
+    .await;
+    let mut config = config(&base, "/v1/completions");
+    config.model = Some("m".into());
+    let target = Target::connect(config).await.unwrap();
+    let rate = |r: f64| Arrivals::Rate {
+        rate: RequestRate::PerSecond(r),
+        burstiness: 1.0,
+    };
+    let mut plan = plan(vec![rate(20.0), rate(40.0)]);
+    plan.warmup = false;
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    plan.run.stop = Some(stop_rx);
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.send(true).unwrap();
+    });
+    let started = std::time::Instant::now();
+    let reports = run_sweep(&target, &random(200, 4, 1), &plan).await.unwrap();
+    // 200 requests at 20/s take 10 s: the stop ends the first rate, and the second never runs.
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let report = one(reports);
+    let sent = report.summary.num_prompts;
+    assert!((1..40).contains(&sent), "{sent}");
+    assert_eq!(report.summary.completed, sent);
+    assert!(report
+        .run
+        .records
+        .iter()
+        .all(|r| r.scheduled < Duration::from_millis(800)));
+}

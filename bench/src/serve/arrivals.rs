@@ -80,7 +80,7 @@ pub enum ArrivalError {
     NoTimestamp(usize),
     /// A send time too late to represent (a rate or speed-up far too small).
     #[error(
-        "request {request} would be sent {seconds:e} s after the first: too late to schedule \
+        "request {request} would be sent {seconds:e} s after the run starts: too late to schedule \
          (the rate or speed-up is too small)"
     )]
     TooLate { request: usize, seconds: f64 },
@@ -91,8 +91,9 @@ fn offset(request: usize, seconds: f64) -> Result<Duration, ArrivalError> {
     Duration::try_from_secs_f64(seconds).map_err(|_| ArrivalError::TooLate { request, seconds })
 }
 
-/// Send offsets from the start of the run, one per request, non-decreasing; deterministic in
-/// `seed`. The first request of a rate-driven run goes at zero.
+/// Send offsets from the start of the run, one per request; deterministic in `seed`. A
+/// rate-driven run's offsets are non-decreasing and its first request goes at zero; a replay's
+/// follow the trace's timestamps, which may be out of order (the earliest goes at zero).
 pub fn schedule(
     arrivals: Arrivals,
     requests: &[RequestSpec],

@@ -3,14 +3,20 @@
 //!
 //! Timing follows vLLM's benchmark client: the clock starts just before the request is sent;
 //! TTFT is the arrival of the first chunk that carries output text; every later chunk with text
-//! adds one inter-token latency; the end-to-end latency ends when the stream does. A request
-//! fails (and is counted, never fatal) on a transport error, a non-200 status, a body that is
-//! not an SSE stream, an `{"error": ...}` event, an event that is not JSON, or a stream that
-//! ends without `[DONE]`.
+//! adds one inter-token latency; the end-to-end latency ends at `[DONE]`. A request fails (and
+//! is counted, never fatal) on a transport error, a non-200 status, a body that is not an SSE
+//! stream, an `{"error": ...}` event, an event that is not a JSON completion chunk, a stream
+//! without any chunk that has a choice (vLLM's "never received a valid chunk"), or a stream
+//! that ends without `[DONE]`. Nothing after `[DONE]` is waited for beyond a short grace, so a
+//! server that keeps the connection open after it cannot hold a request until its timeout.
 
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
+
+/// How long the rest of a response body is read after `[DONE]` (normally just the end of the
+/// chunked body, so the connection goes back to the pool) before the connection is dropped.
+const AFTER_DONE_GRACE: Duration = Duration::from_millis(500);
 
 /// Which OpenAI API an endpoint speaks, from its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,10 +178,14 @@ impl OpenAiClient {
             Ok(response) => read_stream(response, start, &mut outcome).await,
             Err(e) => Err(error_chain(&e)),
         };
-        outcome.e2el = start.elapsed();
-        if let Err(message) = result {
-            outcome.error = Some(message);
-        } else if outcome.ttft.is_none() {
+        match result {
+            Ok(done_at) => outcome.e2el = done_at - start,
+            Err(message) => {
+                outcome.e2el = start.elapsed();
+                outcome.error = Some(message);
+            }
+        }
+        if outcome.error.is_none() && outcome.ttft.is_none() {
             // A stream that finished without any text (every token decoded to nothing):
             // its first output is its end.
             outcome.ttft = Some(outcome.e2el);
@@ -191,7 +201,7 @@ pub struct Outcome {
     pub ttft: Option<Duration>,
     /// Gaps between consecutive chunks with output text.
     pub itls: Vec<Duration>,
-    /// Send to the end of the stream (or to the failure).
+    /// Send to `[DONE]`, the end of the stream (or to the failure).
     pub e2el: Duration,
     /// `usage.prompt_tokens` of the final chunk, when the server sent usage.
     pub prompt_tokens: Option<usize>,
@@ -205,12 +215,17 @@ pub struct Outcome {
 
 #[derive(Deserialize)]
 struct Chunk {
-    #[serde(default)]
+    /// `null` is taken as empty, as some servers send it in their usage chunk.
+    #[serde(default, deserialize_with = "null_as_empty")]
     choices: Vec<ChoiceChunk>,
     #[serde(default)]
     usage: Option<Usage>,
     #[serde(default)]
     error: Option<serde_json::Value>,
+}
+
+fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ChoiceChunk>, D::Error> {
+    Ok(Option::<Vec<ChoiceChunk>>::deserialize(d)?.unwrap_or_default())
 }
 
 #[derive(Deserialize)]
@@ -237,11 +252,12 @@ struct Usage {
     completion_tokens: Option<usize>,
 }
 
+/// Reads a streamed response into `outcome`; returns when `[DONE]` arrived.
 async fn read_stream(
     mut response: reqwest::Response,
     start: Instant,
     outcome: &mut Outcome,
-) -> Result<(), String> {
+) -> Result<Instant, String> {
     let status = response.status();
     if !status.is_success() {
         let body = response.bytes().await.unwrap_or_default();
@@ -266,25 +282,31 @@ async fn read_stream(
     }
     let mut parser = SseParser::default();
     let mut last_text: Option<Instant> = None;
-    let mut done = false;
-    while let Some(bytes) = response.chunk().await.map_err(|e| error_chain(&e))? {
+    let mut done_at: Option<Instant> = None;
+    let mut choice_chunks = 0usize;
+    'read: while let Some(bytes) = response.chunk().await.map_err(|e| error_chain(&e))? {
         let now = Instant::now();
         for data in parser.feed(&bytes) {
-            if done {
-                continue;
-            }
             if data == "[DONE]" {
-                done = true;
-                continue;
+                done_at = Some(now);
+                break 'read;
             }
             let chunk: Chunk = serde_json::from_str(&data).map_err(|e| {
+                let what = if e.is_data() {
+                    "an OpenAI completion chunk"
+                } else {
+                    "JSON"
+                };
                 format!(
-                    "stream event is not JSON ({e}): {}",
+                    "stream event is not {what} ({e}): {}",
                     snippet(data.as_bytes())
                 )
             })?;
             if let Some(error) = chunk.error {
                 return Err(format!("error event: {}", error_field(&error)));
+            }
+            if !chunk.choices.is_empty() {
+                choice_chunks += 1;
             }
             if let Some(usage) = chunk.usage {
                 outcome.prompt_tokens = usage.prompt_tokens.or(outcome.prompt_tokens);
@@ -310,11 +332,19 @@ async fn read_stream(
             }
         }
     }
-    if done {
-        Ok(())
-    } else {
-        Err("the stream ended without [DONE]".into())
+    let Some(done_at) = done_at else {
+        return Err("the stream ended without [DONE]".into());
+    };
+    if choice_chunks == 0 {
+        return Err("the stream had no chunk with a choice (no completion was streamed)".into());
     }
+    // The end of the body normally follows at once; a server that holds the connection open
+    // after [DONE] loses it instead of holding the request until its timeout.
+    let _ = tokio::time::timeout(AFTER_DONE_GRACE, async {
+        while let Ok(Some(_)) = response.chunk().await {}
+    })
+    .await;
+    Ok(done_at)
 }
 
 /// Incremental `text/event-stream` parser: feed bytes, get the `data` of complete events.

@@ -119,7 +119,9 @@ impl SweepPlan {
     }
 
     /// Refuses plans that cannot run (empty workload, zero concurrency or duration, percentiles
-    /// outside (0, 100]); [`run_sweep`] checks too, callers may check before connecting.
+    /// outside (0, 100], arrivals that cannot be scheduled: a bad burstiness or speed-up, a
+    /// replay of requests without timestamps); [`run_sweep`] checks too, callers may check
+    /// before connecting.
     pub fn check(&self, workload: &Workload) -> Result<(), ServeBenchError> {
         let bad = |message: String| Err(ServeBenchError::Config(message));
         if workload.requests.is_empty() {
@@ -142,6 +144,9 @@ impl SweepPlan {
         {
             return bad(format!("percentiles must be in (0, 100], got {p}"));
         }
+        for &arrivals in &self.arrivals {
+            arrivals::schedule(arrivals, &workload.requests, self.seed)?;
+        }
         Ok(())
     }
 }
@@ -154,7 +159,8 @@ pub struct RateReport {
 }
 
 /// Runs `plan` against `target`: warm-up, then every arrival process in turn (each waits for
-/// the previous run's last response).
+/// the previous run's last response). Once `plan.run.stop` is raised the run in progress
+/// sends nothing more and no later run starts; what ran is returned.
 pub async fn run_sweep(
     target: &Target,
     workload: &Workload,
@@ -188,6 +194,9 @@ pub async fn run_sweep(
         };
         let summary = Summary::new(&run, &meta, &plan.report);
         reports.push(RateReport { summary, run });
+        if plan.run.stopped() {
+            break;
+        }
     }
     Ok(reports)
 }

@@ -52,7 +52,7 @@ fn ttft_versus_rps(reports: &[RateReport]) -> Chart {
     for r in reports {
         let s = &r.summary;
         mean.push((s.request_throughput, s.ttft.mean));
-        if let Some(&(_, v)) = s.ttft.percentiles.last() {
+        if let Some((_, v)) = s.ttft.highest() {
             top.push((s.request_throughput, v));
         }
     }
@@ -67,8 +67,8 @@ fn ttft_versus_rps(reports: &[RateReport]) -> Chart {
     }];
     let top_label = reports
         .first()
-        .and_then(|r| r.summary.ttft.percentiles.last())
-        .map(|&(p, _)| format!("p{} TTFT", percentile_label(p)));
+        .and_then(|r| r.summary.ttft.highest())
+        .map(|(p, _)| format!("p{} TTFT", percentile_label(p)));
     if let Some(label) = top_label {
         series.push(Series { label, points: top });
     }

@@ -270,6 +270,14 @@ pub fn percentile_label(p: f64) -> String {
 }
 
 impl LatencyStats {
+    /// The highest percentile asked for and its value (whatever order they were asked in).
+    pub fn highest(&self) -> Option<(f64, f64)> {
+        self.percentiles
+            .iter()
+            .copied()
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+    }
+
     /// Statistics of `values` (milliseconds).
     pub fn of(values: &[f64], percentiles: &[f64]) -> Self {
         let mut sorted = values.to_vec();
@@ -434,11 +442,11 @@ pub fn format_table(s: &Summary) -> String {
 
 /// One line per rate, for sweeps.
 pub fn format_sweep(summaries: &[Summary]) -> String {
-    let top = |s: &LatencyStats| s.percentiles.last().map_or(f64::NAN, |&(_, v)| v);
+    let top = |s: &LatencyStats| s.highest().map_or(f64::NAN, |(_, v)| v);
     let top_label = summaries
         .first()
-        .and_then(|s| s.ttft.percentiles.last())
-        .map_or("max".to_string(), |&(p, _)| {
+        .and_then(|s| s.ttft.highest())
+        .map_or("max".to_string(), |(p, _)| {
             format!("p{}", percentile_label(p))
         });
     let mut out = format!(
@@ -490,6 +498,40 @@ mod tests {
         assert_eq!((s.mean, s.median, s.std), (3.0, 3.0, 1.0));
         assert_eq!(percentile_label(99.9), "99.9");
         assert_eq!(percentile_label(90.0), "90");
+        // The highest percentile, not the last one asked for.
+        let s = LatencyStats::of(&[1.0, 2.0, 3.0], &[99.0, 50.0]);
+        assert_eq!(s.highest().map(|(p, _)| p), Some(99.0));
+    }
+
+    #[test]
+    fn the_sweep_shows_the_highest_percentile_asked_for() {
+        let meta = RunMeta {
+            backend: "openai".into(),
+            base_url: "http://x".into(),
+            endpoint: "/v1/completions".into(),
+            model_id: "m".into(),
+            tokenizer_id: None,
+            dataset: "random".into(),
+            arrivals: Arrivals::Rate {
+                rate: RequestRate::Infinite,
+                burstiness: 1.0,
+            },
+            max_concurrency: None,
+        };
+        let options = ReportOptions {
+            percentiles: vec![99.0, 50.0],
+            detailed: false,
+        };
+        let run = RunResult {
+            records: vec![record(0, 0, 100, &[], None), record(1, 0, 300, &[], None)],
+            duration: Duration::from_secs(1),
+        };
+        let s = Summary::new(&run, &meta, &options);
+        let sweep = format_sweep(&[s]);
+        let header = sweep.lines().next().unwrap();
+        assert!(header.contains("p99 TTFT"), "{sweep}");
+        // p99 of 100 and 300 ms, not the median (200).
+        assert!(sweep.lines().nth(1).unwrap().contains("298.00"), "{sweep}");
     }
 
     fn record(

@@ -227,6 +227,31 @@ pub struct RunOptions {
     pub progress: bool,
     /// Shown before the progress bar.
     pub label: String,
+    /// Once it reads `true` (an interrupt), nothing more is sent; requests in flight finish
+    /// and count, as at the end of `duration`.
+    pub stop: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl RunOptions {
+    /// Whether `stop` has been raised.
+    pub fn stopped(&self) -> bool {
+        self.stop.as_ref().is_some_and(|stop| *stop.borrow())
+    }
+}
+
+/// Resolves once `stop` reads `true`; never when there is no `stop` or its sender is gone.
+async fn raised(stop: Option<tokio::sync::watch::Receiver<bool>>) {
+    if let Some(mut stop) = stop {
+        while !*stop.borrow_and_update() {
+            if stop.changed().await.is_err() {
+                break;
+            }
+        }
+        if *stop.borrow() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await
 }
 
 /// One sent request.
@@ -254,7 +279,9 @@ pub struct RunResult {
 }
 
 /// Sends `requests[i]` at `offsets[i]` from now (requests past the end of `offsets` are not
-/// sent) and waits for every response.
+/// sent) and waits for every response. Requests are sent in the order of their offsets, which
+/// need not follow the dataset's (a trace's lines may be out of timestamp order); the records
+/// come back in dataset order.
 pub async fn run(
     target: &Target,
     requests: &Arc<[RequestSpec]>,
@@ -264,33 +291,43 @@ pub async fn run(
     let count = offsets.len().min(requests.len());
     let progress = progress_bar(count, options);
     let target = Arc::new(target.clone());
+    // More slots than requests is no limit; the semaphore cannot hold more than
+    // `Semaphore::MAX_PERMITS`.
     let slots = options
         .max_concurrency
-        .map(|n| Arc::new(Semaphore::new(n.max(1))));
+        .map(|n| Arc::new(Semaphore::new(n.clamp(1, count.max(1)))));
     let start = Instant::now();
     let deadline = options.duration.map(|d| start + d);
+    // Ties keep dataset order (a stable sort), so `inf` rates send in dataset order.
+    let mut order: Vec<usize> = (0..count).collect();
+    order.sort_by_key(|&i| offsets[i]);
     let mut tasks = Vec::with_capacity(count);
-    for (index, &offset) in offsets.iter().enumerate().take(count) {
+    for index in order {
+        let offset = offsets[index];
         let scheduled_at = start + offset;
-        if deadline.is_some_and(|d| scheduled_at >= d) {
+        if deadline.is_some_and(|d| scheduled_at >= d) || options.stopped() {
             break;
         }
         // The timer has millisecond resolution and rounds up; a request already due goes now.
         if scheduled_at > Instant::now() {
-            tokio::time::sleep_until(scheduled_at.into()).await;
+            tokio::select! {
+                () = tokio::time::sleep_until(scheduled_at.into()) => {}
+                () = raised(options.stop.clone()) => break,
+            }
         }
-        let (target, requests, slots, progress) = (
+        let (target, requests, slots, progress, options) = (
             target.clone(),
             requests.clone(),
             slots.clone(),
             progress.clone(),
+            options.clone(),
         );
         tasks.push(tokio::spawn(async move {
             let _slot = match slots {
                 Some(slots) => Some(slots.acquire_owned().await.ok()?),
                 None => None,
             };
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.is_some_and(|d| Instant::now() >= d) || options.stopped() {
                 return None;
             }
             let spec = &requests[index];
@@ -315,6 +352,7 @@ pub async fn run(
             records.push(record);
         }
     }
+    records.sort_by_key(|r| r.index);
     let duration = start.elapsed();
     progress.finish_and_clear();
     RunResult { records, duration }

@@ -54,6 +54,13 @@ pub fn parse_sharegpt(
         path: origin.to_string(),
         message,
     };
+    if params.output_len == Some(0) {
+        return Err(DatasetError::Invalid(
+            "--sharegpt-output-len must be at least 1".into(),
+        ));
+    }
+    // A byte-order mark, as some editors and Windows tools write, is not part of the JSON.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let entries: Vec<ShareGptEntry> = serde_json::from_str(text)
         .map_err(|e| file_error(format!("not a ShareGPT JSON list of conversations: {e}")))?;
     let mut pairs: Vec<(String, String)> = entries
@@ -239,6 +246,13 @@ mod tests {
             assert!(err.starts_with("s.json: "), "{err}");
             assert!(err.contains(expected), "{text}: {err}");
         }
+        let ok = "[{\"conversations\": [{\"from\": \"human\", \"value\": \"hello there you\"}, \
+                  {\"from\": \"gpt\", \"value\": \"hello there you\"}]}]";
+        assert_eq!(sharegpt(ok, Some(1)).unwrap().len(), 1);
+        let bom = format!("\u{feff}{ok}");
+        assert_eq!(sharegpt(&bom, Some(1)).unwrap().len(), 1);
+        let err = sharegpt(ok, Some(0)).unwrap_err().to_string();
+        assert_eq!(err, "--sharegpt-output-len must be at least 1");
         let missing = load_sharegpt(
             Path::new("/no/such/file.json"),
             ShareGptParams {

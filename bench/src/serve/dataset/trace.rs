@@ -44,11 +44,17 @@ pub fn parse_trace(
             message,
         };
         let line = line.map_err(|e| at(format!("cannot read: {e}")))?;
+        // A byte-order mark, as some editors and Windows tools write, is not part of the JSON.
+        let line = if i == 0 {
+            line.strip_prefix('\u{feff}').unwrap_or(&line)
+        } else {
+            &line
+        };
         if line.trim().is_empty() {
             continue;
         }
         let entry: serde_json::Value =
-            serde_json::from_str(&line).map_err(|e| at(format!("not JSON: {e}")))?;
+            serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
         let field = |name: &str| {
             entry
                 .get(name)
@@ -138,6 +144,9 @@ mod tests {
         );
         assert_eq!((specs[1].input_len, specs[1].output_len), (3, 1));
         assert_eq!(specs[1].timestamp_ms, Some(12.5));
+        let bom = trace("\u{feff}{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}\n")
+            .unwrap();
+        assert_eq!(bom.len(), 1);
         let limited = parse_trace(
             "{\"timestamp\":0,\"input_length\":1,\"output_length\":1}\n"
                 .repeat(5)
