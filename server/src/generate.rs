@@ -250,7 +250,8 @@ fn sse_json(value: &Value) -> SseEvent {
 /// that is not reading; [`crate::serve`] gives aborted requests two seconds to close.
 const ABORTED_STREAM_GRACE: Duration = Duration::from_secs(1);
 
-/// What became of one event handed to the response body.
+/// What became of events handed to the response body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Delivery {
     /// Queued for the client.
     Queued,
@@ -278,6 +279,31 @@ async fn send(
     }
 }
 
+/// Sends `chunks` in order until one is not queued: a client gone, or an abort, which is
+/// recorded in `failure` (the stream then ends with its error event). Either counts the request
+/// as aborted.
+async fn deliver(
+    tx: &mpsc::Sender<SseEvent>,
+    abort: &watch::Receiver<bool>,
+    chunks: &[Value],
+    timing: &Timing,
+    failure: &mut Option<ApiError>,
+) -> Delivery {
+    for chunk in chunks {
+        match send(tx, abort, sse_json(chunk)).await {
+            Delivery::Queued => {}
+            stopped => {
+                timing.failed("abort");
+                if stopped == Delivery::Aborted {
+                    *failure = Some(shutting_down());
+                }
+                return stopped;
+            }
+        }
+    }
+    Delivery::Queued
+}
+
 /// Streams `seqs` as SSE (`data: {chunk}` ... `data: [DONE]`). A task reads the engine and
 /// writes chunks into a small channel the response body drains; when the client goes away the
 /// channel closes, the task ends and drops the sequences, which cancels them in the engine.
@@ -303,19 +329,8 @@ pub(crate) fn stream_response<F: ChunkFormat>(
             started.extend(format.start(seq.index));
         }
         let mut failure = None;
-        for chunk in &started {
-            match send(&tx, &abort, sse_json(chunk)).await {
-                Delivery::Queued => {}
-                Delivery::ClientGone => {
-                    timing.failed("abort");
-                    return;
-                }
-                Delivery::Aborted => {
-                    timing.failed("abort");
-                    failure = Some(shutting_down());
-                    break;
-                }
-            }
+        if deliver(&tx, &abort, &started, &timing, &mut failure).await == Delivery::ClientGone {
+            return;
         }
         let mut merged = stream::select_all(seqs.into_iter().map(|seq| {
             stream::unfold(Some(seq), |state| async move {
@@ -329,7 +344,7 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         }));
         let mut finished = HashSet::new();
         let mut completion_tokens = 0;
-        'events: while failure.is_none() && finished.len() < total {
+        while failure.is_none() && finished.len() < total {
             let item = tokio::select! {
                 biased;
                 () = tx.closed() => {
@@ -378,19 +393,9 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                     break;
                 }
             };
-            for chunk in &chunks {
-                match send(&tx, &abort, sse_json(chunk)).await {
-                    Delivery::Queued => {}
-                    Delivery::ClientGone => {
-                        timing.failed("abort");
-                        return;
-                    }
-                    Delivery::Aborted => {
-                        timing.failed("abort");
-                        failure = Some(shutting_down());
-                        break 'events;
-                    }
-                }
+            // An abort sets `failure`, which ends the loop.
+            if deliver(&tx, &abort, &chunks, &timing, &mut failure).await == Delivery::ClientGone {
+                return;
             }
         }
         // The remaining sequences (on failure) are cancelled here, before the last events.

@@ -503,9 +503,9 @@ mod tests {
         assert_eq!(s.highest().map(|(p, _)| p), Some(99.0));
     }
 
-    #[test]
-    fn the_sweep_shows_the_highest_percentile_asked_for() {
-        let meta = RunMeta {
+    /// A random-dataset run at an infinite rate against a stand-in URL.
+    fn meta(max_concurrency: Option<usize>) -> RunMeta {
+        RunMeta {
             backend: "openai".into(),
             base_url: "http://x".into(),
             endpoint: "/v1/completions".into(),
@@ -516,8 +516,13 @@ mod tests {
                 rate: RequestRate::Infinite,
                 burstiness: 1.0,
             },
-            max_concurrency: None,
-        };
+            max_concurrency,
+        }
+    }
+
+    #[test]
+    fn the_sweep_shows_the_highest_percentile_asked_for() {
+        let meta = meta(None);
         let options = ReportOptions {
             percentiles: vec![99.0, 50.0],
             detailed: false,
@@ -572,19 +577,7 @@ mod tests {
             ],
             duration: Duration::from_secs(2),
         };
-        let meta = RunMeta {
-            backend: "openai".into(),
-            base_url: "http://x".into(),
-            endpoint: "/v1/completions".into(),
-            model_id: "m".into(),
-            tokenizer_id: None,
-            dataset: "random".into(),
-            arrivals: Arrivals::Rate {
-                rate: RequestRate::Infinite,
-                burstiness: 1.0,
-            },
-            max_concurrency: Some(2),
-        };
+        let meta = meta(Some(2));
         let options = ReportOptions {
             percentiles: vec![50.0, 99.0],
             detailed: true,
