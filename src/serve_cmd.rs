@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// connection stays open), and again its body (408 after that).
     #[arg(long, default_value_t = 30.0)]
     read_timeout: f64,
+    /// Seconds a streamed response may wait for a client that stopped reading before the
+    /// request is cancelled.
+    #[arg(long, default_value_t = 60.0)]
+    write_timeout: f64,
     /// Record every step's per-layer expert load matrices to this file.
     #[arg(long)]
     record_routing: Option<PathBuf>,
@@ -94,8 +98,9 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     }
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
     let read_timeout = seconds("--read-timeout", args.read_timeout)?;
-    if read_timeout.is_zero() {
-        bail!("--read-timeout must be more than 0 seconds");
+    let write_timeout = seconds("--write-timeout", args.write_timeout)?;
+    if read_timeout.is_zero() || write_timeout.is_zero() {
+        bail!("--read-timeout and --write-timeout must be more than 0 seconds");
     }
     if args.served_model_name.as_deref() == Some("") {
         bail!("--served-model-name must not be empty");
@@ -126,6 +131,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
         read_timeout,
+        write_timeout,
         shutdown_timeout,
     };
     Ok((engine, server))
@@ -312,6 +318,7 @@ mod tests {
         assert_eq!(server.api_key.as_deref(), Some("k"));
         assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
         assert_eq!(server.read_timeout, Duration::from_millis(250));
+        assert_eq!(server.write_timeout, Duration::from_secs(60));
     }
 
     #[test]
@@ -325,6 +332,8 @@ mod tests {
             &["--shutdown-timeout", "NaN"],
             &["--read-timeout", "0"],
             &["--read-timeout", "inf"],
+            &["--write-timeout", "0"],
+            &["--write-timeout=-3"],
             &["--served-model-name", ""],
             &["--data-plane", "tpu"],
             &["--data-plane", "gpu:x"],

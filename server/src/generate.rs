@@ -261,47 +261,59 @@ enum Delivery {
     Aborted,
 }
 
-/// Sends `event` to the response body, waiting while the client reads slowly, but not past an
-/// abort: a client that stopped reading must not keep its sequences (and the engine's
-/// shutdown) alive.
-async fn send(
-    tx: &mpsc::Sender<SseEvent>,
-    abort: &watch::Receiver<bool>,
-    event: SseEvent,
-) -> Delivery {
-    tokio::select! {
-        biased;
-        sent = tx.send(event) => match sent {
-            Ok(()) => Delivery::Queued,
-            Err(_) => Delivery::ClientGone,
-        },
-        () = aborted(abort.clone()) => Delivery::Aborted,
-    }
+/// A stream task's way to its response body: the channel the body drains, the server's abort
+/// signal, and how long an event may wait for a client that does not read.
+struct Outbox {
+    tx: mpsc::Sender<SseEvent>,
+    abort: watch::Receiver<bool>,
+    write_timeout: Duration,
 }
 
-/// Sends `chunks` in order until one is not queued: a client gone, or an abort, which is
-/// recorded in `failure` (the stream then ends with its error event). Either counts the request
-/// as aborted.
-async fn deliver(
-    tx: &mpsc::Sender<SseEvent>,
-    abort: &watch::Receiver<bool>,
-    chunks: &[Value],
-    timing: &Timing,
-    failure: &mut Option<ApiError>,
-) -> Delivery {
-    for chunk in chunks {
-        match send(tx, abort, sse_json(chunk)).await {
-            Delivery::Queued => {}
-            stopped => {
-                timing.failed("abort");
-                if stopped == Delivery::Aborted {
-                    *failure = Some(shutting_down());
+impl Outbox {
+    /// Sends `event` to the response body, waiting while the client reads slowly, but not past
+    /// an abort or `write_timeout` without room: a client that stopped reading must not keep
+    /// its sequences, its admission permit (and the engine's shutdown) alive.
+    async fn send(&self, event: SseEvent) -> Delivery {
+        tokio::select! {
+            biased;
+            sent = tokio::time::timeout(self.write_timeout, self.tx.send(event)) => match sent {
+                Ok(Ok(())) => Delivery::Queued,
+                Ok(Err(_)) => Delivery::ClientGone,
+                Err(_) => {
+                    tracing::info!(
+                        timeout_s = self.write_timeout.as_secs_f64(),
+                        "client stopped reading the stream; request cancelled"
+                    );
+                    Delivery::ClientGone
                 }
-                return stopped;
-            }
+            },
+            () = aborted(self.abort.clone()) => Delivery::Aborted,
         }
     }
-    Delivery::Queued
+
+    /// Sends `chunks` in order until one is not queued: a client gone (or not reading), or an
+    /// abort, which is recorded in `failure` (the stream then ends with its error event).
+    /// Either counts the request as aborted.
+    async fn deliver(
+        &self,
+        chunks: &[Value],
+        timing: &Timing,
+        failure: &mut Option<ApiError>,
+    ) -> Delivery {
+        for chunk in chunks {
+            match self.send(sse_json(chunk)).await {
+                Delivery::Queued => {}
+                stopped => {
+                    timing.failed("abort");
+                    if stopped == Delivery::Aborted {
+                        *failure = Some(shutting_down());
+                    }
+                    return stopped;
+                }
+            }
+        }
+        Delivery::Queued
+    }
 }
 
 /// Streams `seqs` as SSE (`data: {chunk}` ... `data: [DONE]`). A task reads the engine and
@@ -320,7 +332,11 @@ pub(crate) fn stream_response<F: ChunkFormat>(
     mut timing: Timing,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<SseEvent>(64);
-    let abort = state.abort_receiver();
+    let outbox = Outbox {
+        tx,
+        abort: state.abort_receiver(),
+        write_timeout: state.config().write_timeout,
+    };
     let task = async move {
         let _permit = permit;
         let total = seqs.len();
@@ -329,7 +345,7 @@ pub(crate) fn stream_response<F: ChunkFormat>(
             started.extend(format.start(seq.index));
         }
         let mut failure = None;
-        if deliver(&tx, &abort, &started, &timing, &mut failure).await == Delivery::ClientGone {
+        if outbox.deliver(&started, &timing, &mut failure).await == Delivery::ClientGone {
             return;
         }
         let mut merged = stream::select_all(seqs.into_iter().map(|seq| {
@@ -347,12 +363,12 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         while failure.is_none() && finished.len() < total {
             let item = tokio::select! {
                 biased;
-                () = tx.closed() => {
+                () = outbox.tx.closed() => {
                     timing.failed("abort");
                     tracing::info!("client disconnected; request cancelled");
                     return;
                 }
-                () = aborted(abort.clone()) => {
+                () = aborted(outbox.abort.clone()) => {
                     timing.failed("abort");
                     failure = Some(shutting_down());
                     break;
@@ -394,14 +410,14 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                 }
             };
             // An abort sets `failure`, which ends the loop.
-            if deliver(&tx, &abort, &chunks, &timing, &mut failure).await == Delivery::ClientGone {
+            if outbox.deliver(&chunks, &timing, &mut failure).await == Delivery::ClientGone {
                 return;
             }
         }
         // The remaining sequences (on failure) are cancelled here, before the last events.
         drop(merged);
         timing.done();
-        let aborting = *abort.borrow();
+        let aborting = *outbox.abort.borrow();
         let last = match failure {
             Some(err) => {
                 tracing::warn!(%err, "stream failed after it started");
@@ -417,11 +433,11 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         for event in events {
             let sent = if aborting {
                 // Only a short wait: the client may be the one that stopped reading.
-                tokio::time::timeout(ABORTED_STREAM_GRACE, tx.send(event))
+                tokio::time::timeout(ABORTED_STREAM_GRACE, outbox.tx.send(event))
                     .await
                     .is_ok_and(|sent| sent.is_ok())
             } else {
-                matches!(send(&tx, &abort, event).await, Delivery::Queued)
+                matches!(outbox.send(event).await, Delivery::Queued)
             };
             if !sent {
                 return;

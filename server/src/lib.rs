@@ -100,6 +100,9 @@ pub struct ServerConfig {
     /// and again its body once the head is in; a body not finished by then gets 408 (default
     /// 30 s).
     pub read_timeout: Duration,
+    /// How long a streamed response may wait for a client that stopped reading before the
+    /// request is cancelled and its admission permit freed (default 60 s).
+    pub write_timeout: Duration,
     /// How long [`serve`] lets in-flight requests finish after the shutdown signal before
     /// cancelling them (default 30 s).
     pub shutdown_timeout: Duration,
@@ -112,6 +115,7 @@ impl Default for ServerConfig {
             max_concurrent_requests: 256,
             max_body_bytes: 4 << 20,
             read_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
         }
     }

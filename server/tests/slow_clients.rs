@@ -1,6 +1,7 @@
-//! Requests are read within a time limit: a client that never finishes its request head is
+//! Slow clients cannot hold the server: a client that never finishes its request head is
 //! disconnected, one that declares a body and stops sending gets a 408 (or its 413) when the time
-//! is up, and the server goes on serving everyone else.
+//! is up, one that stops reading its stream has the request cancelled and its admission slot
+//! freed, and the server goes on serving everyone else.
 
 mod common;
 
@@ -146,5 +147,70 @@ async fn a_request_head_not_finished_in_time_closes_the_connection() {
         took >= TIMEOUT && took < TIMEOUT * 20,
         "closed after {took:?}"
     );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stopped_reading_is_cancelled_and_frees_its_slot() {
+    // Small socket buffers on both sides (accepted connections inherit the listener's), so the
+    // stream backs up behind the client after a few dozen chunks. One admission slot.
+    let listener = tokio::net::TcpSocket::new_v4().unwrap();
+    listener.set_send_buffer_size(4096).unwrap();
+    listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let server = TestServer::start_on(
+        listener.listen(16).unwrap(),
+        ServerConfig {
+            write_timeout: TIMEOUT,
+            max_concurrent_requests: 1,
+            ..ServerConfig::default()
+        },
+        common::engine_config(2),
+    );
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let stream = socket
+        .connect(server.addr)
+        .await
+        .unwrap()
+        .into_std()
+        .unwrap();
+    stream.set_nonblocking(false).unwrap();
+    let stream = tokio::task::spawn_blocking(move || {
+        let mut stream = stream;
+        let body = json!({"prompt": "Hello", "n": 4, "max_tokens": 4000, "logprobs": 20,
+                          "ignore_eos": true, "stream": true})
+        .to_string();
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        // Read the start of the stream, then stop reading but keep the connection open.
+        let mut buf = [0u8; 1024];
+        let n = stream.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        stream
+    })
+    .await
+    .unwrap();
+    // While the stream holds the only slot, others are refused; once the server gave up on the
+    // client (well within 20 timeouts), the slot is free again.
+    let started = Instant::now();
+    loop {
+        let (status, body) = server
+            .post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 1}))
+            .await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "{body}");
+        assert!(
+            started.elapsed() < TIMEOUT * 20,
+            "the stalled stream still holds its slot"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(stream);
     server.shutdown().await.unwrap();
 }
