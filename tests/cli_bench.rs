@@ -63,7 +63,7 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     let dir = temp_dir();
     let shape = write(&dir, "shape.json", SHAPE);
     let tr = write(&dir, "trace8.jsonl", &trace(2, 8));
-    let out = rackfill(&[
+    let base = [
         "simulate",
         "--model-shape",
         &shape,
@@ -71,12 +71,10 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
         "4",
         "--trace",
         &tr,
-        "--balancer",
-        "quota,none",
-        "--solve-us",
-        "1",
-        "--json",
-    ]);
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--balancer", "quota,none", "--solve-us", "1", "--json"]);
+    let out = rackfill(&args);
     assert!(
         out.status.success(),
         "{}",
@@ -89,15 +87,7 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     // 2 x 512 pairs re-split over 4 ranks at top-8: 32 tokens per rank.
     assert_eq!(doc["tokens_per_rank_mean"], 32.0);
     for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
-        let mut args = vec![
-            "simulate",
-            "--model-shape",
-            &shape,
-            "--ep",
-            "4",
-            "--trace",
-            &tr,
-        ];
+        let mut args = base.to_vec();
         args.extend(flag);
         refused(&args, &format!("{} applies to synthetic routing", flag[0]));
     }

@@ -677,12 +677,21 @@ async fn canned_sse(sse: &'static str, hold: bool) -> String {
     base
 }
 
-async fn canned_run(sse: &'static str, hold: bool) -> RateReport {
+/// A target serving `sse` to every request (see [`canned_sse`]) as model `m`.
+async fn canned_target(sse: &'static str, hold: bool) -> Target {
     let base = canned_sse(sse, hold).await;
     let mut config = config(&base, "/v1/completions");
     config.model = Some("m".into());
     config.request_timeout = Duration::from_secs(20);
-    let target = Target::connect(config).await.unwrap();
+    Target::connect(config).await.unwrap()
+}
+
+/// One chunk of text, then `[DONE]`.
+const ONE_CHUNK: &str =
+    "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\ndata: [DONE]\n\n";
+
+async fn canned_run(sse: &'static str, hold: bool) -> RateReport {
+    let target = canned_target(sse, hold).await;
     let mut plan = plan(burst());
     plan.warmup = false;
     one(run_sweep(&target, &random(2, 4, 3), &plan).await.unwrap())
@@ -731,14 +740,7 @@ async fn a_stream_ends_at_done_even_if_the_server_keeps_the_connection_open() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrency_limit_beyond_any_semaphore_is_no_limit() {
-    let base = canned_sse(
-        "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\ndata: [DONE]\n\n",
-        false,
-    )
-    .await;
-    let mut config = config(&base, "/v1/completions");
-    config.model = Some("m".into());
-    let target = Target::connect(config).await.unwrap();
+    let target = canned_target(ONE_CHUNK, false).await;
     let mut plan = plan(burst());
     plan.warmup = false;
     plan.run.max_concurrency = Some(usize::MAX);
@@ -773,14 +775,7 @@ async fn null_choices_are_empty_and_misshapen_chunks_are_named() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raised_stop_ends_the_sweep_and_keeps_what_ran() {
-    let base = canned_sse(
-        "data: {\"choices\": [{\"index\": 0, \"text\": \" x\"}]}\n\ndata: [DONE]\n\n",
-        false,
-    )
-    .await;
-    let mut config = config(&base, "/v1/completions");
-    config.model = Some("m".into());
-    let target = Target::connect(config).await.unwrap();
+    let target = canned_target(ONE_CHUNK, false).await;
     let rate = |r: f64| Arrivals::Rate {
         rate: RequestRate::PerSecond(r),
         burstiness: 1.0,

@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
@@ -37,8 +38,8 @@ pub(crate) async fn read_body(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let (parts, body) = request.into_parts();
-    if declared.is_some_and(|len| len > limit as u64) {
-        if declared.is_some_and(|len| len <= DRAIN_OVERSIZED_UP_TO) {
+    if let Some(len) = declared.filter(|&len| len > limit as u64) {
+        if len <= DRAIN_OVERSIZED_UP_TO {
             let drain = async {
                 let mut body = body.into_data_stream();
                 while let Some(Ok(_)) = body.next().await {}
@@ -64,6 +65,16 @@ pub(crate) async fn read_body(
         .into_response(),
         Err(_) => ApiError::RequestTimeout(timeout_text(timeout)).into_response(),
     }
+}
+
+/// A handler's body, already buffered and size-checked by [`read_body`], or 400 if it still
+/// could not be read.
+pub(crate) fn buffered(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| ApiError::InvalidRequest {
+        message: format!("cannot read the request body: {rejection}"),
+        param: None,
+        code: None,
+    })
 }
 
 /// `30 s`, `0.5 s`: the limit as the error message states it.

@@ -236,7 +236,7 @@ pub async fn handle(
 }
 
 async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let body = state.body(body)?;
+    let body = crate::body::buffered(body)?;
     let request: ChatRequest = v::parse_json(&body)?;
     let info = state.backend().info().clone();
     v::check_model(request.model.as_deref(), &info.name)?;

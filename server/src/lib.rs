@@ -63,10 +63,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ::metrics::counter;
-use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::header;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -237,21 +236,6 @@ impl AppState {
                 ))
             })
     }
-
-    /// The body, or 413 / 400 for a body that could not be read.
-    pub(crate) fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-        body.map_err(|rejection| {
-            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::PayloadTooLarge(self.inner.config.max_body_bytes)
-            } else {
-                ApiError::InvalidRequest {
-                    message: format!("cannot read the request body: {rejection}"),
-                    param: None,
-                    code: None,
-                }
-            }
-        })
-    }
 }
 
 pub(crate) fn unix_now() -> u64 {
@@ -282,7 +266,8 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
+        // `body::read_body` buffers every body within the limit before the handlers run.
+        .layer(DefaultBodyLimit::disable())
         .layer(middleware::from_fn_with_state(
             state.clone(),
             body::read_body,

@@ -1765,11 +1765,8 @@ async fn a_tiny_top_p_is_greedy_not_zero() {
 async fn shutdown_timeout_cancels_a_stream_whose_client_stopped_reading() {
     // Small socket buffers on both sides (accepted connections inherit the listener's), so the
     // stream backs up behind the client after a few dozen chunks.
-    let listener = tokio::net::TcpSocket::new_v4().unwrap();
-    listener.set_send_buffer_size(4096).unwrap();
-    listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let mut server = TestServer::start_on(
-        listener.listen(16).unwrap(),
+        common::small_send_buffer_listener(),
         ServerConfig {
             shutdown_timeout: Duration::from_millis(500),
             ..ServerConfig::default()

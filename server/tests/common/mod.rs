@@ -36,6 +36,15 @@ pub fn engine_config(ep_size: usize) -> EngineConfig {
     }
 }
 
+/// A loopback listener whose accepted connections have a 4 KiB send buffer, so a response backs
+/// up behind a client that stops reading after a few dozen chunks.
+pub fn small_send_buffer_listener() -> tokio::net::TcpListener {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_send_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    socket.listen(16).unwrap()
+}
+
 impl TestServer {
     pub async fn start(config: ServerConfig) -> Self {
         Self::start_with(config, engine_config(2)).await
