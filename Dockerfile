@@ -1,7 +1,12 @@
 # rackfill: multi-stage image. The builder compiles the release binary; the runtime stage is slim.
 #
-#   docker build -t rackfill .                                   # CPU image (debian slim)
+#   docker build -t rackfill .                                   # debian slim: runs on the CPU
 #   docker build -t rackfill:cuda --build-arg RUNTIME_BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04 .
+#   docker build -t rackfill:cpu --build-arg CARGO_FEATURES=--no-default-features .   # CPU-only binary
+#
+# Both images carry the same binary: the default build includes the GPU data plane, whose CUDA
+# libraries (driver, NVRTC, cuBLAS) are loaded at run time. On the CUDA runtime base they are
+# there (run with `--gpus all`); on debian slim the binary says so and serves on the CPU.
 #   docker run -p 8000:8000 rackfill                             # serves the built-in model
 #   docker run -p 8000:8000 -v /models/qwen3:/models/qwen3 rackfill serve --host 0.0.0.0 --model /models/qwen3
 #
@@ -11,9 +16,10 @@
 ARG RUNTIME_BASE=debian:bookworm-slim
 
 FROM rust:1.95-bookworm AS builder
+ARG CARGO_FEATURES=""
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin rackfill \
+RUN cargo build --release --locked --bin rackfill ${CARGO_FEATURES} \
     && strip target/release/rackfill
 
 FROM ${RUNTIME_BASE} AS runtime

@@ -12,7 +12,7 @@ rm -rf "$out"
 stage=$(mktemp -d)
 mkdir -p "$stage/tests" "$out"
 json=$(mktemp)
-cargo build --release --locked --features cuda --bin rackfill --message-format=json >"$json"
+cargo build --release --locked --bin rackfill --message-format=json >"$json"
 cargo test --release --locked --features cuda -p rackfill-kernels -p rackfill-engine --no-run \
   --message-format=json >>"$json"
 # The executables cargo reports: the binary, then each test target.
