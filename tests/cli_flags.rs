@@ -100,16 +100,34 @@ fn plan_takes_the_old_spellings_for_the_same_plan() {
     );
 }
 
-fn temp_file(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("rackfill-cli-flags-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A fresh directory under the system's temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(test: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("rackfill-cli-flags-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 #[test]
 fn bench_balance_takes_the_old_spellings() {
+    let dir = TempDir::new("balance");
     let report = |name: &str, flags: &[&str]| {
-        let path = temp_file(name);
+        let path = dir.file(name);
         let mut args = vec![
             "bench",
             "balance",
@@ -169,7 +187,8 @@ fn bench_balance_takes_the_old_spellings() {
 
 #[test]
 fn bench_balance_checks_ep_size_against_a_trace_and_refuses_it_for_the_grid() {
-    let path = temp_file("trace.jsonl");
+    let dir = TempDir::new("ep-size");
+    let path = dir.file("trace.jsonl");
     let line = |step: u64| {
         format!("{{\"step\":{step},\"layer\":0,\"ranks\":2,\"experts\":8,\"load\":[[1,2,3,4,5,6,7,8],[8,7,6,5,4,3,2,1]]}}\n")
     };
@@ -233,8 +252,9 @@ fn simulate_takes_the_old_spellings_for_the_same_report() {
 
 #[test]
 fn bench_ep_takes_the_old_spellings() {
+    let dir = TempDir::new("ep");
     let bench = |name: &str, flags: &[&str]| {
-        let path = temp_file(name);
+        let path = dir.file(name);
         let mut args = vec![
             "bench",
             "ep",

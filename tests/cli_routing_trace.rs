@@ -9,14 +9,29 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "rackfill-cli-routing-trace-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh directory under the system's temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "rackfill-cli-routing-trace-{}-{test}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn rackfill(args: &[&str]) -> Output {
@@ -134,8 +149,8 @@ fn replays(trace: &Path) -> String {
 
 #[test]
 fn a_byte_cap_stops_recording_with_whole_steps_on_disk() {
-    let dir = temp_dir("cap");
-    let trace = dir.join("routing.jsonl");
+    let dir = TempDir::new("cap");
+    let trace = dir.file("routing.jsonl");
     let server = Server::start(&[
         "--record-routing",
         trace.to_str().unwrap(),
@@ -170,8 +185,8 @@ fn a_failed_write_stops_recording_and_flips_the_gauge() {
 
 #[test]
 fn a_trace_cut_short_mid_line_replays_with_one_warning() {
-    let dir = temp_dir("cut");
-    let trace = dir.join("cut.jsonl");
+    let dir = TempDir::new("cut");
+    let trace = dir.file("cut.jsonl");
     let line = |step: u64, layer: usize| {
         format!(
             "{{\"step\":{step},\"layer\":{layer},\"ranks\":2,\"experts\":8,\
