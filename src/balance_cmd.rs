@@ -8,21 +8,28 @@
 //! `--plot` draws imbalance over steps (docs/bench-balance.md). Progress goes to stderr. Any plan
 //! that fails validation makes the command exit non-zero after the report is printed and written.
 
-use crate::bench_cmd::{create_report_file, dedup, parse_positive, write_json};
+use crate::flags::{
+    dedup, parse_positive, BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES,
+};
+use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
-use rackfill_balancer::Algo;
-use rackfill_balancer::{Layout, Settings};
+use rackfill_balancer::{Algo, Layout, Settings};
 use rackfill_bench::balance::{run_balance, BalanceRun};
 use rackfill_bench::plot::write_chart;
-use rackfill_bench::replay::{read_home_map, replay, ReplayConfig, ReplayEvent};
-use rackfill_bench::routing_trace::{TraceReader, TraceWriter};
+use rackfill_bench::replay::{read_home_map, replay, ReplayConfig, ReplayEvent, ReplayReport};
 use rackfill_bench::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
-use rackfill_bench::synthetic::Family;
 use rackfill_bench::synthetic::{
-    default_grid, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS, MAX_TOKENS_PER_RANK,
+    default_grid, Popularity, Shape, DEFAULT_SHAPES, DEFAULT_TOKENS, MAX_TOKENS_PER_RANK,
 };
+use rackfill_engine::routing_trace::{TraceReader, TraceWriter};
+use rackfill_engine::EpConfig;
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// The shape `--synthetic-trace` generates unless `--shapes`, `--ep-size` or
+/// `--redundant-slots` say otherwise: DeepSeek-V3's 256 experts over 64 ranks.
+const SYNTHETIC_TRACE_SHAPE: Shape = Shape::new(64, 256, 2);
+
 /// `rackfill bench balance`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BalanceArgs {
@@ -54,7 +61,7 @@ pub struct BalanceArgs {
 
     /// Popularity family of --synthetic-trace: zipf-S or lognormal-SIGMA [default: zipf-1.0]
     #[arg(long)]
-    pub family: Option<Family>,
+    pub family: Option<Popularity>,
 
     /// Master seed; the same seed gives the same loads.
     #[arg(long, default_value_t = 0)]
@@ -71,9 +78,14 @@ pub struct BalanceArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
     pub tokens: Vec<u64>,
 
-    /// Redundant slots per rank [default: 2 for --trace, the shape's for --synthetic-trace]
-    #[arg(long)]
-    pub slots: Option<usize>,
+    /// Expert-parallel ranks: with --trace, checked against the trace's ranks; with
+    /// --synthetic-trace, the ranks of the generated trace [default: the trace's; the shape's]
+    #[arg(long, value_parser = parse_positive, aliases = EP_SIZE_ALIASES)]
+    pub ep_size: Option<usize>,
+
+    // Help set below: its default is the engine's, shown from `EpConfig::default()`.
+    #[arg(long, aliases = REDUNDANT_SLOTS_ALIASES, help = redundant_slots_help())]
+    pub redundant_slots: Option<usize>,
 
     /// Home rank of every expert, a JSON file `[rank; E]` or `{"home": [rank; E]}`
     /// [default: contiguous runs]
@@ -82,8 +94,8 @@ pub struct BalanceArgs {
 
     /// Balancers to replay, comma-separated: none, quota, quota-paper, eplb-exact, eplb-history,
     /// greedy-move [default: all]
-    #[arg(long, value_delimiter = ',')]
-    pub balancers: Vec<Algo>,
+    #[arg(long, value_delimiter = ',', aliases = BALANCER_ALIASES)]
+    pub balancer: Vec<Algo>,
 
     /// Bytes of one expert's weights, to report replica bytes moved (DeepSeek-V3 in FP8:
     /// 44040192) [default: unknown, replica counts only]
@@ -115,6 +127,13 @@ pub struct BalanceArgs {
     /// per-step series).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+}
+
+fn redundant_slots_help() -> String {
+    format!(
+        "Redundant slots per rank [default: {} for --trace, the shape's for --synthetic-trace]",
+        EpConfig::default().redundant_slots
+    )
 }
 
 fn parse_expert_bytes(s: &str) -> Result<u64, String> {
@@ -159,17 +178,26 @@ pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
              --synthetic-trace PATTERN or --synthetic"
         );
     }
+    balance_grid(args)
+}
+
+/// `rackfill bench balance --synthetic`: the synthetic grid, one table per group.
+fn balance_grid(args: BalanceArgs) -> anyhow::Result<()> {
     for (given, flag) in [
         (args.write_trace.is_some(), "--write-trace"),
         (args.layers.is_some(), "--layers"),
         (args.family.is_some(), "--family"),
-        (args.slots.is_some(), "--slots"),
+        (args.ep_size.is_some(), "--ep-size"),
+        (args.redundant_slots.is_some(), "--redundant-slots"),
         (args.home.is_some(), "--home"),
         (args.expert_bytes.is_some(), "--expert-bytes"),
         (args.plot.is_some(), "--plot"),
     ] {
         if given {
-            bail!("{flag} applies to --trace and --synthetic-trace, not to the --synthetic grid");
+            bail!(
+                "{flag} applies to --trace and --synthetic-trace, not to the --synthetic grid \
+                 (its shapes come from --shapes)"
+            );
         }
     }
     let shapes = if args.shapes.is_empty() {
@@ -188,8 +216,8 @@ pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
 
     let suites = default_grid(&shapes, &tokens, steps);
     let mut run = BalanceRun::new(suites, args.seed, settings);
-    if !args.balancers.is_empty() {
-        run.algos = dedup(&args.balancers);
+    if !args.balancer.is_empty() {
+        run.algos = dedup(&args.balancer);
     }
     note!(
         "bench balance: {} suites x {} steps x {} balancers (seed {})",
@@ -248,143 +276,13 @@ fn balance_settings(args: &BalanceArgs) -> Settings {
 /// through every balancer, one table, optional JSON report, plot and trace copy.
 fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
     if let Some(plot) = &args.plot {
-        let ext = plot
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
-        if !matches!(ext.as_deref(), Some("svg" | "png")) {
-            bail!(
-                "--plot {}: the file name must end in .svg or .png",
-                plot.display()
-            );
-        }
+        check_plot_name(plot)?;
     }
     let json_file = create_report_file(args.json.as_deref())?;
-    let algos = if args.balancers.is_empty() {
-        Algo::ALL.to_vec()
-    } else {
-        dedup(&args.balancers)
-    };
-    let config = |ranks: usize, experts: usize, slots: usize| -> anyhow::Result<ReplayConfig> {
-        let layout = match &args.home {
-            Some(path) => Layout::with_home(ranks, read_home_map(path, ranks, experts)?, slots)?,
-            None => Layout::contiguous(ranks, experts, slots)?,
-        };
-        Ok(ReplayConfig {
-            layout,
-            settings: balance_settings(&args),
-            algos: algos.clone(),
-            expert_bytes: args.expert_bytes,
-        })
-    };
-    let progress = |total: Option<usize>| {
-        let mut last_print = std::time::Instant::now();
-        move |event: ReplayEvent<'_>| {
-            if let ReplayEvent::Step {
-                steps_done,
-                elapsed,
-            } = event
-            {
-                if last_print.elapsed().as_secs_f64() >= 2.0 || Some(steps_done) == total {
-                    last_print = std::time::Instant::now();
-                    let of = total.map_or(String::new(), |t| format!("/{t}"));
-                    note!("  step {steps_done}{of}, {:.1} s", elapsed.as_secs_f64());
-                }
-            }
-        }
-    };
-
-    let report = if let Some(path) = &args.trace {
-        for (given, flag) in [
-            (!args.shapes.is_empty(), "--shapes"),
-            (!args.tokens.is_empty(), "--tokens"),
-            (args.steps.is_some(), "--steps"),
-            (args.layers.is_some(), "--layers"),
-            (args.family.is_some(), "--family"),
-            (args.write_trace.is_some(), "--write-trace"),
-        ] {
-            if given {
-                bail!("{flag} applies to --synthetic-trace, not to --trace");
-            }
-        }
-        let source = path.display().to_string();
-        let reader = TraceReader::open(path).map_err(|e| match e.line() {
-            Some(_) => anyhow::anyhow!("{source}: {e}"),
-            None => anyhow::anyhow!(e),
-        })?;
-        let config = config(reader.ranks(), reader.experts(), args.slots.unwrap_or(2))?;
-        let layers = reader.layers().to_vec();
-        note!(
-            "bench balance: {} ({} ranks, {} experts, {} layers) x {} balancers",
-            source,
-            reader.ranks(),
-            reader.experts(),
-            layers.len(),
-            config.algos.len()
-        );
-        replay(reader, &source, &layers, &config, progress(None)).context(source)?
-    } else {
-        let pattern = args.synthetic_trace.context("a load source is required")?;
-        let shape = match args.shapes.as_slice() {
-            [] => Shape::new(64, 256, 2),
-            [shape] => *shape,
-            _ => bail!("--synthetic-trace takes one --shapes value"),
-        };
-        let tokens = match args.tokens.as_slice() {
-            [] => 1024,
-            [tokens] => *tokens,
-            _ => bail!("--synthetic-trace takes one --tokens value"),
-        };
-        let steps = args.steps.unwrap_or(200);
-        let mut spec = TraceSpec::new(
-            pattern,
-            shape.ranks,
-            shape.experts,
-            args.layers.unwrap_or(8),
-            steps,
-            tokens,
-        );
-        spec.family = args.family.unwrap_or(spec.family);
-        let generator = TraceGenerator::new(&spec, args.seed)?;
-        let config = config(
-            shape.ranks,
-            shape.experts,
-            args.slots.unwrap_or(shape.slots),
-        )?;
-        let name = format!(
-            "synthetic {pattern} {}/{} {} t{tokens} seed {}",
-            shape.ranks,
-            shape.experts,
-            spec.family.label(),
-            args.seed
-        );
-        note!(
-            "bench balance: {name}, {steps} steps x {} layers x {} balancers",
-            spec.layers,
-            config.algos.len()
-        );
-        let layers = spec.layer_ids();
-        match &args.write_trace {
-            None => replay(
-                generator.map(Ok::<_, std::convert::Infallible>),
-                &name,
-                &layers,
-                &config,
-                progress(Some(steps)),
-            )?,
-            Some(path) => {
-                let cannot = |e: std::io::Error| {
-                    std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display()))
-                };
-                let mut writer = TraceWriter::create(path, layers.clone()).map_err(cannot)?;
-                let source =
-                    generator.map(|step| writer.write_step(&step).map(|()| step).map_err(cannot));
-                let report = replay(source, &name, &layers, &config, progress(Some(steps)))?;
-                writer.finish().map_err(cannot)?;
-                note!("trace written to {}", path.display());
-                report
-            }
-        }
+    let report = match (&args.trace, args.synthetic_trace) {
+        (Some(path), _) => replay_recorded(&args, path)?,
+        (None, Some(pattern)) => replay_synthetic(&args, pattern)?,
+        (None, None) => bail!("a load source is required"),
     };
 
     let mut stdout = std::io::stdout().lock();
@@ -404,4 +302,171 @@ fn balance_trace(args: BalanceArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Refuses a `--plot` file the chart writer cannot write (found out before the replay).
+fn check_plot_name(plot: &Path) -> anyhow::Result<()> {
+    let ext = plot
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    if !matches!(ext.as_deref(), Some("svg" | "png")) {
+        bail!(
+            "--plot {}: the file name must end in .svg or .png",
+            plot.display()
+        );
+    }
+    Ok(())
+}
+
+/// The replay's layout (contiguous, or from `--home`), settings and balancers.
+fn replay_config(
+    args: &BalanceArgs,
+    ranks: usize,
+    experts: usize,
+    slots: usize,
+) -> anyhow::Result<ReplayConfig> {
+    let layout = match &args.home {
+        Some(path) => Layout::with_home(ranks, read_home_map(path, ranks, experts)?, slots)?,
+        None => Layout::contiguous(ranks, experts, slots)?,
+    };
+    let algos = if args.balancer.is_empty() {
+        Algo::ALL.to_vec()
+    } else {
+        dedup(&args.balancer)
+    };
+    Ok(ReplayConfig {
+        layout,
+        settings: balance_settings(args),
+        algos,
+        expert_bytes: args.expert_bytes,
+    })
+}
+
+/// Progress on stderr every 2 s and after the last of `total` steps (when known).
+fn replay_progress(total: Option<usize>) -> impl FnMut(ReplayEvent<'_>) {
+    let mut last_print = std::time::Instant::now();
+    move |event: ReplayEvent<'_>| {
+        if let ReplayEvent::Step {
+            steps_done,
+            elapsed,
+        } = event
+        {
+            if last_print.elapsed().as_secs_f64() >= 2.0 || Some(steps_done) == total {
+                last_print = std::time::Instant::now();
+                let of = total.map_or(String::new(), |t| format!("/{t}"));
+                note!("  step {steps_done}{of}, {:.1} s", elapsed.as_secs_f64());
+            }
+        }
+    }
+}
+
+/// `--trace FILE`: a recorded trace, streamed from the file.
+fn replay_recorded(args: &BalanceArgs, path: &Path) -> anyhow::Result<ReplayReport> {
+    for (given, flag) in [
+        (!args.shapes.is_empty(), "--shapes"),
+        (!args.tokens.is_empty(), "--tokens"),
+        (args.steps.is_some(), "--steps"),
+        (args.layers.is_some(), "--layers"),
+        (args.family.is_some(), "--family"),
+        (args.write_trace.is_some(), "--write-trace"),
+    ] {
+        if given {
+            bail!("{flag} applies to --synthetic-trace, not to --trace");
+        }
+    }
+    let source = path.display().to_string();
+    let reader = TraceReader::open(path).map_err(|e| match e.line() {
+        Some(_) => anyhow::anyhow!("{source}: {e}"),
+        None => anyhow::anyhow!(e),
+    })?;
+    if let Some(ep_size) = args.ep_size {
+        if ep_size != reader.ranks() {
+            bail!(
+                "--ep-size is {ep_size} but {source} was recorded with {} ranks",
+                reader.ranks()
+            );
+        }
+    }
+    let slots = args
+        .redundant_slots
+        .unwrap_or(EpConfig::default().redundant_slots);
+    let config = replay_config(args, reader.ranks(), reader.experts(), slots)?;
+    let layers = reader.layers().to_vec();
+    note!(
+        "bench balance: {} ({} ranks, {} experts, {} layers) x {} balancers",
+        source,
+        reader.ranks(),
+        reader.experts(),
+        layers.len(),
+        config.algos.len()
+    );
+    let report = replay(reader, &source, &layers, &config, replay_progress(None));
+    report.context(source)
+}
+
+/// The shape `--synthetic-trace` generates: `--shapes` (one) or the default, with `--ep-size`
+/// and `--redundant-slots` over it.
+fn synthetic_trace_shape(args: &BalanceArgs) -> anyhow::Result<Shape> {
+    let mut shape = match args.shapes.as_slice() {
+        [] => SYNTHETIC_TRACE_SHAPE,
+        [shape] => *shape,
+        _ => bail!("--synthetic-trace takes one --shapes value"),
+    };
+    shape.ranks = args.ep_size.unwrap_or(shape.ranks);
+    shape.slots = args.redundant_slots.unwrap_or(shape.slots);
+    shape
+        .check()
+        .map_err(|why| anyhow::anyhow!("--synthetic-trace shape {shape}: {why}"))?;
+    Ok(shape)
+}
+
+/// `--synthetic-trace PATTERN`: a generated trace, optionally saved with `--write-trace` while
+/// it replays.
+fn replay_synthetic(args: &BalanceArgs, pattern: TracePattern) -> anyhow::Result<ReplayReport> {
+    let shape = synthetic_trace_shape(args)?;
+    let tokens = match args.tokens.as_slice() {
+        [] => 1024,
+        [tokens] => *tokens,
+        _ => bail!("--synthetic-trace takes one --tokens value"),
+    };
+    let steps = args.steps.unwrap_or(200);
+    let mut spec = TraceSpec::new(
+        pattern,
+        shape.ranks,
+        shape.experts,
+        args.layers.unwrap_or(8),
+        steps,
+        tokens,
+    );
+    spec.family = args.family.unwrap_or(spec.family);
+    let generator = TraceGenerator::new(&spec, args.seed)?;
+    let config = replay_config(args, shape.ranks, shape.experts, shape.slots)?;
+    let name = format!(
+        "synthetic {pattern} {}/{} {} t{tokens} seed {}",
+        shape.ranks,
+        shape.experts,
+        spec.family.label(),
+        args.seed
+    );
+    note!(
+        "bench balance: {name}, {steps} steps x {} layers x {} balancers",
+        spec.layers,
+        config.algos.len()
+    );
+    let layers = spec.layer_ids();
+    let progress = replay_progress(Some(steps));
+    let Some(path) = &args.write_trace else {
+        let source = generator.map(Ok::<_, std::convert::Infallible>);
+        return Ok(replay(source, &name, &layers, &config, progress)?);
+    };
+    let cannot = |e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display()))
+    };
+    let mut writer = TraceWriter::create(path, layers.clone()).map_err(cannot)?;
+    let source = generator.map(|step| writer.write_step(&step).map(|()| step).map_err(cannot));
+    let report = replay(source, &name, &layers, &config, progress)?;
+    writer.finish().map_err(cannot)?;
+    note!("trace written to {}", path.display());
+    Ok(report)
 }

@@ -4,13 +4,17 @@
 //! modules (`serve_bench_cmd`, `overhead_cmd`).
 
 use crate::balance_cmd::BalanceArgs;
+use crate::flags::{
+    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, EP_SIZE_ALIASES,
+    REDUNDANT_SLOTS_ALIASES,
+};
+use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
 use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
-use rackfill_engine::DataPlane;
+use rackfill_engine::{DataPlane, EpConfig};
 use rackfill_models::ModelBundle;
-use std::io::Write as _;
 use std::path::PathBuf;
 
 /// Benchmarks.
@@ -51,9 +55,9 @@ pub struct EpArgs {
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<PathBuf>,
 
-    /// Random prompts per step (one per rank at EP 8 by default); all prompts together hold at
-    /// most 65536 tokens.
-    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
+    /// Random prompts per step (one per rank at the default EP size); all prompts together hold
+    /// at most 65536 tokens.
+    #[arg(long, default_value_t = EpConfig::default().ep_size, value_parser = parse_positive)]
     pub sequences: usize,
 
     /// Tokens per random prompt, at most the model's context.
@@ -61,16 +65,23 @@ pub struct EpArgs {
     pub tokens: usize,
 
     /// EP sizes to run, comma-separated, each at most the model's routed experts.
-    #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "8")]
-    pub ep: Vec<usize>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_positive,
+          default_values_t = [EpConfig::default().ep_size], aliases = EP_SIZE_ALIASES)]
+    pub ep_size: Vec<usize>,
 
-    /// Balancers to run at every EP size, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "quota,none")]
-    pub balancers: Vec<Algo>,
+    // Help set below: it shows the default list comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = ep_bench_balancers(),
+          hide_default_value = true, aliases = BALANCER_ALIASES,
+          help = help_with_list_default(
+              "Balancers to run at every EP size, comma-separated: none, quota, quota-paper, \
+               eplb-exact, eplb-history, greedy-move",
+              &ep_bench_balancers()))]
+    pub balancer: Vec<Algo>,
 
     /// Redundant expert slots per rank.
-    #[arg(long, default_value_t = 2)]
-    pub slots: usize,
+    #[arg(long, default_value_t = EpConfig::default().redundant_slots,
+          aliases = REDUNDANT_SLOTS_ALIASES)]
+    pub redundant_slots: usize,
 
     /// Data planes to run every configuration on, comma-separated: `cpu`, `gpu`, `gpu:N`
     /// (`gpu` needs a binary built with `--features cuda` and a GPU).
@@ -89,6 +100,11 @@ pub struct EpArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+}
+
+/// What `bench ep` compares by default: the engine's balancer against none.
+fn ep_bench_balancers() -> [Algo; 2] {
+    [EpConfig::default().balancer, Algo::None]
 }
 
 /// `rackfill bench forward`.
@@ -114,13 +130,6 @@ pub struct ForwardArgs {
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-}
-
-pub(crate) fn parse_positive(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("invalid value '{s}': expected a positive integer")),
-    }
 }
 
 /// Most timed runs or rounds a bench takes: more only re-measures the median, for hours.
@@ -173,8 +182,8 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
     };
     let mut cases = Vec::new();
     for &data_plane in &args.data_planes {
-        for ep_size in dedup(&args.ep) {
-            for &balancer in &args.balancers {
+        for ep_size in dedup(&args.ep_size) {
+            for &balancer in &args.balancer {
                 cases.push(EpCase {
                     ep_size,
                     balancer,
@@ -195,7 +204,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         &name,
         &prompts,
         &cases,
-        args.slots,
+        args.redundant_slots,
         args.rounds,
     )?;
     out!("{}", report.to_table());
@@ -222,17 +231,6 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
         bail!("{}: prompts must be non-empty strings", path.display());
     }
     Ok(texts)
-}
-
-/// Keeps the first occurrence of every value.
-pub(crate) fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
-    let mut out: Vec<T> = Vec::with_capacity(values.len());
-    for &v in values {
-        if !out.contains(&v) {
-            out.push(v);
-        }
-    }
-    out
 }
 
 fn forward(args: ForwardArgs) -> anyhow::Result<()> {
@@ -265,30 +263,5 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
     if let (Some(file), Some(path)) = (json_file, &args.json) {
         write_json(file, path, &report)?;
     }
-    Ok(())
-}
-
-/// Opens a report file up front, so an unwritable path fails before minutes of work.
-pub(crate) fn create_report_file(
-    path: Option<&std::path::Path>,
-) -> anyhow::Result<Option<std::fs::File>> {
-    path.map(|path| {
-        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))
-    })
-    .transpose()
-}
-
-/// Writes a report as pretty JSON with a trailing newline.
-pub(crate) fn write_json(
-    file: std::fs::File,
-    path: &std::path::Path,
-    report: &impl serde::Serialize,
-) -> anyhow::Result<()> {
-    let mut w = std::io::BufWriter::new(file);
-    serde_json::to_writer_pretty(&mut w, report)
-        .and_then(|()| w.write_all(b"\n").map_err(serde_json::Error::io))
-        .and_then(|()| w.flush().map_err(serde_json::Error::io))
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    note!("report written to {}", path.display());
     Ok(())
 }

@@ -28,9 +28,11 @@ macro_rules! note {
 mod allocator;
 mod balance_cmd;
 mod bench_cmd;
+mod flags;
 mod kernels_cmd;
 mod overhead_cmd;
 mod plan_cmd;
+mod report_file;
 mod serve_bench_cmd;
 mod serve_cmd;
 mod simulate_cmd;

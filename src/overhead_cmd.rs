@@ -34,7 +34,8 @@ pub struct OverheadArgs {
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// EP size of the engine.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = EpConfig::default().ep_size,
+          aliases = crate::flags::EP_SIZE_ALIASES)]
     pub ep_size: usize,
     /// The prompt every request sends.
     #[arg(long, default_value = "Hello, how are you?")]

@@ -5,10 +5,12 @@
 
 mod load_file;
 
+use crate::flags::{BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES};
 use anyhow::{bail, Context, Result};
 use load_file::LoadInput;
 use rackfill_balancer::metrics::evaluate;
 use rackfill_balancer::{Algo, Instance, Layout, LoadMatrix, Plan, Settings};
+use rackfill_engine::EpConfig;
 use serde::Serialize;
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -20,17 +22,19 @@ pub struct PlanArgs {
     /// JSON file with {"load": [[count; E]; R], "home": [rank; E]?}; `-` reads standard input.
     #[arg(long)]
     load: PathBuf,
-    /// Number of ranks; must match the number of load rows when given.
-    #[arg(long)]
-    ranks: Option<usize>,
+    /// Expert-parallel ranks; must match the number of load rows when given.
+    #[arg(long, aliases = EP_SIZE_ALIASES)]
+    ep_size: Option<usize>,
     /// Redundant slots per rank.
-    #[arg(long, default_value_t = 2)]
-    slots: usize,
-    /// Planner: quota, eplb-exact, greedy-move or none (quota-paper: the published target rule).
-    #[arg(long, default_value = "quota")]
-    algo: String,
+    #[arg(long, default_value_t = EpConfig::default().redundant_slots,
+          aliases = REDUNDANT_SLOTS_ALIASES)]
+    redundant_slots: usize,
+    /// Balancer: quota, eplb-exact, greedy-move or none (quota-paper: the published target
+    /// rule; eplb-history needs a sequence of loads, see `rackfill bench balance`).
+    #[arg(long, default_value_t = EpConfig::default().balancer, aliases = BALANCER_ALIASES)]
+    balancer: Algo,
     /// Smallest quota of a new replica (quota planner).
-    #[arg(long, default_value_t = rackfill_balancer::quota::DEFAULT_U_MIN)]
+    #[arg(long, default_value_t = Settings::default().u_min)]
     u_min: u64,
     /// Print the plan as JSON instead of a summary.
     #[arg(long)]
@@ -58,19 +62,22 @@ struct PlanReport<'a> {
 
 /// Runs `rackfill plan`. Errors are input errors: the caller exits 2 with the message.
 pub fn run(args: PlanArgs) -> Result<()> {
-    let algo: Algo = args.algo.parse().map_err(anyhow::Error::msg)?;
+    let algo = args.balancer;
     if algo == Algo::EplbHistory {
         bail!("eplb-history plans from a history of loads; replay a sequence with `rackfill bench balance`");
     }
     let LoadInput { load, home } = load_file::read(&args.load)?;
-    if let Some(ranks) = args.ranks {
+    if let Some(ranks) = args.ep_size {
         if ranks != load.ranks() {
-            bail!("--ranks is {ranks} but the load has {} rows", load.ranks());
+            bail!(
+                "--ep-size is {ranks} but the load has {} rows",
+                load.ranks()
+            );
         }
     }
     let layout = match home {
-        Some(home) => Layout::with_home(load.ranks(), home, args.slots)?,
-        None => Layout::contiguous(load.ranks(), load.experts(), args.slots)?,
+        Some(home) => Layout::with_home(load.ranks(), home, args.redundant_slots)?,
+        None => Layout::contiguous(load.ranks(), load.experts(), args.redundant_slots)?,
     };
     let settings = Settings {
         u_min: args.u_min,
@@ -159,7 +166,7 @@ fn build_report<'a>(
         replicas: m.replicas,
         max_fanout: m.max_fanout,
         // Whole nanoseconds, as the bench reports print them (no float noise).
-        solve_us: rackfill_bench::balance::round_us(solve_us),
+        solve_us: rackfill_bench::stats::round_us(solve_us),
     }
 }
 

@@ -2,7 +2,7 @@
 //! report vLLM's serving metrics (see [`rackfill_bench::serve`], which does the work; this file
 //! parses flags, prints and writes files).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -11,7 +11,7 @@ use rackfill_bench::serve::dataset::{self, RandomParams, ShareGptParams, Synthes
 use rackfill_bench::serve::plots::{write_plots, PlotFormat};
 use rackfill_bench::serve::report::{format_sweep, format_table, ReportOptions};
 use rackfill_bench::serve::runner::{warmup, RunOptions, Target, TargetConfig};
-use rackfill_bench::serve::{run_sweep, SweepPlan, Workload};
+use rackfill_bench::serve::{run_sweep, RateReport, SweepPlan, Workload};
 
 /// Dataset kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -151,7 +151,8 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark: flags checked and files named before anything is sent, then the sweep,
+/// then the tables and files.
 pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let arrivals = arrivals(&args)?;
     let duration = args
@@ -165,135 +166,16 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         .map(dataset::load_tokenizer)
         .transpose()?;
     let workload = workload(&args, tokenizer.as_ref())?;
-    let vocab_size = match (args.vocab_size, &tokenizer) {
-        (Some(0), _) => bail!("--vocab-size must be at least 1"),
-        (Some(n), _) => n,
-        (None, Some(t)) => u32::try_from(t.vocab_size()).unwrap_or(u32::MAX),
-        (None, None) => dataset::DEFAULT_VOCAB_SIZE,
-    };
-    let config = TargetConfig {
-        base_url: args.base_url.clone(),
-        endpoint: args.endpoint.clone(),
-        model: args.model.clone(),
-        api_key: args.api_key.clone().or_else(|| {
-            std::env::var("OPENAI_API_KEY")
-                .ok()
-                .filter(|k| !k.is_empty())
-        }),
-        request_timeout,
-        ignore_eos: args.ignore_eos,
-        temperature: args.temperature,
-        synthesis: Synthesis {
-            vocab_size,
-            block_size: args.block_size,
-            seed: args.seed,
-        },
-    };
-    // Raised by the first Ctrl-C of the run (see below).
+    let config = target_config(&args, tokenizer.as_ref(), request_timeout)?;
+    // Raised by the first Ctrl-C of the run (see `run_sweep_interruptible`).
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let plan = SweepPlan {
-        arrivals,
-        seed: args.seed,
-        // Sent below, before anything is printed, so a bad target fails with one line.
-        warmup: false,
-        run: RunOptions {
-            max_concurrency: args.max_concurrency,
-            duration,
-            progress: !args.no_progress,
-            label: String::new(),
-            stop: Some(stop_rx),
-        },
-        report: ReportOptions {
-            percentiles: args.percentiles.clone(),
-            detailed: args.save_detailed,
-        },
-    };
+    let plan = sweep_plan(&args, arrivals, duration, stop_rx);
     plan.check(&workload)?;
-    // Found out before the run, not after it (which may take hours).
-    let plot_paths = args.plot_prefix.as_deref().map(|prefix| {
-        let format = match args.plot_format {
-            PlotFormatArg::Png => PlotFormat::Png,
-            PlotFormatArg::Svg => PlotFormat::Svg,
-        };
-        (prefix, format)
-    });
-    if let Some(path) = &args.output {
-        if path.is_dir() {
-            bail!("--output {} is a directory", path.display());
-        }
-        existing_parent("--output", path, path)?;
-    }
-    if let Some((prefix, _)) = plot_paths {
-        let mut chart = prefix.as_os_str().to_owned();
-        chart.push("-ttft-cdf");
-        existing_parent("--plot-prefix", prefix, std::path::Path::new(&chart))?;
-    }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    let reports = runtime.block_on(async {
-        let target = Target::connect(config).await?;
-        if !args.no_warmup {
-            warmup(&target, &workload.requests[0]).await?;
-        }
-        note!(
-            "bench serve: {} requests ({}) to {}{} model {}",
-            workload.requests.len(),
-            workload.dataset,
-            args.base_url.trim_end_matches('/'),
-            args.endpoint,
-            target.model()
-        );
-        // From here the first Ctrl-C ends the benchmark early but keeps what it measured:
-        // nothing more is sent, the requests in flight finish, and the runs so far are
-        // reported and written. A second Ctrl-C quits at once.
-        tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_err() {
-                return;
-            }
-            note!(
-                "bench serve: interrupted: sending no more requests, waiting for those in \
-                 flight (Ctrl-C again to quit now)"
-            );
-            let _ = stop.send(true);
-            if tokio::signal::ctrl_c().await.is_ok() {
-                std::process::exit(130);
-            }
-        });
-        run_sweep(&target, &workload, &plan).await
-    })?;
+    let outputs = Outputs::check(&args)?;
+    let reports = run_sweep_interruptible(&args, config, &workload, &plan, stop)?;
     let interrupted = plan.run.stopped();
-    for report in &reports {
-        out!("{}", format_table(&report.summary));
-    }
-    if reports.len() > 1 {
-        out!(
-            "\n{}",
-            format_sweep(
-                &reports
-                    .iter()
-                    .map(|r| r.summary.clone())
-                    .collect::<Vec<_>>()
-            )
-        );
-    }
-    if let Some(path) = &args.output {
-        let json = match reports.as_slice() {
-            [one] => serde_json::to_string_pretty(&one.summary),
-            many => {
-                serde_json::to_string_pretty(&many.iter().map(|r| &r.summary).collect::<Vec<_>>())
-            }
-        }?;
-        std::fs::write(path, json + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        note!("wrote {}", path.display());
-    }
-    if let Some((prefix, format)) = plot_paths {
-        for path in write_plots(prefix, format, &reports)? {
-            note!("wrote {}", path.display());
-        }
-    }
+    print_reports(&reports);
+    outputs.write(&reports)?;
     if interrupted {
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
@@ -311,15 +193,181 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The endpoint, credentials and request settings; synthetic token ids come from `--vocab-size`,
+/// else the tokenizer's vocabulary, else the default.
+fn target_config(
+    args: &ServeBenchArgs,
+    tokenizer: Option<&rackfill_models::Tokenizer>,
+    request_timeout: Duration,
+) -> anyhow::Result<TargetConfig> {
+    let vocab_size = match (args.vocab_size, tokenizer) {
+        (Some(0), _) => bail!("--vocab-size must be at least 1"),
+        (Some(n), _) => n,
+        (None, Some(t)) => u32::try_from(t.vocab_size()).unwrap_or(u32::MAX),
+        (None, None) => dataset::DEFAULT_VOCAB_SIZE,
+    };
+    Ok(TargetConfig {
+        base_url: args.base_url.clone(),
+        endpoint: args.endpoint.clone(),
+        model: args.model.clone(),
+        api_key: args.api_key.clone().or_else(|| {
+            std::env::var("OPENAI_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty())
+        }),
+        request_timeout,
+        ignore_eos: args.ignore_eos,
+        temperature: args.temperature,
+        synthesis: Synthesis {
+            vocab_size,
+            block_size: args.block_size,
+            seed: args.seed,
+        },
+    })
+}
+
+/// The sweep over `arrivals` with the run limits and report options; `stop` ends it early.
+fn sweep_plan(
+    args: &ServeBenchArgs,
+    arrivals: Vec<Arrivals>,
+    duration: Option<Duration>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> SweepPlan {
+    SweepPlan {
+        arrivals,
+        seed: args.seed,
+        // Sent by `run_sweep_interruptible` before anything is printed, so a bad target fails
+        // with one line.
+        warmup: false,
+        run: RunOptions {
+            max_concurrency: args.max_concurrency,
+            duration,
+            progress: !args.no_progress,
+            label: String::new(),
+            stop: Some(stop),
+        },
+        report: ReportOptions {
+            percentiles: args.percentiles.clone(),
+            detailed: args.save_detailed,
+        },
+    }
+}
+
+/// Connects, sends the warm-up request and runs the sweep. From the first request on, the first
+/// Ctrl-C raises `stop`: nothing more is sent, the requests in flight finish, and the runs so
+/// far are returned. A second Ctrl-C quits at once.
+fn run_sweep_interruptible(
+    args: &ServeBenchArgs,
+    config: TargetConfig,
+    workload: &Workload,
+    plan: &SweepPlan,
+    stop: tokio::sync::watch::Sender<bool>,
+) -> anyhow::Result<Vec<RateReport>> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let reports = runtime.block_on(async {
+        let target = Target::connect(config).await?;
+        if !args.no_warmup {
+            warmup(&target, &workload.requests[0]).await?;
+        }
+        note!(
+            "bench serve: {} requests ({}) to {}{} model {}",
+            workload.requests.len(),
+            workload.dataset,
+            args.base_url.trim_end_matches('/'),
+            args.endpoint,
+            target.model()
+        );
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_err() {
+                return;
+            }
+            note!(
+                "bench serve: interrupted: sending no more requests, waiting for those in \
+                 flight (Ctrl-C again to quit now)"
+            );
+            let _ = stop.send(true);
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        });
+        run_sweep(&target, workload, plan).await
+    })?;
+    Ok(reports)
+}
+
+/// One table per run, then the sweep's table when there were several.
+fn print_reports(reports: &[RateReport]) {
+    for report in reports {
+        out!("{}", format_table(&report.summary));
+    }
+    if reports.len() > 1 {
+        let summaries: Vec<_> = reports.iter().map(|r| r.summary.clone()).collect();
+        out!("\n{}", format_sweep(&summaries));
+    }
+}
+
+/// The files a run writes, checked before it starts (which may take hours).
+struct Outputs<'a> {
+    json: Option<&'a Path>,
+    plots: Option<(&'a Path, PlotFormat)>,
+}
+
+impl<'a> Outputs<'a> {
+    fn check(args: &'a ServeBenchArgs) -> anyhow::Result<Self> {
+        if let Some(path) = &args.output {
+            if path.is_dir() {
+                bail!("--output {} is a directory", path.display());
+            }
+            existing_parent("--output", path, path)?;
+        }
+        let plots = args.plot_prefix.as_deref().map(|prefix| {
+            let format = match args.plot_format {
+                PlotFormatArg::Png => PlotFormat::Png,
+                PlotFormatArg::Svg => PlotFormat::Svg,
+            };
+            (prefix, format)
+        });
+        if let Some((prefix, _)) = plots {
+            let mut chart = prefix.as_os_str().to_owned();
+            chart.push("-ttft-cdf");
+            existing_parent("--plot-prefix", prefix, Path::new(&chart))?;
+        }
+        Ok(Self {
+            json: args.output.as_deref(),
+            plots,
+        })
+    }
+
+    /// `--output`: one summary object, or a list of them for a sweep; `--plot-prefix`: charts.
+    fn write(&self, reports: &[RateReport]) -> anyhow::Result<()> {
+        if let Some(path) = self.json {
+            let json = match reports {
+                [one] => serde_json::to_string_pretty(&one.summary),
+                many => serde_json::to_string_pretty(
+                    &many.iter().map(|r| &r.summary).collect::<Vec<_>>(),
+                ),
+            }?;
+            std::fs::write(path, json + "\n")
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            note!("wrote {}", path.display());
+        }
+        if let Some((prefix, format)) = self.plots {
+            for path in write_plots(prefix, format, reports)? {
+                note!("wrote {}", path.display());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Refuses `value` of `flag` when the directory of `file`, a file it names, does not exist.
-fn existing_parent(
-    flag: &str,
-    value: &std::path::Path,
-    file: &std::path::Path,
-) -> anyhow::Result<()> {
+fn existing_parent(flag: &str, value: &Path, file: &Path) -> anyhow::Result<()> {
     let parent = match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
-        _ => std::path::Path::new("."),
+        _ => Path::new("."),
     };
     if !parent.is_dir() {
         bail!(

@@ -8,9 +8,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
+use rackfill_engine::routing_trace::RoutingTraceConfig;
 use rackfill_engine::{DataPlane, EngineConfig, EpConfig, SchedulerConfig};
 use rackfill_models::ModelBundle;
 use rackfill_server::{AppState, ServerConfig};
+
+use crate::flags::{parse_bytes, BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES};
 
 /// Arguments of `rackfill serve`.
 #[derive(Debug, clap::Args)]
@@ -26,46 +29,54 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Expert-parallel ranks `R`.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = EpConfig::default().ep_size, aliases = EP_SIZE_ALIASES)]
     ep_size: usize,
     /// Redundant expert slots per rank.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = EpConfig::default().redundant_slots,
+          aliases = REDUNDANT_SLOTS_ALIASES)]
     redundant_slots: usize,
     /// Balancer: quota, eplb-exact, eplb-history, greedy-move or none.
-    #[arg(long, default_value = "quota")]
-    balancer: String,
+    #[arg(long, default_value_t = EpConfig::default().balancer, aliases = BALANCER_ALIASES)]
+    balancer: Algo,
     /// Prefill tokens per rank and step.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = EngineConfig::default().scheduler.chunk_tokens)]
     chunk_tokens: usize,
     /// KV-cache tokens per rank (also the longest prompt plus max_tokens one request may ask).
-    #[arg(long, default_value_t = 65_536)]
+    #[arg(long, default_value_t = EngineConfig::default().scheduler.kv_tokens_per_rank)]
     kv_tokens_per_rank: usize,
     /// Generation requests handled at once; more get 429.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = ServerConfig::default().max_concurrent_requests)]
     max_concurrent_requests: usize,
     /// Sequences waiting for the engine beyond which submissions get 429.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = EngineConfig::default().max_waiting)]
     max_waiting: usize,
     /// Largest request body in bytes; larger get 413.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = ServerConfig::default().max_body_bytes)]
     max_body_bytes: usize,
     /// Bearer token required on /v1/* (default: the RACKFILL_API_KEY environment variable).
     #[arg(long)]
     api_key: Option<String>,
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = ServerConfig::default().shutdown_timeout.as_secs_f64())]
     shutdown_timeout: f64,
     /// Seconds a client may take to send a request's head (also how long an idle keep-alive
     /// connection stays open), and again its body (408 after that).
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = ServerConfig::default().read_timeout.as_secs_f64())]
     read_timeout: f64,
     /// Seconds a streamed response may wait for a client that stopped reading before the
     /// request is cancelled.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = ServerConfig::default().write_timeout.as_secs_f64())]
     write_timeout: f64,
-    /// Record every step's per-layer expert load matrices to this file.
+    /// Record every step's per-layer expert load matrices to this file (the routing-trace format
+    /// of docs/bench-balance.md, replayable with `rackfill bench balance --trace`).
     #[arg(long)]
     record_routing: Option<PathBuf>,
+    /// Stop recording before the step that would take the --record-routing file past this size
+    /// (bytes, or with a K/M/G/T suffix); the file keeps whole steps only, and the gauge
+    /// rackfill:routing_trace_recording drops to 0.
+    #[arg(long, value_parser = parse_bytes, requires = "record_routing",
+          default_value_t = RoutingTraceConfig::DEFAULT_MAX_BYTES)]
+    record_routing_max_bytes: u64,
     /// The model name clients use (default: the --model argument, or the built-in name).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -77,7 +88,6 @@ pub struct ServeArgs {
 
 /// Engine and server settings from the flags, checked before anything is loaded.
 fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
-    let balancer: Algo = args.balancer.parse().map_err(anyhow::Error::msg)?;
     if args.ep_size == 0 {
         bail!("--ep-size must be at least 1");
     }
@@ -115,7 +125,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         ep: EpConfig {
             ep_size: args.ep_size,
             redundant_slots: args.redundant_slots,
-            balancer,
+            balancer: args.balancer,
             data_plane,
             ..EpConfig::default()
         },
@@ -124,7 +134,10 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
             kv_tokens_per_rank: args.kv_tokens_per_rank,
         },
         max_waiting: args.max_waiting,
-        record_routing: args.record_routing.clone(),
+        record_routing: args.record_routing.as_ref().map(|path| RoutingTraceConfig {
+            path: path.clone(),
+            max_bytes: args.record_routing_max_bytes,
+        }),
     };
     let server = ServerConfig {
         api_key,
@@ -324,8 +337,7 @@ mod tests {
     #[test]
     fn bad_flags_are_one_line_errors() {
         for flags in [
-            &["--balancer", "nope"][..],
-            &["--ep-size", "0"],
+            &["--ep-size", "0"][..],
             &["--max-concurrent-requests", "0"],
             &["--shutdown-timeout=-1"],
             &["--shutdown-timeout", "1e300"],
@@ -341,7 +353,44 @@ mod tests {
             let err = parse(flags).unwrap_err().to_string();
             assert!(!err.contains('\n'), "{flags:?}: {err}");
         }
+        // Refused by the flag parser (the binary folds its message into one line).
         assert!(parse(&["--port", "70000"]).is_err());
+        assert!(parse(&["--balancer", "nope"]).is_err());
+        assert!(parse(&["--record-routing-max-bytes", "1G"]).is_err());
+    }
+
+    #[test]
+    fn old_spellings_are_hidden_aliases() {
+        let (engine, _) = parse(&["--ep", "4", "--slots", "1", "--algo", "none"]).unwrap();
+        assert_eq!(
+            (
+                engine.ep.ep_size,
+                engine.ep.redundant_slots,
+                engine.ep.balancer
+            ),
+            (4, 1, Algo::None)
+        );
+        let (engine, _) = parse(&["--ranks", "2", "--balancers", "greedy-move"]).unwrap();
+        assert_eq!(
+            (engine.ep.ep_size, engine.ep.balancer),
+            (2, Algo::GreedyMove)
+        );
+    }
+
+    #[test]
+    fn routing_trace_cap() {
+        let (engine, _) = parse(&["--record-routing", "r.jsonl"]).unwrap();
+        let trace = engine.record_routing.unwrap();
+        assert_eq!(trace.max_bytes, RoutingTraceConfig::DEFAULT_MAX_BYTES);
+        let (engine, _) = parse(&[
+            "--record-routing",
+            "r.jsonl",
+            "--record-routing-max-bytes",
+            "64M",
+        ])
+        .unwrap();
+        assert_eq!(engine.record_routing.unwrap().max_bytes, 64 << 20);
+        assert!(parse(&[]).unwrap().0.record_routing.is_none());
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! docs/simulate.md). Prints a readable table, or the report as JSON with `--json`; progress goes
 //! to standard error.
 
-use crate::bench_cmd::parse_positive;
+use crate::flags::{
+    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, EP_SIZE_ALIASES,
+    REDUNDANT_SLOTS_ALIASES,
+};
 use anyhow::{bail, Result};
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
@@ -15,11 +18,22 @@ use rackfill_bench::simulate::report::{
 use rackfill_bench::simulate::shape::ModelShape;
 use rackfill_bench::simulate::trace::TraceSource;
 use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
+use rackfill_engine::EpConfig;
 use std::io::Write as _;
 use std::path::PathBuf;
 
 /// Tokens each rank prefills per step unless `--chunk-tokens` says otherwise.
 const DEFAULT_CHUNK_TOKENS: u64 = 4096;
+
+/// Ranks a rack-scale simulation spreads the experts over unless `--ep-size` says otherwise
+/// (64 of an NVL72's 72 GPUs; the engine's own default, one host's, is much smaller).
+const DEFAULT_EP_SIZE: usize = 64;
+
+/// What `simulate` compares by default: the engine's balancer, the history-based baseline and
+/// none.
+fn simulated_balancers() -> [Algo; 3] {
+    [EpConfig::default().balancer, Algo::EplbHistory, Algo::None]
+}
 
 /// Arguments of `rackfill simulate`.
 #[derive(Debug, clap::Args)]
@@ -29,14 +43,19 @@ pub struct SimulateArgs {
     #[arg(long)]
     model_shape: String,
     /// EP ranks (one GPU each); at most the rack's GPUs.
-    #[arg(long, default_value_t = 64)]
-    ep: usize,
+    #[arg(long, default_value_t = DEFAULT_EP_SIZE, aliases = EP_SIZE_ALIASES)]
+    ep_size: usize,
     /// Redundant expert slots per rank.
-    #[arg(long, default_value_t = 2)]
-    slots: usize,
-    /// Balancers to compare, comma-separated (none, quota, quota-paper, eplb-exact,
-    /// eplb-history, greedy-move).
-    #[arg(long, value_delimiter = ',', default_value = "quota,eplb-history,none")]
+    #[arg(long, default_value_t = EpConfig::default().redundant_slots,
+          aliases = REDUNDANT_SLOTS_ALIASES)]
+    redundant_slots: usize,
+    // Help set below: it shows the default list comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = simulated_balancers(),
+          hide_default_value = true, aliases = BALANCER_ALIASES,
+          help = help_with_list_default(
+              "Balancers to compare, comma-separated (none, quota, quota-paper, eplb-exact, \
+               eplb-history, greedy-move)",
+              &simulated_balancers()))]
     balancer: Vec<Algo>,
     /// Routing: synthetic-mixed, or a routing trace recorded with --record-routing.
     #[arg(long, default_value = "synthetic-mixed")]
@@ -73,20 +92,20 @@ pub struct SimulateArgs {
     #[arg(long, value_delimiter = ',')]
     rates: Vec<f64>,
     /// Experts with more replicas than this are streamed over a two-stage relay tree.
-    #[arg(long, default_value_t = rackfill_balancer::relay::DEFAULT_RELAY_THRESHOLD)]
+    #[arg(long, default_value_t = RelayConfig::default().threshold)]
     relay_threshold: usize,
     /// Stream every replica straight from its home rank (no relay trees).
     #[arg(long)]
     no_relay: bool,
     /// Smallest quota a new replica must carry (quota planners).
-    #[arg(long, default_value_t = rackfill_balancer::quota::DEFAULT_U_MIN)]
+    #[arg(long, default_value_t = Settings::default().u_min)]
     u_min: u64,
     /// Steps of load history eplb-history plans from.
-    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_HISTORY_WINDOW,
+    #[arg(long, default_value_t = Settings::default().history_window,
           value_parser = parse_positive)]
     history_window: usize,
     /// eplb-history re-plans every this many steps.
-    #[arg(long, default_value_t = rackfill_balancer::eplb::DEFAULT_REBALANCE_INTERVAL,
+    #[arg(long, default_value_t = Settings::default().rebalance_interval,
           value_parser = parse_positive)]
     rebalance_interval: usize,
     /// Write plots to PREFIX-breakdown, PREFIX-steps (or PREFIX-rps-ttft, PREFIX-rps-p99-ttft).
@@ -127,8 +146,8 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     let shape = ModelShape::load(&args.model_shape)?;
     let spec = SimSpec {
         rack: Rack::load(&args.rack)?,
-        ep: args.ep,
-        slots: args.slots,
+        ep: args.ep_size,
+        slots: args.redundant_slots,
         algos: dedup(&args.balancer),
         settings: Settings {
             u_min: args.u_min,
@@ -230,14 +249,4 @@ fn print_report<T: serde::Serialize>(
         write!(out, "{}", table())?;
     }
     Ok(())
-}
-
-fn dedup(algos: &[Algo]) -> Vec<Algo> {
-    let mut out = Vec::new();
-    for &a in algos {
-        if !out.contains(&a) {
-            out.push(a);
-        }
-    }
-    out
 }

@@ -288,12 +288,17 @@ fn bad_flags_get_one_line_and_help_still_works() {
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
         assert!(err.starts_with("error: "), "{args:?}: {err}");
     }
-    let out = run(&["plan", "--load", "x", "--slots"]);
+    let out = run(&["plan", "--load", "x", "--redundant-slots"]);
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("--slots"), "the flag is named: {err}");
+    assert!(
+        err.contains("--redundant-slots"),
+        "the flag is named: {err}"
+    );
     let out = run(&["plan", "--help"]);
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8(out.stdout).unwrap().contains("--slots"));
+    assert!(String::from_utf8(out.stdout)
+        .unwrap()
+        .contains("--redundant-slots"));
 }
 
 #[test]

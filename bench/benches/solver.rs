@@ -5,7 +5,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rackfill_balancer::{Algo, LoadMatrix, Settings};
-use rackfill_bench::synthetic::{generate, Family, Pattern, Shape, Suite};
+use rackfill_bench::synthetic::{generate, Pattern, Popularity, Shape, Suite};
 
 const SHAPES: [Shape; 3] = [
     Shape::new(64, 256, 2),
@@ -24,7 +24,13 @@ const ALGOS: [Algo; 5] = [
 
 /// A few layers of one suite, so the figure is not one lucky matrix.
 fn layers(shape: Shape) -> Vec<LoadMatrix> {
-    let suite = Suite::new(shape, 2048, Family::Zipf { s: 1.0 }, Pattern::Drifting, 4);
+    let suite = Suite::new(
+        shape,
+        2048,
+        Popularity::Zipf { s: 1.0 },
+        Pattern::Drifting,
+        4,
+    );
     generate(&suite, 7)
         .expect("the bench suite is valid")
         .collect()

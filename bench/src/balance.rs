@@ -11,6 +11,8 @@
 //!
 //! [`Plan::validate`]: rackfill_balancer::Plan::validate
 
+use crate::markdown::{markdown_table, write_validation_failures, MAX_FAILURES_KEPT};
+use crate::stats::percentile;
 use crate::synthetic::{self, Suite};
 use rackfill_balancer::relay::{direct_send_bytes, plan_transfers, RelayConfig};
 use rackfill_balancer::{metrics, Algo, BalanceError, Plan, Settings};
@@ -20,9 +22,6 @@ use std::time::{Duration, Instant};
 
 /// Token counts per rank that make up the `exact-load` group.
 pub const EXACT_LOAD_TOKENS: [u64; 2] = [1024, 4096];
-
-/// Failures kept verbatim in a report (all are counted).
-pub const MAX_FAILURES_KEPT: usize = 20;
 
 /// What to replay.
 #[derive(Debug, Clone)]
@@ -120,7 +119,7 @@ pub struct BalanceReport {
     pub balancers: Vec<String>,
     /// Total failed plans over all balancers; anything but 0 is a bug in a planner.
     pub validation_failures: usize,
-    /// The first [`MAX_FAILURES_KEPT`] failures.
+    /// The first failures (at most `MAX_FAILURES_KEPT`, 20), each verbatim.
     pub failures: Vec<Failure>,
     /// Time spent generating load matrices, in milliseconds.
     pub generate_ms: f64,
@@ -414,21 +413,6 @@ impl Acc {
     }
 }
 
-/// Microseconds rounded to whole nanoseconds, the timers' resolution, for reports: sums and means
-/// of nanosecond samples otherwise print float noise (`0.39499999999999996`).
-pub fn round_us(us: f64) -> f64 {
-    (us * 1e3).round() / 1e3
-}
-
-/// Nearest-rank percentile of sorted samples (0 for none).
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 impl BalanceReport {
     /// The report as markdown: a header, a loud failure section when any plan failed, then one
     /// fixed-width table per group.
@@ -452,7 +436,7 @@ impl BalanceReport {
             self.generate_ms / 1e3,
             self.wall_ms / 1e3
         );
-        crate::replay_report::write_validation_failures(
+        write_validation_failures(
             &mut out,
             self.validation_failures,
             self.failures.iter().map(|f| {
@@ -531,5 +515,5 @@ fn stats_table(rows: &[BalancerStats]) -> String {
             ]
         })
         .collect();
-    crate::replay_report::markdown_table(&header, &cells)
+    markdown_table(&header, &cells)
 }

@@ -5,25 +5,26 @@
 //! - [`balance`]: replays load sequences through every balancer and reports imbalance, optimality
 //!   gap, replicas, fan-out, in-flight ratio and solve time per balancer (`rackfill bench balance`);
 //! - [`forward`]: prefill tokens/s of the dense model path (`rackfill bench forward`);
-//! - [`routing_trace`]: reads and writes routing traces (the `--record-routing` JSONL format);
-//! - [`replay`]: replays multi-layer routing traces (recorded, or from
-//!   [`synthetic::multilayer`]) through every balancer, step by step
-//!   (`rackfill bench balance --trace` / `--synthetic-trace`);
+//! - [`replay`]: replays multi-layer routing traces (recorded, and read with
+//!   [`rackfill_engine::routing_trace`], or from [`synthetic::multilayer`]) through every
+//!   balancer, step by step (`rackfill bench balance --trace` / `--synthetic-trace`);
 //! - [`serve`]: request-trace load generator for any OpenAI-compatible endpoint
 //!   (`rackfill bench serve`);
 //! - [`simulate`]: rack-scale what-if: per-term step cost of every balancer against the
-//!   force-balanced ideal, and TTFT versus request rate (`rackfill simulate`).
+//!   force-balanced ideal, and TTFT versus request rate (`rackfill simulate`);
+//! - [`stats`]: percentiles and rounding every balancer report shares.
 
 pub mod balance;
 pub mod ep;
 pub mod forward;
+mod markdown;
 pub mod plot;
 pub mod replay;
 mod replay_report;
-pub mod routing_trace;
 pub mod serve;
 pub mod simulate;
+pub mod stats;
 pub mod synthetic;
 
 pub use balance::{run_balance, BalanceReport, BalanceRun, BalancerStats, GroupReport};
-pub use synthetic::{default_grid, generate, Family, Generator, Pattern, Shape, Suite};
+pub use synthetic::{default_grid, generate, Generator, Pattern, Popularity, Shape, Suite};

@@ -3,20 +3,21 @@
 //!
 //! Every (balancer, layer) pair has its own planner instance, as in the engine, so `eplb-history`
 //! keeps one history window per layer and re-plans it every `rebalance_interval` of its steps.
-//! The [`Balancer`](rackfill_balancer::Balancer) trait feeds it one load per `plan` call and the
-//! planner records that load only after planning, so a placement is always made from earlier steps
-//! and never sees the step it serves (the current load only sets the token split, as deployed).
+//! The [`Balancer`] trait feeds it one load per `plan` call and the planner records that load only
+//! after planning, so a placement is always made from earlier steps and never sees the step it
+//! serves (the current load only sets the token split, as deployed).
 //!
 //! Only `Balancer::plan` is timed. Every plan is checked with
 //! [`Plan::validate`](rackfill_balancer::Plan::validate) against the planner's own `u_min`; failures
-//! are counted and the first [`MAX_FAILURES_KEPT`] kept, never silently dropped. Plans are evaluated
+//! are counted and the first `MAX_FAILURES_KEPT` kept, never silently dropped. Plans are evaluated
 //! with [`metrics::evaluate`] and dropped after the step: memory is constant in the trace length
 //! apart from the per-step series (a handful of numbers per step and balancer) and the samples the
 //! percentiles need (two per layer-step and balancer).
 
-use crate::balance::{percentile, round_us, MAX_FAILURES_KEPT};
-use crate::routing_trace::TraceStep;
-use rackfill_balancer::{metrics, Algo, Layout, Plan, Settings};
+use crate::markdown::MAX_FAILURES_KEPT;
+use crate::stats::{percentile, round_us};
+use rackfill_balancer::{metrics, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
+use rackfill_engine::routing_trace::TraceStep;
 use serde::Serialize;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -137,7 +138,7 @@ pub struct ReplayReport {
     pub expert_bytes: Option<u64>,
     pub balancers: Vec<String>,
     pub validation_failures: usize,
-    /// The first [`MAX_FAILURES_KEPT`] failures.
+    /// The first failures (at most `MAX_FAILURES_KEPT`, 20), each verbatim.
     pub failures: Vec<ReplayFailure>,
     /// The trace's step numbers, in replay order.
     pub step_ids: Vec<u64>,
@@ -167,28 +168,60 @@ where
     E: std::error::Error + Send + Sync + 'static,
 {
     let started = Instant::now();
-    let layout = &config.layout;
-    let n_layers = layers.len();
-    if n_layers == 0 {
+    if layers.is_empty() {
         return Err(ReplayError::Layout("the trace has no layers".into()));
     }
-    // planners[b][l]: balancer b on layer l.
-    let mut planners: Vec<Vec<_>> = config
-        .algos
-        .iter()
-        .map(|a| (0..n_layers).map(|_| a.build(&config.settings)).collect())
-        .collect();
-    let mut accs: Vec<Acc> = config.algos.iter().map(|_| Acc::new(n_layers)).collect();
-    // Previous slot contents per balancer and layer (empty before the first plan).
-    let mut previous_slots: Vec<Vec<Vec<Option<u32>>>> =
-        vec![vec![Vec::new(); n_layers]; config.algos.len()];
-    let mut failures = Vec::new();
-    let mut failure_count = 0usize;
-    let mut step_ids = Vec::new();
-    let mut before_series = Vec::new();
-
+    let mut replayer = Replayer::new(config, layers);
     for (step_index, item) in source.into_iter().enumerate() {
         let step = item.map_err(|e| ReplayError::Source(Box::new(e)))?;
+        replayer.check_step(&step)?;
+        replayer.replay_step(step_index, &step, &mut on_event);
+        on_event(ReplayEvent::Step {
+            steps_done: replayer.step_ids.len(),
+            elapsed: started.elapsed(),
+        });
+    }
+    Ok(replayer.finish(source_name, started.elapsed()))
+}
+
+/// A replay in progress: every planner with its running sums.
+struct Replayer<'a> {
+    config: &'a ReplayConfig,
+    layers: &'a [usize],
+    /// `planners[b][l]`: balancer `b` on layer `l`.
+    planners: Vec<Vec<Box<dyn Balancer>>>,
+    accs: Vec<Acc>,
+    /// Previous slot contents per balancer and layer (empty before the first plan).
+    previous_slots: Vec<Vec<Vec<Option<u32>>>>,
+    failures: Vec<ReplayFailure>,
+    failure_count: usize,
+    step_ids: Vec<u64>,
+    before_series: Vec<f64>,
+}
+
+impl<'a> Replayer<'a> {
+    fn new(config: &'a ReplayConfig, layers: &'a [usize]) -> Self {
+        let n_layers = layers.len();
+        Self {
+            config,
+            layers,
+            planners: config
+                .algos
+                .iter()
+                .map(|a| (0..n_layers).map(|_| a.build(&config.settings)).collect())
+                .collect(),
+            accs: config.algos.iter().map(|_| Acc::new(n_layers)).collect(),
+            previous_slots: vec![vec![Vec::new(); n_layers]; config.algos.len()],
+            failures: Vec::new(),
+            failure_count: 0,
+            step_ids: Vec::new(),
+            before_series: Vec::new(),
+        }
+    }
+
+    /// Refuses a step whose matrices do not fit the layer list or the layout.
+    fn check_step(&self, step: &TraceStep) -> Result<(), ReplayError> {
+        let n_layers = self.layers.len();
         if step.loads.len() != n_layers {
             return Err(ReplayError::Layout(format!(
                 "step {} has {} load matrices for {n_layers} layers",
@@ -197,101 +230,128 @@ where
             )));
         }
         for load in &step.loads {
-            load.check_shape(layout).map_err(|e| {
+            load.check_shape(&self.config.layout).map_err(|e| {
                 ReplayError::Layout(format!("step {}: {e} (check --home)", step.step))
             })?;
         }
+        Ok(())
+    }
+
+    /// Plans every layer of `step` with every balancer.
+    fn replay_step(
+        &mut self,
+        step_index: usize,
+        step: &TraceStep,
+        on_event: &mut impl FnMut(ReplayEvent<'_>),
+    ) {
+        let layout = &self.config.layout;
         let mut before_sum = 0.0;
-        for acc in &mut accs {
+        for acc in &mut self.accs {
             acc.begin_step();
         }
         for (l, load) in step.loads.iter().enumerate() {
-            let before = metrics::imbalance(&rackfill_balancer::main_rank_loads(
+            before_sum += metrics::imbalance(&rackfill_balancer::main_rank_loads(
                 layout,
                 &load.expert_totals(),
             ));
-            before_sum += before;
-            for (b, planner) in planners.iter_mut().enumerate() {
-                let planner = &mut planner[l];
-                // The planner runs right after the load all-gather in the engine, with the matrix in
-                // cache: touch it so the timing is the solve, not the trace reader's cache misses.
-                std::hint::black_box(load.total());
-                let t = Instant::now();
-                let result = planner.plan(layout, load);
-                let solve_us = t.elapsed().as_nanos() as f64 / 1e3;
-                let checked = result
-                    .map_err(|e| format!("planner error: {e}"))
-                    .and_then(|plan| {
-                        plan.validate(layout, load, planner.u_min())
-                            .map(|()| plan)
-                            .map_err(|e| format!("invalid plan: {e}"))
+            for b in 0..self.planners.len() {
+                self.plan_layer(b, l, step, load, step_index, on_event);
+            }
+        }
+        for acc in &mut self.accs {
+            acc.end_step();
+        }
+        self.before_series
+            .push(before_sum / self.layers.len() as f64);
+        self.step_ids.push(step.step);
+    }
+
+    /// Balancer `b` plans layer `l` of `step`; the plan is validated, evaluated and dropped, or
+    /// counted as a failure.
+    fn plan_layer(
+        &mut self,
+        b: usize,
+        l: usize,
+        step: &TraceStep,
+        load: &LoadMatrix,
+        step_index: usize,
+        on_event: &mut impl FnMut(ReplayEvent<'_>),
+    ) {
+        let layout = &self.config.layout;
+        let planner = &mut self.planners[b][l];
+        // The planner runs right after the load all-gather in the engine, with the matrix in
+        // cache: touch it so the timing is the solve, not the trace reader's cache misses.
+        std::hint::black_box(load.total());
+        let t = Instant::now();
+        let result = planner.plan(layout, load);
+        let solve_us = t.elapsed().as_nanos() as f64 / 1e3;
+        let checked = result
+            .map_err(|e| format!("planner error: {e}"))
+            .and_then(|plan| {
+                plan.validate(layout, load, planner.u_min())
+                    .map(|()| plan)
+                    .map_err(|e| format!("invalid plan: {e}"))
+            });
+        match checked {
+            Ok(plan) => {
+                let m = metrics::evaluate(layout, load, &plan);
+                let previous = &mut self.previous_slots[b][l];
+                let changes = slot_changes(previous, plan.slots());
+                previous.clear();
+                previous.extend_from_slice(plan.slots());
+                self.accs[b].add(l, &m, solve_us, changes);
+                on_event(ReplayEvent::Plan {
+                    step_index,
+                    layer_index: l,
+                    balancer: self.config.algos[b],
+                    plan: &plan,
+                });
+            }
+            Err(error) => {
+                self.failure_count += 1;
+                self.accs[b].failures += 1;
+                if self.failures.len() < MAX_FAILURES_KEPT {
+                    self.failures.push(ReplayFailure {
+                        balancer: planner.name().to_string(),
+                        step: step.step,
+                        layer: self.layers[l],
+                        error,
                     });
-                match checked {
-                    Ok(plan) => {
-                        let m = metrics::evaluate(layout, load, &plan);
-                        let previous = &mut previous_slots[b][l];
-                        let changes = slot_changes(previous, plan.slots());
-                        previous.clear();
-                        previous.extend_from_slice(plan.slots());
-                        accs[b].add(l, &m, solve_us, changes);
-                        on_event(ReplayEvent::Plan {
-                            step_index,
-                            layer_index: l,
-                            balancer: config.algos[b],
-                            plan: &plan,
-                        });
-                    }
-                    Err(error) => {
-                        failure_count += 1;
-                        accs[b].failures += 1;
-                        if failures.len() < MAX_FAILURES_KEPT {
-                            failures.push(ReplayFailure {
-                                balancer: planner.name().to_string(),
-                                step: step.step,
-                                layer: layers[l],
-                                error,
-                            });
-                        }
-                    }
                 }
             }
         }
-        for acc in &mut accs {
-            acc.end_step();
-        }
-        before_series.push(before_sum / n_layers as f64);
-        step_ids.push(step.step);
-        on_event(ReplayEvent::Step {
-            steps_done: step_ids.len(),
-            elapsed: started.elapsed(),
-        });
     }
 
-    let steps = step_ids.len();
-    let stats = accs
-        .into_iter()
-        .zip(&config.algos)
-        .map(|(acc, algo)| acc.finish(algo.name(), steps, config.expert_bytes))
-        .collect();
-    Ok(ReplayReport {
-        source: source_name.to_string(),
-        ranks: layout.ranks(),
-        experts: layout.experts(),
-        slots_per_rank: layout.slots_per_rank(),
-        layers: layers.to_vec(),
-        steps,
-        u_min: config.settings.u_min,
-        history_window: config.settings.history_window,
-        rebalance_interval: config.settings.rebalance_interval,
-        expert_bytes: config.expert_bytes,
-        balancers: config.algos.iter().map(|a| a.name().to_string()).collect(),
-        validation_failures: failure_count,
-        failures,
-        step_ids,
-        imbalance_before_series: before_series,
-        wall_ms: started.elapsed().as_secs_f64() * 1e3,
-        stats,
-    })
+    fn finish(self, source_name: &str, wall: Duration) -> ReplayReport {
+        let config = self.config;
+        let layout = &config.layout;
+        let steps = self.step_ids.len();
+        let stats = self
+            .accs
+            .into_iter()
+            .zip(&config.algos)
+            .map(|(acc, algo)| acc.finish(algo.name(), steps, config.expert_bytes))
+            .collect();
+        ReplayReport {
+            source: source_name.to_string(),
+            ranks: layout.ranks(),
+            experts: layout.experts(),
+            slots_per_rank: layout.slots_per_rank(),
+            layers: self.layers.to_vec(),
+            steps,
+            u_min: config.settings.u_min,
+            history_window: config.settings.history_window,
+            rebalance_interval: config.settings.rebalance_interval,
+            expert_bytes: config.expert_bytes,
+            balancers: config.algos.iter().map(|a| a.name().to_string()).collect(),
+            validation_failures: self.failure_count,
+            failures: self.failures,
+            step_ids: self.step_ids,
+            imbalance_before_series: self.before_series,
+            wall_ms: wall.as_secs_f64() * 1e3,
+            stats,
+        }
+    }
 }
 
 /// Slots whose expert differs from `previous` (a first plan counts every filled slot: loading it

@@ -3,8 +3,9 @@
 //! attention.
 //!
 //! Model of one step:
-//! 1. a *global popularity* over experts: a [`Family`] of weights (Zipf or lognormal) sorted from
-//!    hottest to coldest and laid onto the experts through a random permutation (the "hot order");
+//! 1. a *global popularity* over experts: a [`Popularity`] family of weights (Zipf or lognormal)
+//!    sorted from hottest to coldest and laid onto the experts through a random permutation (the
+//!    "hot order");
 //! 2. *per-rank variation*: source rank `r` routes with `global[e] * exp(sigma_r * N(0, 1))`
 //!    (`sigma_r = `[`RANK_SIGMA`] by default), drawn fresh every step, so ranks differ the way
 //!    different data-parallel batches do;
@@ -134,33 +135,34 @@ impl FromStr for Shape {
     }
 }
 
-/// Popularity family: the sorted global expert weights before they are laid onto experts.
+/// Popularity family: the sorted global expert weights before they are laid onto experts (named
+/// apart from `rackfill_models::Family`, a model architecture).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
-pub enum Family {
+pub enum Popularity {
     /// The `i`-th hottest expert (1-based) has weight `i^-s`.
     Zipf { s: f64 },
     /// Weights are i.i.d. `exp(sigma * N(0, 1))`, drawn once per suite.
     LogNormal { sigma: f64 },
 }
 
-impl Family {
+impl Popularity {
     /// Every family of the default grid: Zipf 0.6/0.8/1.0/1.2, lognormal 0.5/0.8/1.2.
-    pub const DEFAULT: [Family; 7] = [
-        Family::Zipf { s: 0.6 },
-        Family::Zipf { s: 0.8 },
-        Family::Zipf { s: 1.0 },
-        Family::Zipf { s: 1.2 },
-        Family::LogNormal { sigma: 0.5 },
-        Family::LogNormal { sigma: 0.8 },
-        Family::LogNormal { sigma: 1.2 },
+    pub const DEFAULT: [Popularity; 7] = [
+        Popularity::Zipf { s: 0.6 },
+        Popularity::Zipf { s: 0.8 },
+        Popularity::Zipf { s: 1.0 },
+        Popularity::Zipf { s: 1.2 },
+        Popularity::LogNormal { sigma: 0.5 },
+        Popularity::LogNormal { sigma: 0.8 },
+        Popularity::LogNormal { sigma: 1.2 },
     ];
 
     /// Short label for names and reports, e.g. `zipf-1.0`, `lognormal-0.8`.
     pub fn label(&self) -> String {
         match self {
-            Family::Zipf { s } => format!("zipf-{s:.1}"),
-            Family::LogNormal { sigma } => format!("lognormal-{sigma:.1}"),
+            Popularity::Zipf { s } => format!("zipf-{s:.1}"),
+            Popularity::LogNormal { sigma } => format!("lognormal-{sigma:.1}"),
         }
     }
 
@@ -171,8 +173,8 @@ impl Family {
         rng: &mut StdRng,
     ) -> Result<Vec<f64>, String> {
         let mut weights: Vec<f64> = match *self {
-            Family::Zipf { s } => (1..=experts).map(|i| (i as f64).powf(-s)).collect(),
-            Family::LogNormal { sigma } => {
+            Popularity::Zipf { s } => (1..=experts).map(|i| (i as f64).powf(-s)).collect(),
+            Popularity::LogNormal { sigma } => {
                 let dist = LogNormal::new(0.0, sigma).map_err(|err| err.to_string())?;
                 (0..experts).map(|_| dist.sample(rng)).collect()
             }
@@ -183,8 +185,8 @@ impl Family {
 
     pub(crate) fn check(&self) -> Result<(), String> {
         let (what, v) = match *self {
-            Family::Zipf { s } => ("zipf exponent", s),
-            Family::LogNormal { sigma } => ("lognormal sigma", sigma),
+            Popularity::Zipf { s } => ("zipf exponent", s),
+            Popularity::LogNormal { sigma } => ("lognormal sigma", sigma),
         };
         if !(v.is_finite() && (0.0..=8.0).contains(&v)) {
             return Err(format!("{what} must be in [0, 8], got {v}"));
@@ -193,18 +195,18 @@ impl Family {
     }
 }
 
-impl FromStr for Family {
+impl FromStr for Popularity {
     type Err = String;
 
-    /// Parses a [`Family::label`]: `zipf-S` or `lognormal-SIGMA`, e.g. `zipf-1.0`.
+    /// Parses a [`Popularity::label`]: `zipf-S` or `lognormal-SIGMA`, e.g. `zipf-1.0`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad =
             || format!("invalid family '{s}': expected zipf-S or lognormal-SIGMA, e.g. zipf-1.0");
         let (kind, value) = s.trim().rsplit_once('-').ok_or_else(bad)?;
         let v: f64 = value.parse().map_err(|_| bad())?;
         let family = match kind {
-            "zipf" => Family::Zipf { s: v },
-            "lognormal" => Family::LogNormal { sigma: v },
+            "zipf" => Popularity::Zipf { s: v },
+            "lognormal" => Popularity::LogNormal { sigma: v },
             _ => return Err(bad()),
         };
         family
@@ -264,7 +266,7 @@ pub struct Suite {
     pub top_k: usize,
     /// Sigma of the per-rank lognormal perturbation.
     pub rank_sigma: f64,
-    pub family: Family,
+    pub family: Popularity,
     pub pattern: Pattern,
     pub steps: usize,
 }
@@ -274,7 +276,7 @@ impl Suite {
     pub fn new(
         shape: Shape,
         tokens_per_rank: u64,
-        family: Family,
+        family: Popularity,
         pattern: Pattern,
         steps: usize,
     ) -> Self {
@@ -357,11 +359,14 @@ pub struct InvalidSuite(pub String);
 ///
 /// Suites are ordered shape-major, then tokens, then the rows above.
 pub fn default_grid(shapes: &[Shape], tokens: &[u64], steps: usize) -> Vec<Suite> {
-    let moving = [Family::Zipf { s: 1.0 }, Family::LogNormal { sigma: 0.8 }];
+    let moving = [
+        Popularity::Zipf { s: 1.0 },
+        Popularity::LogNormal { sigma: 0.8 },
+    ];
     let mut suites = Vec::new();
     for &shape in shapes {
         for &t in tokens {
-            for family in Family::DEFAULT {
+            for family in Popularity::DEFAULT {
                 suites.push(Suite::new(shape, t, family, Pattern::Stationary, steps));
             }
             for pattern in [

@@ -1,7 +1,8 @@
 //! The balance replay on a tiny grid.
 
 use rackfill_balancer::{Algo, Settings};
-use rackfill_bench::balance::{percentile, run_balance, suite_seed, BalanceRun};
+use rackfill_bench::balance::{run_balance, suite_seed, BalanceRun};
+use rackfill_bench::stats::percentile;
 use rackfill_bench::synthetic::{default_grid, Shape};
 
 fn tiny_run() -> BalanceRun {

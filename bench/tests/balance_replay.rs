@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use rackfill_balancer::{main_rank_loads, metrics, Algo, Layout, LoadMatrix, Settings};
 use rackfill_bench::replay::{replay, ReplayConfig, ReplayEvent, ReplayReport};
-use rackfill_bench::routing_trace::{RoutingTrace, TraceReader, TraceWriter};
 use rackfill_bench::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
+use rackfill_engine::routing_trace::{RoutingTrace, RoutingTraceConfig, TraceReader, TraceWriter};
 use rackfill_engine::{
     EngineConfig, EngineHandle, EpConfig, Event, GenerateRequest, SamplingParams, SchedulerConfig,
 };
@@ -37,7 +37,7 @@ fn record_trace(path: &Path) {
             kv_tokens_per_rank: 4096,
         },
         max_waiting: 64,
-        record_routing: Some(path.to_path_buf()),
+        record_routing: Some(RoutingTraceConfig::new(path)),
     };
     let engine = EngineHandle::spawn(
         Arc::new(bundle.model),
@@ -261,10 +261,7 @@ fn synthetic_multi_layer_trace_round_trips_exactly() {
 
 #[test]
 fn solve_times_are_reported_in_whole_nanoseconds() {
-    assert_eq!(
-        rackfill_bench::balance::round_us(0.39499999999999996),
-        0.395
-    );
+    assert_eq!(rackfill_bench::stats::round_us(0.39499999999999996), 0.395);
     let trace = synthetic(TracePattern::Mixed, 3, 12, 7);
     let cfg = config(
         Layout::contiguous(8, 64, 2).unwrap(),

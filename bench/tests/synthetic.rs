@@ -2,10 +2,11 @@
 
 use rackfill_balancer::LoadMatrix;
 use rackfill_bench::synthetic::{
-    default_grid, generate, Family, Pattern, Shape, Suite, DEFAULT_SHAPES, DEFAULT_TOKENS, TOP_K,
+    default_grid, generate, Pattern, Popularity, Shape, Suite, DEFAULT_SHAPES, DEFAULT_TOKENS,
+    TOP_K,
 };
 
-fn suite(family: Family, pattern: Pattern, tokens: u64, steps: usize) -> Suite {
+fn suite(family: Popularity, pattern: Pattern, tokens: u64, steps: usize) -> Suite {
     Suite::new(Shape::new(8, 64, 2), tokens, family, pattern, steps)
 }
 
@@ -25,7 +26,7 @@ fn hot_set(load: &LoadMatrix, n: usize) -> Vec<usize> {
 
 #[test]
 fn rows_sum_to_tokens_times_k_and_entries_are_bounded() {
-    for family in Family::DEFAULT {
+    for family in Popularity::DEFAULT {
         for tokens in [1, 7, 256] {
             let s = suite(family, Pattern::Stationary, tokens, 3);
             let all = loads(&s, 11);
@@ -47,7 +48,7 @@ fn top_k_equal_to_expert_count_routes_every_token_everywhere() {
     let mut s = Suite::new(
         Shape::new(3, 8, 1),
         50,
-        Family::Zipf { s: 1.2 },
+        Popularity::Zipf { s: 1.2 },
         Pattern::Stationary,
         2,
     );
@@ -59,12 +60,17 @@ fn top_k_equal_to_expert_count_routes_every_token_everywhere() {
 
 #[test]
 fn same_seed_same_loads_different_seed_different_loads() {
-    let s = suite(Family::LogNormal { sigma: 0.8 }, Pattern::Drifting, 512, 4);
+    let s = suite(
+        Popularity::LogNormal { sigma: 0.8 },
+        Pattern::Drifting,
+        512,
+        4,
+    );
     assert_eq!(loads(&s, 7), loads(&s, 7));
     assert_ne!(loads(&s, 7), loads(&s, 8));
     // Steps differ from each other even when stationary (fresh samples).
     let st = loads(
-        &suite(Family::Zipf { s: 1.0 }, Pattern::Stationary, 512, 2),
+        &suite(Popularity::Zipf { s: 1.0 }, Pattern::Stationary, 512, 2),
         7,
     );
     assert_ne!(st[0], st[1]);
@@ -76,7 +82,7 @@ fn output_does_not_depend_on_generator_threads() {
     let s = Suite::new(
         Shape::new(8, 64, 2),
         2048,
-        Family::Zipf { s: 0.8 },
+        Popularity::Zipf { s: 0.8 },
         Pattern::Switching { every: 1 },
         2,
     );
@@ -93,12 +99,12 @@ fn skew_follows_the_family() {
         let totals = load.expert_totals();
         *totals.iter().max().unwrap() as f64 / load.total() as f64
     };
-    let flat = share(Family::Zipf { s: 0.6 });
-    let steep = share(Family::Zipf { s: 1.2 });
+    let flat = share(Popularity::Zipf { s: 0.6 });
+    let steep = share(Popularity::Zipf { s: 1.2 });
     assert!(steep > flat * 1.5, "{flat} vs {steep}");
     // Ranks differ (per-rank perturbation), but agree on which experts are hot.
     let load = &loads(
-        &suite(Family::Zipf { s: 1.0 }, Pattern::Stationary, 4096, 1),
+        &suite(Popularity::Zipf { s: 1.0 }, Pattern::Stationary, 4096, 1),
         2,
     )[0];
     assert_ne!(load.row(0), load.row(1));
@@ -106,7 +112,7 @@ fn skew_follows_the_family() {
 
 #[test]
 fn stationary_keeps_the_hot_order() {
-    let s = suite(Family::Zipf { s: 1.0 }, Pattern::Stationary, 64, 6);
+    let s = suite(Popularity::Zipf { s: 1.0 }, Pattern::Stationary, 64, 6);
     let mut g = generate(&s, 9).unwrap();
     let first = {
         g.next().unwrap();
@@ -119,7 +125,7 @@ fn stationary_keeps_the_hot_order() {
 
 #[test]
 fn drifting_changes_the_hot_set_gradually() {
-    let s = suite(Family::Zipf { s: 1.2 }, Pattern::Drifting, 512, 21);
+    let s = suite(Popularity::Zipf { s: 1.2 }, Pattern::Drifting, 512, 21);
     let mut g = generate(&s, 4).unwrap();
     let mut orders = Vec::new();
     let mut all = Vec::new();
@@ -147,7 +153,7 @@ fn drifting_changes_the_hot_set_gradually() {
 fn switching_changes_the_hot_order_exactly_at_k() {
     let k = 4;
     let s = suite(
-        Family::Zipf { s: 1.2 },
+        Popularity::Zipf { s: 1.2 },
         Pattern::Switching { every: k },
         512,
         9,
@@ -181,7 +187,7 @@ fn switching_changes_the_hot_order_exactly_at_k() {
 #[test]
 fn invalid_suites_are_rejected_with_a_reason() {
     let mut s = suite(
-        Family::Zipf { s: 1.0 },
+        Popularity::Zipf { s: 1.0 },
         Pattern::Switching { every: 0 },
         16,
         2,

@@ -5,7 +5,6 @@
 //! from any thread through a cloneable [`EngineHandle`] and read events from an unbounded tokio
 //! channel; dropping the receiver cancels the sequence at the next step.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -18,7 +17,7 @@ use crate::ep::{EpConfig, EpRuntime};
 use crate::error::{EngineError, Result};
 use crate::metrics;
 use crate::request::{GenerateRequest, RequestStream};
-use crate::routing_trace::RoutingRecorder;
+use crate::routing_trace::{RoutingRecorder, RoutingTraceConfig};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{Sequence, SequenceParts};
 
@@ -29,8 +28,8 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Requests submitted but not yet admitted beyond which `submit` answers `QueueFull`.
     pub max_waiting: usize,
-    /// Record every step's per-layer load matrices here (see [`RoutingRecorder`]).
-    pub record_routing: Option<PathBuf>,
+    /// Record every step's per-layer load matrices, up to a byte cap (see [`RoutingRecorder`]).
+    pub record_routing: Option<RoutingTraceConfig>,
 }
 
 impl Default for EngineConfig {
@@ -108,8 +107,15 @@ impl EngineHandle {
         let scheduler = Scheduler::new(config.ep.ep_size, config.scheduler)?;
         let recorder = config
             .record_routing
-            .as_deref()
-            .map(RoutingRecorder::create)
+            .as_ref()
+            .map(|trace| {
+                RoutingRecorder::create(trace).map_err(|e| {
+                    EngineError::Config(format!(
+                        "cannot create routing trace {}: {e}",
+                        trace.path.display()
+                    ))
+                })
+            })
             .transpose()?;
         let info = EngineInfo {
             vocab_size: model.config().vocab_size,
@@ -287,8 +293,9 @@ impl EngineLoop {
                 Ok(Some(summary)) => {
                     metrics::record_step(&summary);
                     if let Some(recorder) = &mut self.recorder {
-                        if let Err(err) = recorder.record(self.step, &summary.output.layers) {
-                            tracing::error!(%err, "routing trace: recording stopped");
+                        let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
+                        if let Err(stopped) = recorder.record(self.step, layers) {
+                            tracing::warn!("{stopped}");
                             self.recorder = None;
                         }
                     }

@@ -27,6 +27,10 @@ pub const WAITING: &str = "rackfill:num_requests_waiting";
 pub const RUNNING: &str = "rackfill:num_requests_running";
 /// Reserved KV over the KV budget, 0 to 1.
 pub const KV_USAGE: &str = "rackfill:kv_cache_usage_perc";
+/// 1 while `--record-routing` records, 0 once it stopped (its byte cap, or a failed write).
+pub const ROUTING_TRACE_RECORDING: &str = "rackfill:routing_trace_recording";
+/// Bytes of whole steps written to the routing trace.
+pub const ROUTING_TRACE_BYTES: &str = "rackfill:routing_trace_bytes_total";
 
 /// Gives every engine metric its `# HELP` text in the installed recorder (call once, after
 /// installing it), so a scraper's users see what each series means.
@@ -60,6 +64,15 @@ pub fn describe() {
     describe_gauge!(WAITING, "Sequences waiting for admission.");
     describe_gauge!(RUNNING, "Sequences admitted and not finished.");
     describe_gauge!(KV_USAGE, "Reserved KV cache over the KV budget, 0 to 1.");
+    describe_gauge!(
+        ROUTING_TRACE_RECORDING,
+        "1 while --record-routing records every step, 0 once recording stopped \
+         (--record-routing-max-bytes reached, or a write failed; see the log)."
+    );
+    describe_counter!(
+        ROUTING_TRACE_BYTES,
+        "Bytes of whole steps written to the --record-routing trace."
+    );
 }
 
 /// Records one step's balancing figures and phase times.
@@ -91,4 +104,14 @@ pub fn record_queue(waiting: usize, running: usize, kv_usage: f64) {
     gauge!(WAITING).set(waiting as f64);
     gauge!(RUNNING).set(running as f64);
     gauge!(KV_USAGE).set(kv_usage);
+}
+
+/// Sets the routing-trace recording gauge (1 recording, 0 stopped).
+pub fn routing_trace_recording(recording: bool) {
+    gauge!(ROUTING_TRACE_RECORDING).set(if recording { 1.0 } else { 0.0 });
+}
+
+/// Counts bytes written to the routing trace.
+pub fn routing_trace_written(bytes: u64) {
+    counter!(ROUTING_TRACE_BYTES).increment(bytes);
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rackfill_balancer::Algo;
+use rackfill_engine::routing_trace::RoutingTraceConfig;
 use rackfill_engine::{
     EngineConfig, EngineError, EngineHandle, EpConfig, Event, FinishReason, GenerateRequest,
     RequestStream, SamplingParams, SchedulerConfig, StopReason, TokenLogprob,
@@ -36,7 +37,7 @@ fn spawn_recording(
             kv_tokens_per_rank: kv,
         },
         max_waiting: 64,
-        record_routing,
+        record_routing: record_routing.map(RoutingTraceConfig::new),
     };
     EngineHandle::spawn(
         Arc::new(bundle.model),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::plot::{write_chart, Chart, PlotError, Series};
 
 use super::report::percentile_label;
-use super::RateReport;
+use super::sweep::RateReport;
 
 /// Image format of the charts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 
 use super::client::{Api, OpenAiClient, Outcome};
 use super::dataset::{Prompt, RequestSpec, Synthesis};
-use super::ServeBenchError;
+use super::error::ServeBenchError;
 
 /// Where and how requests are sent.
 #[derive(Debug, Clone)]

@@ -23,7 +23,7 @@ pub mod report;
 pub mod shape;
 pub mod trace;
 
-use crate::balance::round_us;
+use crate::stats::round_us;
 use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use cost::{CostModel, ReplicaTraffic, Segment, Terms};
 use rack::Rack;

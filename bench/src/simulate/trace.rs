@@ -7,15 +7,15 @@
 //!   popularity skew of [`MIXED_FAMILY`] and [`MIXED_LAYER_SKEW_SIGMA`] (calibration in
 //!   `docs/simulate.md`).
 //! - a recorded routing trace (`--record-routing` JSONL, read with
-//!   [`crate::routing_trace::TraceReader`]): its expert count must match the model shape; when
+//!   [`TraceReader`]): its expert count must match the model shape; when
 //!   its rank count differs from `--ep`, every expert's total is re-split evenly over the EP ranks
 //!   (the trace's per-source split is dropped, its per-expert load kept).
 
 use super::SimError;
-use crate::routing_trace::{TraceError, TraceReader};
 use crate::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
-use crate::synthetic::Family;
+use crate::synthetic::Popularity;
 use rackfill_balancer::LoadMatrix;
+use rackfill_engine::routing_trace::{TraceError, TraceReader};
 use rand::rngs::StdRng;
 use rand_distr::{Binomial, Distribution};
 use std::fs::File;
@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 /// Popularity family of `synthetic-mixed`: lognormal expert weights with sigma 0.5 (per layer,
 /// jittered by [`MIXED_LAYER_SKEW_SIGMA`]).
-pub const MIXED_FAMILY: Family = Family::LogNormal { sigma: 0.5 };
+pub const MIXED_FAMILY: Popularity = Popularity::LogNormal { sigma: 0.5 };
 
 /// Sigma of the per-layer multiplicative jitter of [`MIXED_FAMILY`]'s sigma: a few layers far
 /// more skewed than the typical one (the hottest expert of the most skewed layers reaches about

@@ -1,7 +1,7 @@
 //! Synthetic multi-layer routing traces: steps x MoE layers of load matrices, non-stationary the
 //! ways real prefill routing is, for `rackfill bench balance --synthetic-trace` and the simulator.
 //!
-//! Every layer has its own popularity: the trace's [`Family`] with a per-layer parameter (the
+//! Every layer has its own popularity: the trace's [`Popularity`] with a per-layer parameter (the
 //! Zipf exponent or lognormal sigma times `exp(layer_skew_sigma * N(0, 1))`, fixed for the whole
 //! trace) laid onto the experts by the layer's own hot order. Hot orders are correlated between
 //! neighbouring layers: layer 0's is a random permutation and layer `l`'s is layer `l - 1`'s with
@@ -18,11 +18,11 @@
 //! trace is a pure function of the spec and the seed.
 
 use super::{
-    drift, Family, InvalidSuite, RankJob, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK, RANK_SIGMA,
-    TOP_K,
+    drift, InvalidSuite, Popularity, RankJob, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK,
+    RANK_SIGMA, TOP_K,
 };
-use crate::routing_trace::TraceStep;
 use rackfill_balancer::LoadMatrix;
+use rackfill_engine::routing_trace::TraceStep;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
@@ -110,7 +110,7 @@ pub struct TraceSpec {
     pub top_k: usize,
     /// Sigma of the per-rank lognormal perturbation.
     pub rank_sigma: f64,
-    pub family: Family,
+    pub family: Popularity,
     /// Sigma of the per-layer jitter of the family's parameter.
     pub layer_skew_sigma: f64,
     /// Fraction of popularity positions swapped between neighbouring layers, in `[0, 1]`.
@@ -142,7 +142,7 @@ impl TraceSpec {
             tokens_per_rank,
             top_k: TOP_K,
             rank_sigma: RANK_SIGMA,
-            family: Family::Zipf { s: 1.0 },
+            family: Popularity::Zipf { s: 1.0 },
             layer_skew_sigma: DEFAULT_LAYER_SKEW_SIGMA,
             layer_mix: DEFAULT_LAYER_MIX,
             drift: matches!(pattern, TracePattern::Drifting | TracePattern::Mixed),
@@ -233,10 +233,10 @@ impl TraceGenerator {
             let z: f64 = StandardNormal.sample(&mut master);
             let jitter = (spec.layer_skew_sigma * z).exp();
             let family = match spec.family {
-                Family::Zipf { s } => Family::Zipf {
+                Popularity::Zipf { s } => Popularity::Zipf {
                     s: (s * jitter).min(8.0),
                 },
-                Family::LogNormal { sigma } => Family::LogNormal {
+                Popularity::LogNormal { sigma } => Popularity::LogNormal {
                     sigma: (sigma * jitter).min(8.0),
                 },
             };

@@ -18,7 +18,9 @@
 //! Synthetic prompts are not stored: [`Synthesis`] regenerates them from seeds when a request is
 //! sent, so a trace of ten thousand 10k-token prompts costs kilobytes, not gigabytes.
 
+mod error;
 mod sharegpt;
+mod spec;
 mod trace;
 mod words;
 
@@ -28,59 +30,10 @@ use rackfill_models::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+pub use error::DatasetError;
 pub use sharegpt::{load_sharegpt, parse_sharegpt, ShareGptParams};
+pub use spec::{Prompt, RequestSpec};
 pub use trace::{load_trace, parse_trace};
-
-/// One request of a workload.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RequestSpec {
-    /// What the prompt is.
-    pub prompt: Prompt,
-    /// Prompt tokens: exact for synthetic prompts sent as token ids and for text counted with a
-    /// tokenizer, an estimate otherwise (the server's `usage` replaces it in the results).
-    pub input_len: usize,
-    /// `max_tokens` of the request.
-    pub output_len: usize,
-    /// When the request arrives in a trace, milliseconds (traces only).
-    pub timestamp_ms: Option<f64>,
-}
-
-/// A prompt's source.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Prompt {
-    /// Text sent as is (ShareGPT).
-    Text(String),
-    /// `input_len` synthetic tokens: one block of [`Synthesis::block_size`] tokens per hash id
-    /// (shared by every request naming that id), then tokens unique to this request (`unique`
-    /// seeds them).
-    Synthetic { hash_ids: Vec<u64>, unique: u64 },
-}
-
-/// A dataset that cannot be used, with where and why.
-#[derive(Debug, thiserror::Error)]
-pub enum DatasetError {
-    /// Displayed without its cause, which is the error's `source` (anyhow's `{:#}` adds it).
-    #[error("cannot read {path}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    /// A bad line of a JSONL trace (1-based line number).
-    #[error("{path}:{line}: {message}")]
-    Line {
-        path: String,
-        line: usize,
-        message: String,
-    },
-    /// A file that is wrong as a whole (not a ShareGPT list, no usable entries).
-    #[error("{path}: {message}")]
-    File { path: String, message: String },
-    /// Parameters that cannot describe a dataset.
-    #[error("{0}")]
-    Invalid(String),
-    #[error("cannot load the tokenizer '{spec}': {message}")]
-    Tokenizer { spec: String, message: String },
-}
 
 /// How synthetic prompts are made: token ids in `0..vocab_size`, hash-id blocks of `block_size`
 /// tokens, all derived from `seed`.

@@ -1,57 +1,24 @@
-//! Routing traces on disk: the JSON Lines format `rackfill serve --record-routing FILE` writes
-//! (engine/src/routing_trace.rs), read back step by step for `rackfill bench balance --trace` and
-//! the rack simulator, and written by the synthetic trace generators so their traces replay the
-//! same way.
+//! [`TraceReader`]: a routing trace read back step by step, checked line by line.
 //!
-//! One line per step and MoE layer, in step then layer order:
+//! It holds one line and one step in memory, never the file, so traces of any length replay in
+//! constant memory. It checks everything a replay relies on and names the line of the first
+//! problem: malformed JSON, a shape (`ranks`, `experts`) that changes between lines, rows of the
+//! wrong count or length, steps that go backwards or interleave, layers out of order, duplicated
+//! or missing relative to the first step, and an empty file.
 //!
-//! ```json
-//! {"step": 0, "layer": 1, "ranks": 8, "experts": 64, "load": [[u64; 64]; 8]}
-//! ```
-//!
-//! [`TraceReader`] streams: it holds one line and one step in memory, never the file, so traces of
-//! any length replay in constant memory. It checks everything a replay relies on and names the
-//! line of the first problem: malformed JSON, a shape (`ranks`, `experts`) that changes between
-//! lines, rows of the wrong count or length, steps that go backwards or interleave, layers out of
-//! order, duplicated or missing relative to the first step, and an empty file. Step numbers must
-//! increase but may skip (a trace cut out of a longer one is still a trace); blank lines are
-//! ignored.
+//! The one defect it forgives is a cut-short last line (no newline, and JSON that ends early):
+//! what a writer killed mid-write or a full disk leaves. That line, and the step it left
+//! incomplete, are dropped, and the reader says so on stderr once ([`TruncatedTail`]).
 
-use rackfill_balancer::LoadMatrix;
-use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, Write as _};
 use std::path::Path;
 
-mod error;
+use rackfill_balancer::LoadMatrix;
 
-pub use error::TraceError;
-
-/// The load matrices of one step, one per MoE layer, in the order of the trace's layer list.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceStep {
-    /// The step number recorded in the trace.
-    pub step: u64,
-    /// `loads[i]` belongs to layer `layers[i]` of the trace.
-    pub loads: Vec<LoadMatrix>,
-}
-
-/// One line as it is written. Unknown fields are refused, as in every other input file: a
-/// misspelt field must not pass for a trace (the engine's recorder writes exactly these five).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LineIn {
-    step: u64,
-    layer: usize,
-    ranks: usize,
-    experts: usize,
-    load: Vec<Vec<u64>>,
-}
-
-/// What a line must be, for lines that are not JSON objects: serde would read a struct from an
-/// array of its fields too, and name the Rust type in its error.
-const LINE_EXPECTED: &str =
-    "expected a JSON object {\"step\", \"layer\", \"ranks\", \"experts\", \"load\"}";
+use super::error::TraceError;
+use super::line::{LineIn, TraceStep, LINE_EXPECTED};
+use super::writer::TraceWriter;
 
 /// serde_json's message without its " at line 1 column N" (a trace line is parsed on its own, so
 /// that line is never the file's): the column is kept.
@@ -62,6 +29,16 @@ fn without_position(e: &serde_json::Error) -> String {
         Some(text) => format!("{text} (column {})", e.column()),
         None => message,
     }
+}
+
+/// A cut-short last line the reader dropped (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TruncatedTail {
+    /// The 1-based number of the cut-short line.
+    pub line: usize,
+    /// The step that line left incomplete, dropped with it (`None` when the line would have
+    /// opened a step of its own).
+    pub dropped_step: Option<u64>,
 }
 
 /// A checked line: its number, step, layer and matrix.
@@ -92,6 +69,11 @@ pub struct TraceReader<R> {
     pending: Option<Parsed>,
     previous_step: u64,
     failed: bool,
+    /// Names the input in the truncation warning (`routing trace FILE`).
+    origin: String,
+    truncated: Option<TruncatedTail>,
+    /// Whether the truncation warning went out.
+    warned: bool,
 }
 
 impl TraceReader<BufReader<File>> {
@@ -101,13 +83,20 @@ impl TraceReader<BufReader<File>> {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
-        Self::new(BufReader::with_capacity(1 << 20, file))
+        Self::with_origin(
+            BufReader::with_capacity(1 << 20, file),
+            format!("routing trace {}", path.display()),
+        )
     }
 }
 
 impl<R: BufRead> TraceReader<R> {
     /// A reader over any buffered input; reads the first step.
     pub fn new(input: R) -> Result<Self, TraceError> {
+        Self::with_origin(input, "routing trace".into())
+    }
+
+    fn with_origin(input: R, origin: String) -> Result<Self, TraceError> {
         let mut reader = Self {
             input,
             buf: String::new(),
@@ -120,6 +109,9 @@ impl<R: BufRead> TraceReader<R> {
             pending: None,
             previous_step: 0,
             failed: false,
+            origin,
+            truncated: None,
+            warned: false,
         };
         let Some(first) = reader.parse_next()? else {
             return Err(TraceError::Empty);
@@ -148,8 +140,13 @@ impl<R: BufRead> TraceReader<R> {
         &self.layers
     }
 
-    /// Reads the next non-blank line and checks it on its own and against the trace's shape.
-    fn parse_next(&mut self) -> Result<Option<Parsed>, TraceError> {
+    /// The cut-short last line dropped so far, if any (known once iteration reached the end).
+    pub fn truncated_tail(&self) -> Option<&TruncatedTail> {
+        self.truncated.as_ref()
+    }
+
+    /// Reads the next non-blank line into `buf`; false at the end of the input.
+    fn read_line(&mut self) -> Result<bool, TraceError> {
         loop {
             self.buf.clear();
             let n = self
@@ -160,12 +157,20 @@ impl<R: BufRead> TraceReader<R> {
                     message: e.to_string(),
                 })?;
             if n == 0 {
-                return Ok(None);
+                return Ok(false);
             }
             self.line += 1;
             if !self.buf.trim().is_empty() {
-                break;
+                return Ok(true);
             }
+        }
+    }
+
+    /// Reads the next non-blank line and checks it on its own and against the trace's shape.
+    /// A cut-short last line ends the input (and is remembered as the trace's truncated tail).
+    fn parse_next(&mut self) -> Result<Option<Parsed>, TraceError> {
+        if !self.read_line()? {
+            return Ok(None);
         }
         let line = self.line;
         if !self.buf.trim_start().starts_with('{') {
@@ -174,10 +179,25 @@ impl<R: BufRead> TraceReader<R> {
                 message: LINE_EXPECTED.into(),
             });
         }
-        let parsed: LineIn = serde_json::from_str(&self.buf).map_err(|e| TraceError::Json {
-            line,
-            message: without_position(&e),
-        })?;
+        match serde_json::from_str::<LineIn>(&self.buf) {
+            Ok(parsed) => self.check_line(line, parsed).map(Some),
+            // No newline and JSON that ends early: a line cut short at the end of the file.
+            Err(e) if e.is_eof() && !self.buf.ends_with('\n') => {
+                self.truncated = Some(TruncatedTail {
+                    line,
+                    dropped_step: None,
+                });
+                Ok(None)
+            }
+            Err(e) => Err(TraceError::Json {
+                line,
+                message: without_position(&e),
+            }),
+        }
+    }
+
+    /// Checks a parsed line against itself and the trace's shape.
+    fn check_line(&self, line: usize, parsed: LineIn) -> Result<Parsed, TraceError> {
         if parsed.ranks == 0 || parsed.experts == 0 {
             return Err(TraceError::ZeroShape {
                 line,
@@ -218,12 +238,12 @@ impl<R: BufRead> TraceReader<R> {
         let flat = parsed.load.concat();
         let load = LoadMatrix::from_flat(parsed.ranks, parsed.experts, flat)
             .map_err(|_| TraceError::TooLarge { line })?;
-        Ok(Some(Parsed {
+        Ok(Parsed {
             line,
             step: parsed.step,
             layer: parsed.layer,
             load,
-        }))
+        })
     }
 
     /// Reads the rest of the step that `first` opens. With `expected` layers (every step after
@@ -254,36 +274,7 @@ impl<R: BufRead> TraceReader<R> {
                 }
             }
             if let Some(expected) = expected {
-                match expected.get(layers.len()) {
-                    Some(&want) if want != p.layer => {
-                        let err = if expected.contains(&p.layer) {
-                            TraceError::MissingLayer {
-                                line: p.line,
-                                step,
-                                layer: p.layer,
-                                expected: want,
-                                first_step: self.first_step,
-                            }
-                        } else {
-                            TraceError::ExtraLayer {
-                                line: p.line,
-                                step,
-                                layer: p.layer,
-                                first_step: self.first_step,
-                            }
-                        };
-                        return Err(err);
-                    }
-                    Some(_) => {}
-                    None => {
-                        return Err(TraceError::ExtraLayer {
-                            line: p.line,
-                            step,
-                            layer: p.layer,
-                            first_step: self.first_step,
-                        })
-                    }
-                }
+                self.check_expected_layer(&p, step, expected, layers.len())?;
             }
             last_line = p.line;
             layers.push(p.layer);
@@ -313,18 +304,72 @@ impl<R: BufRead> TraceReader<R> {
         Ok((TraceStep { step, loads }, layers))
     }
 
+    /// Checks that `p`, the `index`-th line of step `step`, holds the layer the first step has
+    /// at `index`.
+    fn check_expected_layer(
+        &self,
+        p: &Parsed,
+        step: u64,
+        expected: &[usize],
+        index: usize,
+    ) -> Result<(), TraceError> {
+        match expected.get(index) {
+            Some(&want) if want == p.layer => Ok(()),
+            Some(&want) if expected.contains(&p.layer) => Err(TraceError::MissingLayer {
+                line: p.line,
+                step,
+                layer: p.layer,
+                expected: want,
+                first_step: self.first_step,
+            }),
+            _ => Err(TraceError::ExtraLayer {
+                line: p.line,
+                step,
+                layer: p.layer,
+                first_step: self.first_step,
+            }),
+        }
+    }
+
     fn read_step(&mut self) -> Result<Option<TraceStep>, TraceError> {
         if let Some(first) = self.first.take() {
             return Ok(Some(first));
         }
         let Some(opening) = self.pending.take() else {
+            self.warn_truncated();
             return Ok(None);
         };
         debug_assert!(opening.step > self.previous_step);
         let layers = std::mem::take(&mut self.layers);
         let result = self.collect_step(opening, Some(&layers));
         self.layers = layers;
-        result.map(|(step, _)| Some(step))
+        match (result, &mut self.truncated) {
+            // Cut short by the truncated tail (nothing follows it): dropped with it.
+            (Err(TraceError::IncompleteStep { step, .. }), Some(tail)) => {
+                tail.dropped_step = Some(step);
+                self.warn_truncated();
+                Ok(None)
+            }
+            (result, _) => result.map(|(step, _)| Some(step)),
+        }
+    }
+
+    /// Says on stderr, once, that a cut-short last line was dropped.
+    fn warn_truncated(&mut self) {
+        let Some(tail) = &self.truncated else { return };
+        if std::mem::replace(&mut self.warned, true) {
+            return;
+        }
+        let step = match tail.dropped_step {
+            Some(step) => format!(", and with it step {step}, which it left incomplete"),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: {}: line {} is cut short (the recording stopped mid-write); ignoring it{step}",
+            self.origin,
+            tail.line
+        );
     }
 }
 
@@ -377,69 +422,6 @@ impl RoutingTrace {
             writer.write_step(step)?;
         }
         writer.finish().map(drop)
-    }
-}
-
-/// One line as it is written (the field order of the engine's recorder).
-#[derive(Serialize)]
-struct LineOut<'a> {
-    step: u64,
-    layer: usize,
-    ranks: usize,
-    experts: usize,
-    load: Vec<&'a [u64]>,
-}
-
-/// Writes steps in the recorded format, so synthetic traces replay exactly like recorded ones.
-pub struct TraceWriter<W: Write> {
-    out: W,
-    layers: Vec<usize>,
-}
-
-impl TraceWriter<BufWriter<File>> {
-    /// Creates (truncates) a trace file for steps holding `layers`.
-    pub fn create(path: &Path, layers: Vec<usize>) -> std::io::Result<Self> {
-        Ok(Self::new(BufWriter::new(File::create(path)?), layers))
-    }
-}
-
-impl<W: Write> TraceWriter<W> {
-    /// A writer for steps holding one matrix per entry of `layers`.
-    pub fn new(out: W, layers: Vec<usize>) -> Self {
-        Self { out, layers }
-    }
-
-    /// Appends one line per layer of `step`.
-    pub fn write_step(&mut self, step: &TraceStep) -> std::io::Result<()> {
-        if step.loads.len() != self.layers.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "step {} has {} load matrices for {} layers",
-                    step.step,
-                    step.loads.len(),
-                    self.layers.len()
-                ),
-            ));
-        }
-        for (&layer, load) in self.layers.iter().zip(&step.loads) {
-            let line = LineOut {
-                step: step.step,
-                layer,
-                ranks: load.ranks(),
-                experts: load.experts(),
-                load: (0..load.ranks()).map(|r| load.row(r)).collect(),
-            };
-            serde_json::to_writer(&mut self.out, &line)?;
-            self.out.write_all(b"\n")?;
-        }
-        Ok(())
-    }
-
-    /// Flushes and returns the output.
-    pub fn finish(mut self) -> std::io::Result<W> {
-        self.out.flush()?;
-        Ok(self.out)
     }
 }
 
@@ -500,16 +482,6 @@ mod tests {
         let text = String::from_utf8(bytes).unwrap();
         assert_eq!(text, trace(&[line(5, 0, A), line(6, 0, B)]));
         assert_eq!(read(&text).unwrap(), original);
-    }
-
-    #[test]
-    fn writer_refuses_a_step_with_the_wrong_layer_count() {
-        let mut writer = TraceWriter::new(Vec::new(), vec![0, 1]);
-        let step = TraceStep {
-            step: 0,
-            loads: vec![LoadMatrix::from_rows(A).unwrap()],
-        };
-        assert!(writer.write_step(&step).is_err());
     }
 
     #[test]
@@ -628,6 +600,54 @@ mod tests {
             assert!(!msg.contains('\n'), "{msg}");
             assert!(!msg.contains("LineIn"), "{msg} names a Rust type");
         }
+    }
+
+    #[test]
+    fn a_cut_short_last_line_is_dropped_with_the_step_it_left_incomplete() {
+        let whole = trace(&[line(0, 0, A), line(0, 1, B), line(1, 0, B), line(1, 1, A)]);
+        let cut = line(2, 1, A);
+        // Step 2's first line is whole, its second cut short: step 2 goes.
+        let text = format!("{whole}{}{}", line(2, 0, A), &cut[..cut.len() / 2]);
+        let mut reader = TraceReader::new(text.as_bytes()).unwrap();
+        let steps: Vec<u64> = reader.by_ref().map(|s| s.unwrap().step).collect();
+        assert_eq!(steps, vec![0, 1]);
+        let tail = TruncatedTail {
+            line: 6,
+            dropped_step: Some(2),
+        };
+        assert_eq!(reader.truncated_tail(), Some(&tail));
+
+        // Cut short at the opening line of a step: every earlier step stays.
+        let text = format!("{whole}{}", &cut[..10]);
+        let mut reader = TraceReader::new(text.as_bytes()).unwrap();
+        assert_eq!(reader.by_ref().count(), 2);
+        let tail = TruncatedTail {
+            line: 5,
+            dropped_step: None,
+        };
+        assert_eq!(reader.truncated_tail(), Some(&tail));
+
+        // A whole last line without its newline is not cut short.
+        let text = trace(&[line(0, 0, A), line(1, 0, B)]);
+        let mut reader = TraceReader::new(text.trim_end().as_bytes()).unwrap();
+        assert_eq!(reader.by_ref().count(), 2);
+        assert_eq!(reader.truncated_tail(), None);
+    }
+
+    #[test]
+    fn only_the_last_line_may_be_cut_short() {
+        let cut = line(1, 0, A);
+        // Followed by a newline, or by more lines, a cut-short line is an error.
+        for text in [
+            format!("{}{}\n", line(0, 0, A), &cut[..20]),
+            format!("{}{}\n{}", line(0, 0, A), &cut[..20], line(2, 0, A)),
+        ] {
+            let e = err(&text);
+            assert_eq!(e.line(), Some(2), "{e}");
+            assert!(e.to_string().contains("not a routing-trace line"), "{e}");
+        }
+        // A cut-short first line leaves nothing to read.
+        assert_eq!(err(&cut[..20]), TraceError::Empty);
     }
 
     #[test]

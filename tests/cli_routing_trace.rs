@@ -1,0 +1,211 @@
+//! `rackfill serve --record-routing` bounded and hardened, end to end on the real binary: a byte
+//! cap stops recording with whole steps on disk, a failed write (a full device) stops it too, both
+//! flip the `rackfill:routing_trace_recording` gauge to 0, and `rackfill bench balance --trace`
+//! replays a trace whose last line was cut short, saying so once.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A fresh directory under the system's temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "rackfill-cli-routing-trace-{}-{test}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rackfill(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rackfill"))
+        .args(args)
+        .output()
+        .expect("rackfill runs")
+}
+
+/// `rackfill serve` on the built-in model at a free port; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rackfill"))
+            .args(["serve", "--port", "0", "--ep-size", "2"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("rackfill serve starts");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut log = String::new();
+        let addr = loop {
+            let mut line = String::new();
+            if stderr.read_line(&mut line).unwrap() == 0 {
+                let _ = child.kill();
+                panic!("the server exited before listening:\n{log}");
+            }
+            log.push_str(&line);
+            if let Some((_, rest)) = line.split_once("listening on http://") {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining the log so the server never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        Self { child, addr }
+    }
+
+    /// One HTTP/1.1 request; returns the status code and the body.
+    fn request(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        let mut stream = TcpStream::connect(&self.addr).unwrap();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let status = response[9..12].parse().unwrap();
+        let body = response
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_string();
+        (status, body)
+    }
+
+    fn complete(&self, prompt: &str) {
+        let body = format!("{{\"prompt\": \"{prompt}\", \"max_tokens\": 4, \"ignore_eos\": true}}");
+        let (status, text) = self.request("POST", "/v1/completions", &body);
+        assert_eq!(status, 200, "{text}");
+    }
+
+    /// The value of the unlabelled series `name` in `/metrics`, polled until `ready` holds.
+    fn metric_when(&self, name: &str, ready: impl Fn(f64) -> bool) -> f64 {
+        let started = Instant::now();
+        loop {
+            let (_, text) = self.request("GET", "/metrics", "");
+            let value = text
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok());
+            if let Some(v) = value.filter(|&v| ready(v)) {
+                return v;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{name} never ready:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const RECORDING: &str = "rackfill:routing_trace_recording";
+const BYTES: &str = "rackfill:routing_trace_bytes_total";
+
+/// Replays `trace` with `bench balance`; returns its stderr.
+fn replays(trace: &Path) -> String {
+    let out = rackfill(&[
+        "bench",
+        "balance",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--balancer",
+        "quota",
+    ]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "{err}");
+    err
+}
+
+#[test]
+fn a_byte_cap_stops_recording_with_whole_steps_on_disk() {
+    let dir = TempDir::new("cap");
+    let trace = dir.file("routing.jsonl");
+    let server = Server::start(&[
+        "--record-routing",
+        trace.to_str().unwrap(),
+        "--record-routing-max-bytes",
+        "8K",
+    ]);
+    server.complete("Hello");
+    assert_eq!(server.metric_when(RECORDING, |_| true), 1.0);
+    // A few kilobytes per request at EP 2: the cap is hit within a few more.
+    for _ in 0..20 {
+        server.complete("Once upon a time the rack balanced every layer");
+    }
+    assert_eq!(server.metric_when(RECORDING, |v| v == 0.0), 0.0);
+    let written = server.metric_when(BYTES, |v| v > 0.0);
+    let size = std::fs::metadata(&trace).unwrap().len();
+    assert!(size <= 8192, "{size} bytes");
+    assert_eq!(written, size as f64);
+    let text = std::fs::read_to_string(&trace).unwrap();
+    assert!(text.ends_with('\n'));
+    assert!(!replays(&trace).contains("warning"));
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_failed_write_stops_recording_and_flips_the_gauge() {
+    let server = Server::start(&["--record-routing", "/dev/full"]);
+    server.complete("Hello");
+    assert_eq!(server.metric_when(RECORDING, |v| v == 0.0), 0.0);
+    // The server keeps serving.
+    server.complete("Hello again");
+}
+
+#[test]
+fn a_trace_cut_short_mid_line_replays_with_one_warning() {
+    let dir = TempDir::new("cut");
+    let trace = dir.file("cut.jsonl");
+    let line = |step: u64, layer: usize| {
+        format!(
+            "{{\"step\":{step},\"layer\":{layer},\"ranks\":2,\"experts\":8,\
+             \"load\":[[1,2,3,4,5,6,7,8],[8,7,6,5,4,3,2,1]]}}\n"
+        )
+    };
+    let cut = line(2, 1);
+    let text = [line(0, 0), line(0, 1), line(1, 0), line(1, 1), line(2, 0)].concat()
+        + &cut[..cut.len() / 2];
+    std::fs::write(&trace, text).unwrap();
+    let out = rackfill(&["bench", "balance", "--trace", trace.to_str().unwrap()]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "{err}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.starts_with("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(
+        warnings[0].contains("line 6 is cut short") && warnings[0].contains("step 2"),
+        "{err}"
+    );
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.contains("2 steps x 2 layers"), "{table}");
+}
