@@ -769,3 +769,87 @@ fn measured_solve_times_are_reported_in_whole_nanoseconds() {
         assert!(decimals <= 3, "{}: {text}", b.balancer);
     }
 }
+
+/// The engine's per-layer simulated makespan and `rackfill simulate` are one cost model: the
+/// routing the EP runtime records, simulated on the same rack with the same balancer, gives the
+/// same MoE terms per layer (`replicate + dispatch + expert + combine` of `layer_ms`) as the
+/// engine's `LayerReport::simulated` (with the plan for `quota`, without balancing for `none`).
+#[test]
+fn recorded_engine_routing_costs_what_the_engine_reported() {
+    use rackfill_engine::{EpConfig, EpRuntime};
+    use rackfill_models::{LogitsFor, ModelBundle, SequenceInput};
+    let model = std::sync::Arc::new(ModelBundle::builtin().unwrap().model);
+    let config = EpConfig {
+        ep_size: 4,
+        ..EpConfig::default()
+    };
+    let mut runtime = EpRuntime::new(std::sync::Arc::clone(&model), config).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| {
+            (0..40 + 9 * i)
+                .map(|j| (i * 131 + j * j * 17) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut batches: Vec<Vec<SequenceInput<'_>>> = (0..4).map(|_| Vec::new()).collect();
+    for (i, (tokens, cache)) in prompts.iter().zip(caches.iter_mut()).enumerate() {
+        batches[i % 4].push(SequenceInput { tokens, cache });
+    }
+    let which: Vec<Vec<LogitsFor>> = batches
+        .iter()
+        .map(|b| vec![LogitsFor::LastPosition; b.len()])
+        .collect();
+    let layers = runtime.forward(&mut batches, &which).unwrap().layers;
+    assert_eq!(layers.len(), 4);
+    assert!(
+        layers.iter().any(|l| l.metrics.replicas > 0),
+        "quota made no replicas"
+    );
+
+    // The recorded routing (`--record-routing`'s format) and the model's own config.json.
+    let lines: String = layers
+        .iter()
+        .map(|l| {
+            let load: Vec<&[u64]> = (0..4).map(|r| l.load.row(r)).collect();
+            let line = serde_json::json!({"step": 0, "layer": l.layer, "ranks": 4,
+                "experts": l.load.experts(), "load": load});
+            format!("{line}\n")
+        })
+        .collect();
+    let trace = temp_file("engine-routing.jsonl", &lines);
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/builtin/config.json");
+    let shape = ModelShape::load(config.to_str().unwrap()).unwrap();
+    let run = ThroughputRun {
+        spec: SimSpec {
+            rack: runtime.rack().clone(),
+            shape,
+            ep: 4,
+            slots: runtime.config().redundant_slots,
+            algos: vec![Algo::Quota, Algo::None],
+            settings: runtime.config().settings,
+            relay: runtime.config().relay,
+            solve_us: Some(0.0),
+            sim_layers: 4,
+            chunk_tokens: 4096,
+            seed: 0,
+        },
+        trace: TraceSource::File(trace),
+        steps: 1,
+        context_tokens: 0,
+    };
+    let report = run_throughput(&run, |_, _| {}).unwrap();
+    let moe_ms = |t: &Terms| t.replicate + t.dispatch + t.expert + t.combine;
+    let mean_us = |f: fn(&rackfill_engine::LayerReport) -> f64| {
+        layers.iter().map(f).sum::<f64>() / layers.len() as f64
+    };
+    let (quota, none) = (&report.balancers[0], &report.balancers[1]);
+    let engine_balanced = mean_us(|l| l.simulated.balanced_us);
+    let engine_unbalanced = mean_us(|l| l.simulated.unbalanced_us);
+    // (On NVL72 this tiny model's layer is latency-bound: streaming replicas costs more than the
+    // imbalance it removes, which the figures show as they are.)
+    assert!(engine_balanced > 0.0 && engine_unbalanced > 0.0);
+    assert!(close(moe_ms(&quota.layer_ms) * 1e3, engine_balanced));
+    assert!(close(moe_ms(&none.layer_ms) * 1e3, engine_unbalanced));
+}

@@ -12,7 +12,7 @@
 //!
 //! A runtime computes for the ranks its [`Fabric`] holds ([`Fabric::local_ranks`]: every rank
 //! with the default in-process fabric, one with a process per GPU) and reaches the others only
-//! through the fabric's collectives; the data plane ([`crate::plane`]) does the per-layer work.
+//! through the fabric's collectives; the data plane (`plane`) does the per-layer work.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -51,25 +51,49 @@ pub fn run_throughput(
         TraceSource::File(path) => LoadStream::recorded(path, spec.ep, spec.shape.experts)?,
     };
     let mut coster = StepCoster::with_layers(spec, &spec.algos, routing.layers())?;
-    let mut ideal = TimedTerms::default();
-    let mut algos: Vec<TimedTerms> = vec![TimedTerms::default(); spec.algos.len()];
-    let mut stats = vec![AlgoStep::default(); spec.algos.len()];
-    let mut steps = 0;
-    let mut ideal_imbalance = 0.0;
-    while steps < run.steps {
+    let mut totals = Totals::new(spec.algos.len());
+    while totals.steps < run.steps {
         let Some(loads) = routing.next_step() else {
             break;
         };
         let loads = loads?;
         let batch = step_batch(run, &loads);
         let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
-        ideal.push(coster.ideal(&batch), tokens);
-        ideal_imbalance += coster.ideal_imbalance(&batch);
-        for ((acc, stat), result) in algos
-            .iter_mut()
-            .zip(&mut stats)
-            .zip(coster.step(&batch, &loads)?)
-        {
+        totals.ideal.push(coster.ideal(&batch), tokens);
+        totals.ideal_imbalance += coster.ideal_imbalance(&batch);
+        totals.add_step(&coster.step(&batch, &loads)?, tokens);
+        progress(totals.steps, run.steps);
+    }
+    if totals.steps == 0 {
+        return Err(SimError::Input("the routing trace has no steps".into()));
+    }
+    Ok(totals.report(run, routing.layers()))
+}
+
+/// Running sums over the steps of a throughput simulation.
+struct Totals {
+    steps: usize,
+    ideal: TimedTerms,
+    ideal_imbalance: f64,
+    /// Per balancer, in the spec's order: its terms and its other figures.
+    algos: Vec<TimedTerms>,
+    stats: Vec<AlgoStep>,
+}
+
+impl Totals {
+    fn new(algos: usize) -> Self {
+        Self {
+            steps: 0,
+            ideal: TimedTerms::default(),
+            ideal_imbalance: 0.0,
+            algos: vec![TimedTerms::default(); algos],
+            stats: vec![AlgoStep::default(); algos],
+        }
+    }
+
+    /// Adds one step's results (one per balancer) that prefilled `tokens` tokens.
+    fn add_step(&mut self, results: &[AlgoStep], tokens: u64) {
+        for ((acc, stat), result) in self.algos.iter_mut().zip(&mut self.stats).zip(results) {
             acc.push(result.terms, tokens);
             stat.imbalance_before += result.imbalance_before;
             stat.imbalance_after += result.imbalance_after;
@@ -78,64 +102,67 @@ pub fn run_throughput(
             stat.replica_mb += result.replica_mb;
             stat.solve_us += result.solve_us;
         }
-        steps += 1;
-        progress(steps, run.steps);
+        self.steps += 1;
     }
-    if steps == 0 {
-        return Err(SimError::Input("the routing trace has no steps".into()));
-    }
-    let n = steps as f64;
-    let moe_layers = spec.shape.moe_layers() as f64;
-    let balancers = spec
-        .algos
-        .iter()
-        .zip(&algos)
-        .zip(&stats)
-        .map(|((algo, acc), stat)| BalancerReport {
-            balancer: algo.name().into(),
-            tokens_per_s: acc.tokens_per_s(),
-            fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
-            step_ms: acc.total_ms() / n,
-            breakdown_ms: acc.terms.scaled(1.0 / n),
-            layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
-            mean_imbalance: Imbalance {
-                before: stat.imbalance_before / n,
-                after: stat.imbalance_after / n,
+
+    /// The report: means per step (and per MoE layer) of `run`, which simulated
+    /// `simulated_layers` load matrices per step.
+    fn report(self, run: &ThroughputRun, simulated_layers: usize) -> ThroughputReport {
+        let spec = &run.spec;
+        let n = self.steps as f64;
+        let moe_layers = spec.shape.moe_layers() as f64;
+        let ideal = self.ideal;
+        let balancers = spec
+            .algos
+            .iter()
+            .zip(&self.algos)
+            .zip(&self.stats)
+            .map(|((algo, acc), stat)| BalancerReport {
+                balancer: algo.name().into(),
+                tokens_per_s: acc.tokens_per_s(),
+                fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
+                step_ms: acc.total_ms() / n,
+                breakdown_ms: acc.terms.scaled(1.0 / n),
+                layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
+                mean_imbalance: Imbalance {
+                    before: stat.imbalance_before / n,
+                    after: stat.imbalance_after / n,
+                },
+                replicas_mean: stat.replicas / n,
+                max_fanout_mean: stat.max_fanout / n,
+                replica_mb_busiest_mean: stat.replica_mb / n,
+                solve_us_mean: round_us(stat.solve_us / n),
+                step_ms_series: acc.step_ms.clone(),
+            })
+            .collect();
+        ThroughputReport {
+            model: spec.shape.name.clone(),
+            rack: spec.rack.name.clone(),
+            ep: spec.ep,
+            slots: spec.slots,
+            trace: run.trace.label(),
+            steps: self.steps,
+            seed: spec.seed,
+            chunk_tokens: match run.trace {
+                TraceSource::SyntheticMixed => Some(spec.chunk_tokens),
+                TraceSource::File(_) => None,
             },
-            replicas_mean: stat.replicas / n,
-            max_fanout_mean: stat.max_fanout / n,
-            replica_mb_busiest_mean: stat.replica_mb / n,
-            solve_us_mean: round_us(stat.solve_us / n),
-            step_ms_series: acc.step_ms.clone(),
-        })
-        .collect();
-    Ok(ThroughputReport {
-        model: spec.shape.name.clone(),
-        rack: spec.rack.name.clone(),
-        ep: spec.ep,
-        slots: spec.slots,
-        trace: run.trace.label(),
-        steps,
-        seed: spec.seed,
-        chunk_tokens: match run.trace {
-            TraceSource::SyntheticMixed => Some(spec.chunk_tokens),
-            TraceSource::File(_) => None,
-        },
-        tokens_per_rank_mean: ideal.tokens as f64 / (n * spec.ep as f64),
-        context_tokens: run.context_tokens,
-        moe_layers: spec.shape.moe_layers(),
-        simulated_layers: routing.layers(),
-        solve_us_override: spec.solve_us,
-        ideal: report::IdealReport {
-            tokens_per_s: ideal.tokens_per_s(),
-            step_ms: ideal.total_ms() / n,
-            breakdown_ms: ideal.terms.scaled(1.0 / n),
-            layer_ms: ideal.terms.scaled(1.0 / (n * moe_layers)),
-            imbalance: ideal_imbalance / n,
-            step_ms_series: ideal.step_ms,
-        },
-        balancers,
-    })
+            tokens_per_rank_mean: ideal.tokens as f64 / (n * spec.ep as f64),
+            context_tokens: run.context_tokens,
+            moe_layers: spec.shape.moe_layers(),
+            simulated_layers,
+            solve_us_override: spec.solve_us,
+            ideal: report::IdealReport {
+                tokens_per_s: ideal.tokens_per_s(),
+                step_ms: ideal.total_ms() / n,
+                breakdown_ms: ideal.terms.scaled(1.0 / n),
+                layer_ms: ideal.terms.scaled(1.0 / (n * moe_layers)),
+                imbalance: self.ideal_imbalance / n,
+                step_ms_series: ideal.step_ms,
+            },
+            balancers,
+        }
+    }
 }
 
 /// What every rank prefills in a throughput step: a full chunk on synthetic routing; on a
