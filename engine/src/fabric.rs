@@ -236,9 +236,10 @@ impl LocalFabric {
                 .wait(state)
                 .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
         }
+        // A rendezvous every handle reached is complete, even if one failed right after it.
         match &state.failed {
-            Some(why) => Err(EngineError::Fabric(why.clone())),
-            None => Ok(state),
+            Some(why) if state.generation == generation => Err(EngineError::Fabric(why.clone())),
+            _ => Ok(state),
         }
     }
 
@@ -292,19 +293,24 @@ impl LocalFabric {
                 self.group.changed.notify_all();
             }
             if self.local.contains(&dst) {
-                let mut state = self.lock()?;
+                let mut state = self
+                    .group
+                    .state
+                    .lock()
+                    .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
                 let bytes = loop {
+                    // A chunk already posted is taken even if the group failed since.
                     if let Some(bytes) = state.chunks.remove(&index) {
                         break bytes;
+                    }
+                    if let Some(why) = &state.failed {
+                        return Err(EngineError::Fabric(why.clone()));
                     }
                     state = self
                         .group
                         .changed
                         .wait(state)
                         .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
-                    if let Some(why) = &state.failed {
-                        return Err(EngineError::Fabric(why.clone()));
-                    }
                 };
                 drop(state);
                 let at = place.to_slot;
@@ -315,6 +321,22 @@ impl LocalFabric {
         }
         drop(self.rendezvous(self.lock()?)?);
         Ok(received)
+    }
+}
+
+impl Drop for LocalFabric {
+    /// A handle leaving a group of several (its process done, or its thread unwinding) fails the
+    /// group: a handle still waiting for it returns an error instead of waiting for ever.
+    fn drop(&mut self) {
+        if self.group.members > 1 {
+            if let Ok(mut state) = self.group.state.lock() {
+                let local = &self.local;
+                state
+                    .failed
+                    .get_or_insert_with(|| format!("the process holding ranks {local:?} left"));
+            }
+            self.group.changed.notify_all();
+        }
     }
 }
 
@@ -681,5 +703,18 @@ mod tests {
         });
         // The group is unusable afterwards, as after an MPI error.
         assert!(handles[0].all_gather(&[vec![1]]).is_err());
+    }
+
+    #[test]
+    fn a_handle_that_leaves_releases_the_others() {
+        let mut handles = LocalFabric::group(2, &[0..1, 1..2]).unwrap();
+        let leaving = handles.pop().unwrap();
+        std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| handles[0].all_to_all_v(vec![vec![msg(1.0), msg(2.0)]]));
+            // Its peer's thread ends (or unwinds) without joining the collective.
+            scope.spawn(move || drop(leaving));
+            let err = waiting.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("ranks 1..2 left"), "{err}");
+        });
     }
 }

@@ -12,7 +12,10 @@
 //! - [`gemm`]: grouped expert GEMM over main and replica experts with cuBLAS;
 //! - [`moe`]: all of the above as one MoE layer's data plane for ranks sharing a GPU (what the
 //!   engine runs on a GPU host);
-//! - [`bench`]: the GPU measurements of `rackfill kernels bench`.
+//! - [`bench`]: the GPU measurements of `rackfill kernels bench`;
+//! - `device_plan`: a plan in the flat form the device reads ([`PlanArrays`], [`DevicePlan`]),
+//!   written by the solver and read by the permute and the relay planner; `error`: every error
+//!   type of the GPU path.
 //!
 //! Nothing here panics on a machine without CUDA: every library is located (see [`libs`]) and
 //! every first driver call is guarded before cudarc, which panics on a missing library, is
