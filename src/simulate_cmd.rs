@@ -11,14 +11,13 @@ use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
 use rackfill_bench::serve::dataset::load_trace;
 use rackfill_bench::simulate::queue::{run_requests, RequestRun};
-use rackfill_bench::simulate::rack::Rack;
 use rackfill_bench::simulate::report::{
     request_plots, request_table, throughput_plots, throughput_table, RequestReport,
 };
 use rackfill_bench::simulate::shape::ModelShape;
 use rackfill_bench::simulate::trace::TraceSource;
 use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
-use rackfill_engine::EpConfig;
+use rackfill_engine::{EpConfig, Rack};
 use std::io::Write as _;
 use std::path::PathBuf;
 

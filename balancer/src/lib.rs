@@ -22,6 +22,7 @@
 mod assignment;
 pub mod eplb;
 pub mod greedy_move;
+mod instance;
 mod layout;
 mod load;
 pub mod metrics;
@@ -31,9 +32,10 @@ pub mod relay;
 mod reroute;
 
 pub use assignment::TokenAssignment;
+pub use instance::Instance;
 pub use layout::{Layout, MAX_SPLIT_CELLS};
 pub use load::{main_rank_loads, LoadMatrix};
-pub use plan::{Instance, Plan, PlanParts, PlanViolation};
+pub use plan::{Plan, PlanParts, PlanViolation};
 
 use std::fmt;
 use std::str::FromStr;

@@ -2,17 +2,9 @@
 //! reroute split `Q` (UltraEP Table 1), plus [`Plan::validate`], which checks every invariant the
 //! engine relies on before it moves a single byte.
 
+use crate::instance::Instance;
 use crate::reroute::{split_evenly, split_locality_first, SplitScratch};
 use crate::{Layout, LoadMatrix};
-use serde::Serialize;
-
-/// One physical instance of a logical expert: the rank that computes it and the token-expert pairs
-/// it takes after reroute (`quota[e][t]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Instance {
-    pub rank: u32,
-    pub quota: u64,
-}
 
 /// A replica a planner decided to create: expert, host rank, and (for quota-driven planners) its quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

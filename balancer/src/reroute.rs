@@ -4,7 +4,8 @@
 //! in [`crate::Plan::instances`] order) and keep both marginals exact: every row sums to
 //! `load[r][e]` and every column to the instance's quota.
 
-use crate::{Instance, LoadMatrix};
+use crate::instance::Instance;
+use crate::LoadMatrix;
 
 /// Scratch buffers for [`split_locality_first`], reused across the experts of one plan.
 #[derive(Debug, Default)]

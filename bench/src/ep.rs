@@ -4,15 +4,15 @@
 //! through the dense single-device path and through the EP runtime at each requested EP size and
 //! balancer, alternating configurations every round so machine noise hits all of them. Reported
 //! per configuration: prefill tokens/s (median over rounds) and its ratio to dense, which is the
-//! EP machinery's overhead on one host, and, from the runtime's per-rank cost model, the
-//! simulated MoE makespan with the plan and without balancing, summed over layers. Each
-//! configuration also names its data plane, so a GPU host times the CPU and GPU planes side by
-//! side in one run.
+//! EP machinery's overhead on one host, and the simulated MoE makespan with the plan and without
+//! balancing, summed over layers: every layer's load and plan costed on the runtime's rack (NVL72)
+//! by the cost model `rackfill simulate` uses (`rackfill_engine::cost`). Each configuration also
+//! names its data plane, so a GPU host times the CPU and GPU planes side by side in one run.
 
 use std::time::Instant;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, StepOutput};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, Rack, StepOutput};
 use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
@@ -116,8 +116,8 @@ pub struct EpResult {
     /// Mean over MoE layers of the rank-load imbalance before and after the plan.
     pub mean_imbalance_before: f64,
     pub mean_imbalance_after: f64,
-    /// Cost-model MoE makespan summed over layers, microseconds: with the plan, and the same
-    /// loads without balancing.
+    /// Simulated MoE makespan on the report's rack summed over layers, microseconds: with the
+    /// plan, and the same loads without balancing.
     pub simulated_moe_us: f64,
     pub simulated_moe_unbalanced_us: f64,
     pub replicas: usize,
@@ -128,6 +128,8 @@ pub struct EpResult {
 #[derive(Debug, Clone, Serialize)]
 pub struct EpReport {
     pub model: String,
+    /// The rack the simulated makespans are costed on.
+    pub rack: String,
     pub sequences: usize,
     pub tokens_per_step: usize,
     pub redundant_slots: usize,
@@ -237,6 +239,9 @@ pub fn run_ep(
     }
     Ok(EpReport {
         model: model_name.to_string(),
+        rack: runtimes
+            .first()
+            .map_or_else(|| Rack::nvl72().name, |r| r.rack().name.clone()),
         sequences: prompts.len(),
         tokens_per_step: tokens,
         redundant_slots,
@@ -285,9 +290,10 @@ fn median(xs: &[f64]) -> f64 {
 impl EpReport {
     /// A Markdown table of the results.
     pub fn to_table(&self) -> String {
-        let mut out = String::from(
-            "| path | tokens/s | dense / this | imbalance before -> after | simulated MoE us (plan / none) | replicas | replica MB |\n\
+        let mut out = format!(
+            "| path | tokens/s | dense / this | imbalance before -> after | simulated MoE us on {} (plan / none) | replicas | replica MB |\n\
              |:--|--:|--:|:--|:--|--:|--:|\n",
+            self.rack
         );
         for r in &self.results {
             let name = match r.case {

@@ -9,12 +9,13 @@
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings};
 use rackfill_bench::serve::dataset::load_trace;
-use rackfill_bench::simulate::cost::{token_traffic, CostModel, ReplicaTraffic, Segment, Terms};
+use rackfill_bench::simulate::cost::{Segment, StepCost, Terms};
 use rackfill_bench::simulate::queue::{run_requests, RequestRun};
-use rackfill_bench::simulate::rack::Rack;
 use rackfill_bench::simulate::shape::{Attention, ModelShape};
 use rackfill_bench::simulate::trace::{even_load, TraceSource};
-use rackfill_bench::simulate::{run_throughput, Engine, SimError, SimSpec, ThroughputRun};
+use rackfill_bench::simulate::{run_throughput, SimError, SimSpec, StepCoster, ThroughputRun};
+use rackfill_engine::cost::{token_traffic, ReplicaTraffic};
+use rackfill_engine::Rack;
 use std::path::PathBuf;
 
 fn tiny_rack() -> Rack {
@@ -84,7 +85,7 @@ fn skewed_load() -> LoadMatrix {
 #[test]
 fn attention_term_by_hand() {
     let (rack, shape) = (tiny_rack(), tiny_shape(4));
-    let cost = CostModel {
+    let cost = StepCost {
         rack: &rack,
         shape: &shape,
     };
@@ -128,7 +129,7 @@ fn attention_term_by_hand() {
 #[test]
 fn dispatch_and_combine_by_hand() {
     let (rack, shape) = (tiny_rack(), tiny_shape(4));
-    let cost = CostModel {
+    let cost = StepCost {
         rack: &rack,
         shape: &shape,
     };
@@ -140,8 +141,8 @@ fn dispatch_and_combine_by_hand() {
     assert_eq!(send, vec![1, 4, 3, 2]);
     assert_eq!(recv, vec![5, 2, 2, 1]);
     // Busiest: rank 0 receives 5 pairs x 16 bytes = 80 bytes at 500 B/s = 160 ms, + 10 us.
-    assert!(close(cost.dispatch_ms(&load, &plan), 160.01));
-    assert!(close(cost.comm_ms(0), 0.0));
+    assert!(close(cost.moe().dispatch_ms(&load, &plan), 160.01));
+    assert!(close(rack.comm_ms(0), 0.0));
 }
 
 #[test]
@@ -152,22 +153,23 @@ fn expert_term_through_the_efficiency_curve() {
     let layout = Layout::contiguous(4, 4, 1).unwrap();
     let plan = Plan::main_only(&layout, &load.expert_totals());
     // Flat efficiency 1: the busiest rank holds expert 0 with 8 pairs, 8 * 192 FLOPs = 1.536 ms.
-    let flat = CostModel {
+    let flat = StepCost {
         rack: &rack,
         shape: &shape,
     }
+    .moe()
     .expert_ms(&plan);
     assert!(close(flat, 1.536));
     // Roofline-like curve: efficiency 0.1 per row up to 4 rows, 0.4 above. Expert 0 (8 rows):
     // 1536 / 0.4 = 3.84 ms. Experts 1-3 (2-3 rows) are memory-bound: 192 / 0.1 = 1.92 ms each.
     rack.gemm_efficiency = vec![[1.0, 0.1], [4.0, 0.4], [1e9, 0.4]];
-    let cost = CostModel {
+    let cost = StepCost {
         rack: &rack,
         shape: &shape,
     };
-    assert!(close(cost.expert_ms(&plan), 3.84));
+    assert!(close(cost.moe().expert_ms(&plan), 3.84));
     let even = Plan::main_only(&layout, &[2, 2, 3, 3]);
-    assert!(close(cost.expert_ms(&even), 1.92));
+    assert!(close(cost.moe().expert_ms(&even), 1.92));
 }
 
 /// 8 ranks, one expert each, expert 0 ten times hotter than the rest: `quota` replicates it to
@@ -193,12 +195,12 @@ fn hot_plan() -> (Layout, LoadMatrix, Plan) {
 #[test]
 fn replica_streaming_direct_versus_relay() {
     let (rack, shape) = (tiny_rack(), tiny_shape(8));
-    let cost = CostModel {
+    let cost = StepCost {
         rack: &rack,
         shape: &shape,
     };
     let (_, _, plan) = hot_plan();
-    let b = shape.expert_bytes();
+    let b = shape.moe_dims().expert_bytes();
     assert_eq!(b, 192);
     // Direct: rank 0 sends 7 copies (1344 bytes at 500 B/s = 2688 ms), one phase latency.
     let direct = RelayConfig {
@@ -208,7 +210,7 @@ fn replica_streaming_direct_versus_relay() {
     let traffic = ReplicaTraffic::streamed(&plan_transfers(&plan, b, &direct));
     assert_eq!(traffic.send[0], 7 * b);
     assert!(!traffic.relayed);
-    assert!(close(cost.replicate_ms(&traffic, 64), 2688.01));
+    assert!(close(cost.moe().replicate_ms(&traffic, 64), 2688.01));
     // Relay (fan-out 7 > 4): round(sqrt(7)) = 3 relays seeded by rank 0, which forward the 4
     // other leaves (2 + 1 + 1). Busiest: rank 0 with 3 copies = 1152 ms; plus a second stage
     // latency and one 64-byte chunk (128 ms) to fill the relay pipeline.
@@ -222,7 +224,7 @@ fn replica_streaming_direct_versus_relay() {
     assert!(traffic.recv.iter().all(|&r| r <= b));
     assert!(traffic.relayed);
     assert!(close(
-        cost.replicate_ms(&traffic, 64),
+        cost.moe().replicate_ms(&traffic, 64),
         1152.0 + 0.01 + 128.0 + 0.01
     ));
     // The engine plans whole copies (chunk 0): the same volumes and trees, one transfer per copy.
@@ -250,7 +252,7 @@ fn resident_replicas_are_copied_only_when_they_change() {
 fn solve_override_and_none_charge_what_they_say() {
     let mut s = spec(4, 4, vec![Algo::Quota, Algo::None]);
     s.solve_us = Some(250.0);
-    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let mut coster = StepCoster::new(&s, &s.algos).unwrap();
     let batch = vec![
         vec![Segment {
             tokens: 4,
@@ -259,7 +261,7 @@ fn solve_override_and_none_charge_what_they_say() {
         4
     ];
     let loads = vec![skewed_load(), skewed_load()];
-    let steps = engine.step(&batch, &loads).unwrap();
+    let steps = coster.step(&batch, &loads).unwrap();
     // Two MoE layers at 250 us each; `none` plans nothing.
     assert!(close(steps[0].terms.solve, 0.5));
     assert_eq!(steps[1].terms.solve, 0.0);
@@ -269,7 +271,7 @@ fn solve_override_and_none_charge_what_they_say() {
 #[test]
 fn none_expert_term_is_the_busiest_main_rank() {
     let s = spec(4, 4, vec![Algo::None]);
-    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let mut coster = StepCoster::new(&s, &s.algos).unwrap();
     let batch = vec![
         vec![Segment {
             tokens: 4,
@@ -277,7 +279,7 @@ fn none_expert_term_is_the_busiest_main_rank() {
         }];
         4
     ];
-    let steps = engine
+    let steps = coster
         .step(&batch, &[skewed_load(), skewed_load()])
         .unwrap();
     // max L0 = 8 pairs on rank 0: 8 * 192 FLOPs at 1 MFLOP/s = 1.536 ms per layer, two layers.
@@ -295,7 +297,7 @@ fn ideal_equals_the_balanced_case() {
     // (`eplb-exact` is left out: it fills every slot whatever the load, so it would pay for
     // replicas even here.)
     let s = spec(4, 4, vec![Algo::None, Algo::Quota]);
-    let mut engine = Engine::new(&s, &s.algos).unwrap();
+    let mut coster = StepCoster::new(&s, &s.algos).unwrap();
     let batch = vec![
         vec![Segment {
             tokens: 4,
@@ -306,8 +308,8 @@ fn ideal_equals_the_balanced_case() {
     // 4 tokens x top-2 = 8 pairs per rank, 2 per expert: already perfectly even.
     let even = even_load(&[4; 4], 4, 2);
     assert!(even.as_flat().iter().all(|&c| c == 2));
-    let ideal = engine.ideal(&batch);
-    for step in engine.step(&batch, &[even.clone(), even]).unwrap() {
+    let ideal = coster.ideal(&batch);
+    for step in coster.step(&batch, &[even.clone(), even]).unwrap() {
         assert_eq!(step.terms, ideal);
         assert_eq!(step.imbalance_after, 1.0);
         assert_eq!(step.replicas, 0.0);
@@ -496,10 +498,10 @@ fn hf_configs_become_shapes() {
 fn run_arguments_are_checked() {
     let mut s = spec(4, 4, vec![Algo::Quota]);
     s.ep = 9;
-    let err = Engine::new(&s, &s.algos).err().unwrap();
+    let err = StepCoster::new(&s, &s.algos).err().unwrap();
     assert_eq!(
         err,
-        SimError::Input("--ep 9 exceeds the 8 GPUs of rack 'tiny'".into())
+        SimError::Input("--ep-size 9 exceeds the 8 GPUs of rack 'tiny'".into())
     );
     let mut s = spec(4, 4, vec![Algo::Quota]);
     s.sim_layers = 3;
@@ -528,7 +530,7 @@ fn run_arguments_are_checked() {
     let mut s = spec(8, 4096, vec![Algo::Quota]);
     s.shape.layers = 3000;
     s.sim_layers = 3000;
-    let err = Engine::new(&s, &s.algos).err().unwrap().to_string();
+    let err = StepCoster::new(&s, &s.algos).err().unwrap().to_string();
     assert!(
         err.starts_with("3000 simulated layers x 8 ranks x 4096 experts is 98304000 load counts"),
         "{err}"
@@ -597,7 +599,7 @@ fn a_lone_request_waits_for_exactly_its_steps() {
     let results = run_requests(&run, |_| {}).unwrap();
     assert_eq!(results.len(), 2);
     assert_eq!(results[0].balancer, "ideal");
-    let engine = Engine::new(&s, &[]).unwrap();
+    let coster = StepCoster::new(&s, &[]).unwrap();
     let idle = Vec::new;
     let first = vec![
         vec![Segment {
@@ -617,7 +619,7 @@ fn a_lone_request_waits_for_exactly_its_steps() {
         idle(),
         idle(),
     ];
-    let want: Terms = engine.ideal(&first) + engine.ideal(&second);
+    let want: Terms = coster.ideal(&first) + coster.ideal(&second);
     assert!(
         close(results[0].mean_ttft_ms, want.total()),
         "{:?} vs {want:?}",
@@ -766,4 +768,88 @@ fn measured_solve_times_are_reported_in_whole_nanoseconds() {
         let decimals = text.split('.').nth(1).map_or(0, str::len);
         assert!(decimals <= 3, "{}: {text}", b.balancer);
     }
+}
+
+/// The engine's per-layer simulated makespan and `rackfill simulate` are one cost model: the
+/// routing the EP runtime records, simulated on the same rack with the same balancer, gives the
+/// same MoE terms per layer (`replicate + dispatch + expert + combine` of `layer_ms`) as the
+/// engine's `LayerReport::simulated` (with the plan for `quota`, without balancing for `none`).
+#[test]
+fn recorded_engine_routing_costs_what_the_engine_reported() {
+    use rackfill_engine::{EpConfig, EpRuntime};
+    use rackfill_models::{LogitsFor, ModelBundle, SequenceInput};
+    let model = std::sync::Arc::new(ModelBundle::builtin().unwrap().model);
+    let config = EpConfig {
+        ep_size: 4,
+        ..EpConfig::default()
+    };
+    let mut runtime = EpRuntime::new(std::sync::Arc::clone(&model), config).unwrap();
+    let vocab = model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| {
+            (0..40 + 9 * i)
+                .map(|j| (i * 131 + j * j * 17) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut batches: Vec<Vec<SequenceInput<'_>>> = (0..4).map(|_| Vec::new()).collect();
+    for (i, (tokens, cache)) in prompts.iter().zip(caches.iter_mut()).enumerate() {
+        batches[i % 4].push(SequenceInput { tokens, cache });
+    }
+    let which: Vec<Vec<LogitsFor>> = batches
+        .iter()
+        .map(|b| vec![LogitsFor::LastPosition; b.len()])
+        .collect();
+    let layers = runtime.forward(&mut batches, &which).unwrap().layers;
+    assert_eq!(layers.len(), 4);
+    assert!(
+        layers.iter().any(|l| l.metrics.replicas > 0),
+        "quota made no replicas"
+    );
+
+    // The recorded routing (`--record-routing`'s format) and the model's own config.json.
+    let lines: String = layers
+        .iter()
+        .map(|l| {
+            let load: Vec<&[u64]> = (0..4).map(|r| l.load.row(r)).collect();
+            let line = serde_json::json!({"step": 0, "layer": l.layer, "ranks": 4,
+                "experts": l.load.experts(), "load": load});
+            format!("{line}\n")
+        })
+        .collect();
+    let trace = temp_file("engine-routing.jsonl", &lines);
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/builtin/config.json");
+    let shape = ModelShape::load(config.to_str().unwrap()).unwrap();
+    let run = ThroughputRun {
+        spec: SimSpec {
+            rack: runtime.rack().clone(),
+            shape,
+            ep: 4,
+            slots: runtime.config().redundant_slots,
+            algos: vec![Algo::Quota, Algo::None],
+            settings: runtime.config().settings,
+            relay: runtime.config().relay,
+            solve_us: Some(0.0),
+            sim_layers: 4,
+            chunk_tokens: 4096,
+            seed: 0,
+        },
+        trace: TraceSource::File(trace),
+        steps: 1,
+        context_tokens: 0,
+    };
+    let report = run_throughput(&run, |_, _| {}).unwrap();
+    let moe_ms = |t: &Terms| t.replicate + t.dispatch + t.expert + t.combine;
+    let mean_us = |f: fn(&rackfill_engine::LayerReport) -> f64| {
+        layers.iter().map(f).sum::<f64>() / layers.len() as f64
+    };
+    let (quota, none) = (&report.balancers[0], &report.balancers[1]);
+    let engine_balanced = mean_us(|l| l.simulated.balanced_us);
+    let engine_unbalanced = mean_us(|l| l.simulated.unbalanced_us);
+    // (On NVL72 this tiny model's layer is latency-bound: streaming replicas costs more than the
+    // imbalance it removes, which the figures show as they are.)
+    assert!(engine_balanced > 0.0 && engine_unbalanced > 0.0);
+    assert!(close(moe_ms(&quota.layer_ms) * 1e3, engine_balanced));
+    assert!(close(moe_ms(&none.layer_ms) * 1e3, engine_unbalanced));
 }

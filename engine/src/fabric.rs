@@ -1,17 +1,39 @@
 //! Rank-to-rank movement: count exchange (all-gather), token dispatch and combine (all-to-all-v)
-//! and one-sided puts of replica weight tiles.
+//! and one-sided puts of replica weight chunks, for a process that holds one or several ranks of
+//! the EP group.
 //!
-//! The interface takes every rank's contribution at once and returns what every rank holds
-//! afterwards: the shape of a single-process, multi-device collective (NCCL group calls issued by
-//! one thread for all local GPUs), so an NCCL implementation over cudarc can replace
-//! [`LocalFabric`] without changing the engine. [`LocalFabric`] keeps every rank's buffers in
-//! host memory and copies real bytes between them: the receive side never aliases the send side.
+//! # Contract
+//!
+//! A [`Fabric`] is one process's handle on a group of [`Fabric::world_size`] ranks; the process
+//! holds the contiguous ranks [`Fabric::local_ranks`] (all of them for [`LocalFabric::new`], one
+//! for a process per GPU). Every collective takes only the local ranks' contributions, local rank
+//! `i` being world rank `local_ranks().start + i`, and returns what those ranks hold afterwards.
+//!
+//! - **Every process calls every collective, in the same order**, once per collective the runtime
+//!   issues, even when its ranks have no tokens (they contribute zero counts, empty messages, no
+//!   slot writes): a collective completes only when every process of the group has joined it.
+//! - **Deterministic**: the results depend only on the contributions, never on timing. The
+//!   all-gather returns rows in rank order; the all-to-all-v returns messages in source-rank
+//!   order; replica chunks land in schedule order, so every process sees the same bytes.
+//! - **No aliasing**: what a rank receives from another rank is a copy in a buffer it owns.
+//! - A call that fails (contributions of the wrong shape, a bad schedule) fails on every process
+//!   of the group, and a group of several processes is unusable afterwards (as after an MPI
+//!   error); a process holding every rank just fails that call.
+//!
+//! The EP runtime iterates over its fabric's local ranks and nothing else, so a fabric of one
+//! process per GPU (MPI or NCCL) plugs in without changing it. [`LocalFabric`] is the in-process
+//! implementation: by default one process holding every rank; [`LocalFabric::group`] splits the
+//! ranks over several handles, each used from its own thread as a separate process would, over
+//! the same shared state, which is how the contract above is tested.
 
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use rackfill_balancer::relay::TransferSchedule;
+use rackfill_balancer::relay::{Transfer, TransferSchedule};
 use rackfill_balancer::Plan;
-use rackfill_kernels::{distribute_replicas, ReplicationStats};
+use rackfill_kernels::distribute_replicas;
 
 use crate::error::{EngineError, Result};
 
@@ -30,117 +52,368 @@ impl Message {
     }
 }
 
-/// What a replica stream reads and writes: the home experts' weights and every rank's slots.
+/// What a replica stream reads and writes on this process: the weights of the experts its ranks
+/// home, and its ranks' redundant slots.
 pub struct ReplicaBuffers<'a> {
-    /// Home expert `e`'s weights as ordered byte segments; their concatenation is the expert.
+    /// Home expert `e`'s weights as ordered byte segments whose concatenation is the expert;
+    /// called only for experts homed on a local rank.
     pub source: &'a dyn Fn(u32) -> Vec<&'a [u8]>,
-    /// Per rank: its redundant-slot buffer (`n_slot` slots of `slot_bytes`).
+    /// Per local rank: its redundant-slot buffer (`n_slot` slots of `slot_bytes`).
     pub slots: Vec<&'a mut [u8]>,
     pub slot_bytes: usize,
     pub expert_bytes: usize,
 }
 
-/// Rank-to-rank movement for `ranks()` ranks.
+/// Rank-to-rank movement for the local ranks of a group of `world_size()` ranks (see the module
+/// documentation for the contract every implementation keeps).
 pub trait Fabric: Send + Sync {
-    /// Number of ranks.
-    fn ranks(&self) -> usize;
+    /// Ranks in the whole EP group.
+    fn world_size(&self) -> usize;
 
-    /// Every rank contributes `rows[r]`; every rank receives all of them, rank-major. Returns the
-    /// copy each rank holds.
+    /// The ranks this process holds: contiguous, non-empty, within `0..world_size()`.
+    fn local_ranks(&self) -> Range<usize>;
+
+    /// Every rank contributes one row of counts, all rows the same length; `rows[i]` is local
+    /// rank `i`'s. Returns every rank's row, in rank order (`world_size()` rows).
     fn all_gather(&self, rows: &[Vec<u64>]) -> Result<Vec<Vec<u64>>>;
 
-    /// `send[src][dst]` arrives as `recv[dst][src]`.
+    /// `send[i][dst]` is local rank `i`'s message to world rank `dst` (`world_size()` per local
+    /// rank). Returns `recv[i][src]`: what local rank `i` received from world rank `src`, in
+    /// source order.
     fn all_to_all_v(&self, send: Vec<Vec<Message>>) -> Result<Vec<Vec<Message>>>;
 
-    /// One-sided puts of replica weights, tile by tile over the relay schedule.
+    /// One-sided puts of replica weights, chunk by chunk in `schedule` order (stage-2 copies
+    /// forward a relay's chunk once it has landed). Writes only the local ranks' slots and reads
+    /// only the local ranks' home experts; returns the bytes each local rank received.
     fn stream_replicas(
         &self,
         plan: &Plan,
         schedule: &TransferSchedule,
         buffers: ReplicaBuffers<'_>,
-    ) -> Result<ReplicationStats>;
+    ) -> Result<Vec<u64>>;
 
-    /// Bytes this fabric has moved so far (all operations, all ranks).
+    /// Bytes delivered to this process's ranks from other ranks so far (all operations).
     fn bytes_moved(&self) -> u64;
 }
 
-/// The in-process fabric: all ranks in host memory, real copies between their buffers.
+/// The in-process fabric: ranks in host memory, real copies between their buffers. One handle
+/// holds every rank ([`Self::new`]) or a group of handles splits them ([`Self::group`]).
 #[derive(Debug)]
 pub struct LocalFabric {
-    ranks: usize,
+    local: Range<usize>,
+    group: Arc<Group>,
     moved: AtomicU64,
 }
 
+/// The state every handle of one group shares.
+#[derive(Debug)]
+struct Group {
+    world: usize,
+    /// Handles that must join every collective.
+    members: usize,
+    state: Mutex<Shared>,
+    changed: Condvar,
+}
+
+/// Contributions in flight between the handles of a group.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Handles that reached the current rendezvous.
+    arrived: usize,
+    /// Completed rendezvous so far.
+    generation: u64,
+    /// Why the group stopped (a failed call); every later call fails with it.
+    failed: Option<String>,
+    /// All-gather rows, by world rank.
+    gathered: Vec<Vec<u64>>,
+    /// All-to-all messages, `mail[dst][src]`.
+    mail: Vec<Vec<Option<Message>>>,
+    /// Replica chunks posted and not yet taken, by schedule index.
+    chunks: HashMap<usize, Vec<u8>>,
+}
+
 impl LocalFabric {
-    /// A fabric of `ranks` ranks.
+    /// One handle holding all `ranks` ranks.
     pub fn new(ranks: usize) -> Result<Self> {
-        if ranks == 0 {
+        let mut group = Self::group(ranks, std::slice::from_ref(&(0..ranks)))?;
+        Ok(group.remove(0))
+    }
+
+    /// Handles over one group of `world` ranks, handle `h` holding `views[h]`: the views must
+    /// be non-empty and cover `0..world` in order. Each handle is then used from its own thread,
+    /// as a separate process holding those ranks would.
+    pub fn group(world: usize, views: &[Range<usize>]) -> Result<Vec<Self>> {
+        if world == 0 {
             return Err(EngineError::Config(
                 "a fabric needs at least one rank".into(),
             ));
         }
-        Ok(Self {
-            ranks,
-            moved: AtomicU64::new(0),
-        })
-    }
-
-    fn check_ranks(&self, what: &str, got: usize) -> Result<()> {
-        if got != self.ranks {
-            return Err(EngineError::Fabric(format!(
-                "{what}: {got} contributions for {} ranks",
-                self.ranks
+        let mut next = 0;
+        for view in views {
+            if view.start != next || view.is_empty() {
+                return Err(EngineError::Config(format!(
+                    "fabric views {views:?} do not split ranks 0..{world} in order"
+                )));
+            }
+            next = view.end;
+        }
+        if next != world {
+            return Err(EngineError::Config(format!(
+                "fabric views {views:?} do not cover ranks 0..{world}"
             )));
         }
-        Ok(())
+        let group = Arc::new(Group {
+            world,
+            members: views.len(),
+            state: Mutex::new(Shared {
+                gathered: vec![Vec::new(); world],
+                mail: (0..world).map(|_| vec![None; world]).collect(),
+                ..Shared::default()
+            }),
+            changed: Condvar::new(),
+        });
+        Ok(views
+            .iter()
+            .map(|view| Self {
+                local: view.clone(),
+                group: Arc::clone(&group),
+                moved: AtomicU64::new(0),
+            })
+            .collect())
+    }
+
+    fn holds_every_rank(&self) -> bool {
+        self.local.len() == self.group.world
     }
 
     fn count(&self, bytes: u64) {
         self.moved.fetch_add(bytes, Ordering::Relaxed);
     }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Shared>> {
+        let state = self
+            .group
+            .state
+            .lock()
+            .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
+        match &state.failed {
+            Some(why) => Err(EngineError::Fabric(why.clone())),
+            None => Ok(state),
+        }
+    }
+
+    /// Fails the call on every handle of the group: the others stop waiting and return `why`,
+    /// and the group is unusable afterwards. A handle alone in its group only fails this call:
+    /// nobody waits on it, and the next call starts afresh.
+    fn fail(&self, why: String) -> EngineError {
+        if self.group.members > 1 {
+            if let Ok(mut state) = self.group.state.lock() {
+                state.failed.get_or_insert_with(|| why.clone());
+            }
+            self.group.changed.notify_all();
+        }
+        EngineError::Fabric(why)
+    }
+
+    /// Waits until every handle of the group has reached this point (releasing the lock while
+    /// waiting); fails when another handle failed its call.
+    fn rendezvous<'g>(
+        &'g self,
+        mut state: MutexGuard<'g, Shared>,
+    ) -> Result<MutexGuard<'g, Shared>> {
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.group.members {
+            state.arrived = 0;
+            state.generation += 1;
+            self.group.changed.notify_all();
+            return Ok(state);
+        }
+        while state.generation == generation && state.failed.is_none() {
+            state = self
+                .group
+                .changed
+                .wait(state)
+                .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
+        }
+        // A rendezvous every handle reached is complete, even if one failed right after it.
+        match &state.failed {
+            Some(why) if state.generation == generation => Err(EngineError::Fabric(why.clone())),
+            _ => Ok(state),
+        }
+    }
+
+    /// `got` contributions, one per local rank.
+    fn check_local(&self, what: &str, got: usize) -> Result<()> {
+        if got != self.local.len() {
+            return Err(self.fail(format!(
+                "{what}: {got} contributions for local ranks {:?}",
+                self.local
+            )));
+        }
+        Ok(())
+    }
+
+    /// Replica streaming over several handles: every handle walks the schedule in order, posting
+    /// the chunks its ranks send and taking those its ranks receive. Sends never wait, and a
+    /// chunk is sent only after every earlier copy its sender takes part in, so the earliest
+    /// unfinished copy is always ready to complete: no deadlock whatever the handles' speed.
+    fn stream_between_handles(
+        &self,
+        plan: &Plan,
+        schedule: &TransferSchedule,
+        mut buffers: ReplicaBuffers<'_>,
+    ) -> Result<Vec<u64>> {
+        let places = check_schedule(plan, schedule, &buffers, &self.local, self.group.world)
+            .map_err(|why| self.fail(why))?;
+        let mut received = vec![0u64; self.local.len()];
+        let mut homes: HashMap<u32, Vec<u8>> = HashMap::new();
+        for (index, (t, place)) in schedule.transfers.iter().zip(&places).enumerate() {
+            let (src, dst) = (t.src as usize, t.dst as usize);
+            let (offset, len) = (t.offset as usize, t.len as usize);
+            if self.local.contains(&src) {
+                let bytes = match place.from_slot {
+                    None => {
+                        let home = homes
+                            .entry(t.expert)
+                            .or_insert_with(|| (buffers.source)(t.expert).concat());
+                        if home.len() != buffers.expert_bytes {
+                            return Err(self.fail(format!(
+                                "replica stream: expert {} has {} bytes, expected {}",
+                                t.expert,
+                                home.len(),
+                                buffers.expert_bytes
+                            )));
+                        }
+                        home[offset..offset + len].to_vec()
+                    }
+                    Some(at) => buffers.slots[src - self.local.start][at..at + len].to_vec(),
+                };
+                self.lock()?.chunks.insert(index, bytes);
+                self.group.changed.notify_all();
+            }
+            if self.local.contains(&dst) {
+                let mut state = self
+                    .group
+                    .state
+                    .lock()
+                    .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
+                let bytes = loop {
+                    // A chunk already posted is taken even if the group failed since.
+                    if let Some(bytes) = state.chunks.remove(&index) {
+                        break bytes;
+                    }
+                    if let Some(why) = &state.failed {
+                        return Err(EngineError::Fabric(why.clone()));
+                    }
+                    state = self
+                        .group
+                        .changed
+                        .wait(state)
+                        .map_err(|_| EngineError::Fabric("a fabric handle panicked".into()))?;
+                };
+                drop(state);
+                let at = place.to_slot;
+                buffers.slots[dst - self.local.start][at..at + len].copy_from_slice(&bytes);
+                received[dst - self.local.start] += len as u64;
+                self.count(len as u64);
+            }
+        }
+        drop(self.rendezvous(self.lock()?)?);
+        Ok(received)
+    }
+}
+
+impl Drop for LocalFabric {
+    /// A handle leaving a group of several (its process done, or its thread unwinding) fails the
+    /// group: a handle still waiting for it returns an error instead of waiting for ever.
+    fn drop(&mut self) {
+        if self.group.members > 1 {
+            if let Ok(mut state) = self.group.state.lock() {
+                let local = &self.local;
+                state
+                    .failed
+                    .get_or_insert_with(|| format!("the process holding ranks {local:?} left"));
+            }
+            self.group.changed.notify_all();
+        }
+    }
 }
 
 impl Fabric for LocalFabric {
-    fn ranks(&self) -> usize {
-        self.ranks
+    fn world_size(&self) -> usize {
+        self.group.world
+    }
+
+    fn local_ranks(&self) -> Range<usize> {
+        self.local.clone()
     }
 
     fn all_gather(&self, rows: &[Vec<u64>]) -> Result<Vec<Vec<u64>>> {
-        self.check_ranks("all-gather", rows.len())?;
-        let gathered: Vec<u64> = rows.iter().flatten().copied().collect();
-        let copies: Vec<Vec<u64>> = (0..self.ranks).map(|_| gathered.clone()).collect();
-        self.count((gathered.len() * 8 * self.ranks) as u64);
-        Ok(copies)
+        self.check_local("all-gather", rows.len())?;
+        let mut state = self.lock()?;
+        for (rank, row) in self.local.clone().zip(rows) {
+            state.gathered[rank] = row.clone();
+        }
+        let state = self.rendezvous(state)?;
+        let gathered = state.gathered.clone();
+        // Nobody writes the next call's rows before every handle has read these.
+        drop(self.rendezvous(state)?);
+        let width = gathered[0].len();
+        if let Some(rank) = gathered.iter().position(|row| row.len() != width) {
+            return Err(self.fail(format!(
+                "all-gather: rank {rank} contributed {} counts, rank 0 {width}",
+                gathered[rank].len()
+            )));
+        }
+        let remote = (self.group.world - 1) * width * 8;
+        self.count((remote * self.local.len()) as u64);
+        Ok(gathered)
     }
 
     fn all_to_all_v(&self, send: Vec<Vec<Message>>) -> Result<Vec<Vec<Message>>> {
-        self.check_ranks("all-to-all", send.len())?;
-        for (src, row) in send.iter().enumerate() {
-            if row.len() != self.ranks {
-                return Err(EngineError::Fabric(format!(
-                    "all-to-all: rank {src} addressed {} ranks of {}",
-                    row.len(),
-                    self.ranks
-                )));
+        self.check_local("all-to-all", send.len())?;
+        let world = self.group.world;
+        if let Some((i, row)) = send.iter().enumerate().find(|(_, row)| row.len() != world) {
+            return Err(self.fail(format!(
+                "all-to-all: rank {} addressed {} ranks of {world}",
+                self.local.start + i,
+                row.len()
+            )));
+        }
+        let mut state = self.lock()?;
+        for (src, row) in self.local.clone().zip(send) {
+            for (dst, message) in row.into_iter().enumerate() {
+                state.mail[dst][src] = Some(message);
             }
         }
-        let mut recv: Vec<Vec<Message>> = (0..self.ranks)
-            .map(|_| Vec::with_capacity(self.ranks))
-            .collect();
-        for (src, row) in send.into_iter().enumerate() {
-            for (dst, message) in row.into_iter().enumerate() {
-                if dst == src {
+        let mut state = self.rendezvous(state)?;
+        let mut inbox: Vec<Vec<Option<Message>>> = Vec::with_capacity(self.local.len());
+        for dst in self.local.clone() {
+            inbox.push(state.mail[dst].iter_mut().map(Option::take).collect());
+        }
+        // Nobody posts the next call's messages before every handle has taken these.
+        drop(self.rendezvous(state)?);
+        let mut recv = Vec::with_capacity(inbox.len());
+        for (dst, messages) in self.local.clone().zip(inbox) {
+            let mut row = Vec::with_capacity(world);
+            for (src, message) in messages.into_iter().enumerate() {
+                let message = message.ok_or_else(|| {
+                    EngineError::Fabric(format!("all-to-all: rank {src} sent nothing to {dst}"))
+                })?;
+                if src == dst {
                     // A rank's message to itself never leaves it.
-                    recv[dst].push(message);
+                    row.push(message);
                     continue;
                 }
                 // A copy into the receiver's own buffer, as a wire would make.
                 self.count(message.bytes());
-                recv[dst].push(Message {
+                row.push(Message {
                     rows: message.rows.as_slice().to_vec(),
                     ids: message.ids.as_slice().to_vec(),
                 });
             }
+            recv.push(row);
         }
         Ok(recv)
     }
@@ -150,8 +423,13 @@ impl Fabric for LocalFabric {
         plan: &Plan,
         schedule: &TransferSchedule,
         mut buffers: ReplicaBuffers<'_>,
-    ) -> Result<ReplicationStats> {
-        self.check_ranks("replica stream", buffers.slots.len())?;
+    ) -> Result<Vec<u64>> {
+        self.check_local("replica stream", buffers.slots.len())?;
+        if !self.holds_every_rank() {
+            return self.stream_between_handles(plan, schedule, buffers);
+        }
+        // Every rank here: the concurrent copy engine, relays forwarding chunk `c` while `c + 1`
+        // is still arriving.
         let stats = distribute_replicas(
             plan,
             schedule,
@@ -159,9 +437,10 @@ impl Fabric for LocalFabric {
             buffers.source,
             &mut buffers.slots,
             buffers.slot_bytes,
-        )?;
-        self.count(schedule.send_bytes.iter().sum());
-        Ok(stats)
+        )
+        .map_err(|e| self.fail(format!("replica stream: {e}")))?;
+        self.count(stats.received_bytes.iter().sum());
+        Ok(stats.received_bytes)
     }
 
     fn bytes_moved(&self) -> u64 {
@@ -169,17 +448,118 @@ impl Fabric for LocalFabric {
     }
 }
 
+/// Where one transfer reads and writes in slot buffers.
+struct Place {
+    /// Byte position in the sender's slot buffer (stage 2: a relay forwards its copy), or `None`
+    /// when the sender reads its home weights.
+    from_slot: Option<usize>,
+    /// Byte position in the receiver's slot buffer.
+    to_slot: usize,
+}
+
+/// Checks the schedule against the plan and the local buffers before any chunk moves (every
+/// handle reaches the same verdict on the shared parts) and resolves every transfer's slot
+/// positions.
+fn check_schedule(
+    plan: &Plan,
+    schedule: &TransferSchedule,
+    buffers: &ReplicaBuffers<'_>,
+    local: &Range<usize>,
+    world: usize,
+) -> std::result::Result<Vec<Place>, String> {
+    let n_slot = plan.slots_per_rank();
+    if buffers.slot_bytes < buffers.expert_bytes {
+        return Err(format!(
+            "replica stream: slots of {} bytes cannot hold experts of {}",
+            buffers.slot_bytes, buffers.expert_bytes
+        ));
+    }
+    for (rank, slots) in local.clone().zip(&buffers.slots) {
+        if slots.len() < n_slot * buffers.slot_bytes {
+            return Err(format!(
+                "replica stream: rank {rank}'s slot buffer has {} bytes, its slots need {}",
+                slots.len(),
+                n_slot * buffers.slot_bytes
+            ));
+        }
+    }
+    let slot_at = |rank: u32, expert: u32| -> Option<usize> {
+        plan.rank_slots(rank as usize)
+            .iter()
+            .position(|&s| s == Some(expert))
+            .map(|slot| slot * buffers.slot_bytes)
+    };
+    let mut delivered: HashSet<(u32, u32, u64, u64)> = HashSet::new();
+    let mut places = Vec::with_capacity(schedule.transfers.len());
+    for (index, t) in schedule.transfers.iter().enumerate() {
+        let bad = |why: String| format!("replica stream: transfer {index}: {why}");
+        let Transfer {
+            expert,
+            offset,
+            len,
+            src,
+            dst,
+            stage,
+            ..
+        } = *t;
+        if src as usize >= world || dst as usize >= world || src == dst {
+            return Err(bad(format!("ranks {src} -> {dst} of {world}")));
+        }
+        if expert as usize >= plan.experts() {
+            return Err(bad(format!("expert {expert} is out of range")));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > buffers.expert_bytes as u64)
+        {
+            return Err(bad(format!(
+                "bytes {offset}..+{len} lie outside the expert's {}",
+                buffers.expert_bytes
+            )));
+        }
+        let to_slot = slot_at(dst, expert)
+            .ok_or_else(|| bad(format!("rank {dst} has no slot holding expert {expert}")))?;
+        let from_slot = match stage {
+            1 if plan.instances(expert as usize)[0].rank == src => None,
+            1 => return Err(bad(format!("rank {src} is not expert {expert}'s home"))),
+            2 if delivered.contains(&(src, expert, offset, len)) => {
+                slot_at(src, expert).map(|at| at + offset as usize)
+            }
+            2 => {
+                return Err(bad(format!(
+                    "rank {src} forwards bytes it has not received"
+                )))
+            }
+            other => return Err(bad(format!("stage {other} is neither 1 nor 2"))),
+        };
+        if !delivered.insert((dst, expert, offset, len)) {
+            return Err(bad(format!("rank {dst} receives these bytes twice")));
+        }
+        places.push(Place {
+            from_slot,
+            to_slot: to_slot + offset as usize,
+        });
+    }
+    Ok(places)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+    use rackfill_balancer::{Algo, Layout, LoadMatrix, Settings};
+
+    fn msg(v: f32) -> Message {
+        Message {
+            rows: vec![v],
+            ids: vec![v as u32],
+        }
+    }
 
     #[test]
     fn all_to_all_transposes_and_copies() {
         let fabric = LocalFabric::new(2).unwrap();
-        let msg = |v: f32| Message {
-            rows: vec![v],
-            ids: vec![v as u32],
-        };
+        assert_eq!((fabric.world_size(), fabric.local_ranks()), (2, 0..2));
         let send = vec![vec![msg(0.0), msg(1.0)], vec![msg(10.0), msg(11.0)]];
         let recv = fabric.all_to_all_v(send).unwrap();
         assert_eq!(recv[0], vec![msg(0.0), msg(10.0)]);
@@ -187,16 +567,154 @@ mod tests {
         // Only the two messages between different ranks crossed the fabric.
         assert_eq!(fabric.bytes_moved(), 2 * 8);
         let gathered = fabric.all_gather(&[vec![1, 2], vec![3, 4]]).unwrap();
-        assert_eq!(gathered, vec![vec![1, 2, 3, 4], vec![1, 2, 3, 4]]);
+        assert_eq!(gathered, vec![vec![1, 2], vec![3, 4]]);
     }
 
     #[test]
     fn wrong_rank_counts_are_errors() {
         let fabric = LocalFabric::new(3).unwrap();
         assert!(fabric.all_gather(&[vec![1]]).is_err());
+        // Alone in its group, the handle just failed that call.
+        assert_eq!(
+            fabric
+                .all_gather(&[vec![1], vec![2], vec![3]])
+                .unwrap()
+                .len(),
+            3
+        );
         assert!(fabric
             .all_to_all_v(vec![vec![Message::default(); 2]; 3])
             .is_err());
+        let fabric = LocalFabric::new(2).unwrap();
+        assert!(fabric.all_gather(&[vec![1, 2], vec![3]]).is_err());
         assert!(LocalFabric::new(0).is_err());
+        assert!(LocalFabric::group(4, &[0..1, 2..4]).is_err());
+        assert!(LocalFabric::group(4, &[0..1, 1..3]).is_err());
+        assert!(LocalFabric::group(4, &[0..0, 0..4]).is_err());
+    }
+
+    /// 4 ranks, 4 experts, one slot each; expert 0 hot enough for quota to replicate it to every
+    /// other rank, streamed in 64-byte chunks over a relay tree (threshold 1).
+    fn replicated() -> (Plan, TransferSchedule, Vec<Vec<u8>>) {
+        let layout = Layout::contiguous(4, 4, 1).unwrap();
+        let load = LoadMatrix::from_rows(&vec![vec![60u64, 2, 2, 2]; 4]).unwrap();
+        let plan = Algo::Quota
+            .build(&Settings::default())
+            .plan(&layout, &load)
+            .unwrap();
+        assert_eq!(plan.replicas(), 3);
+        let relay = RelayConfig {
+            threshold: 1,
+            chunk_bytes: 64,
+        };
+        let schedule = plan_transfers(&plan, 200, &relay);
+        assert!(schedule.transfers.iter().any(|t| t.stage == 2));
+        let experts = (0..4u8)
+            .map(|e| (0..200u8).map(|b| b ^ e).collect())
+            .collect();
+        (plan, schedule, experts)
+    }
+
+    /// What every collective returns to the ranks `views` hold, each handle on its own thread.
+    #[allow(clippy::type_complexity)]
+    fn run_views(
+        views: &[Range<usize>],
+    ) -> Vec<(Vec<Vec<u64>>, Vec<Vec<Message>>, Vec<u64>, Vec<Vec<u8>>)> {
+        let (plan, schedule, experts) = replicated();
+        let handles = LocalFabric::group(4, views).unwrap();
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = handles
+                .iter()
+                .map(|fabric| {
+                    let (plan, schedule, experts) = (&plan, &schedule, &experts);
+                    scope.spawn(move || {
+                        let local = fabric.local_ranks();
+                        let rows: Vec<Vec<u64>> = local
+                            .clone()
+                            .map(|r| vec![r as u64, 10 * r as u64])
+                            .collect();
+                        let gathered = fabric.all_gather(&rows).unwrap();
+                        let send: Vec<Vec<Message>> = local
+                            .clone()
+                            .map(|src| (0..4).map(|dst| msg((10 * src + dst) as f32)).collect())
+                            .collect();
+                        let recv = fabric.all_to_all_v(send).unwrap();
+                        let mut slots: Vec<Vec<u8>> =
+                            local.clone().map(|_| vec![0u8; 200]).collect();
+                        let source = |e: u32| -> Vec<&[u8]> {
+                            assert!(local.contains(&(e as usize)), "expert {e} read off-rank");
+                            let whole = &experts[e as usize];
+                            vec![&whole[..50], &whole[50..]]
+                        };
+                        let received = fabric
+                            .stream_replicas(
+                                plan,
+                                schedule,
+                                ReplicaBuffers {
+                                    source: &source,
+                                    slots: slots.iter_mut().map(|s| s.as_mut_slice()).collect(),
+                                    slot_bytes: 200,
+                                    expert_bytes: 200,
+                                },
+                            )
+                            .unwrap();
+                        (gathered, recv, received, slots)
+                    })
+                })
+                .collect();
+            runs.into_iter().map(|run| run.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn handles_holding_some_ranks_get_what_the_all_ranks_call_gives_them() {
+        let all = run_views(std::slice::from_ref(&(0..4))).remove(0);
+        let (plan, _, experts) = replicated();
+        // The all-ranks call itself: rows in rank order, messages transposed, every slot filled.
+        assert_eq!(all.0[3], vec![3, 30]);
+        assert_eq!(all.1[2][1], msg(12.0));
+        for rank in 1..4 {
+            assert_eq!(plan.rank_slots(rank), &[Some(0)]);
+            assert_eq!(all.3[rank], experts[0], "rank {rank}'s slot");
+        }
+        // Three processes: ranks {0}, {1, 2} and {3} of 4, over the same shared state.
+        let split = run_views(&[0..1, 1..3, 3..4]);
+        let mut at = 0;
+        for (gathered, recv, received, slots) in split {
+            assert_eq!(gathered, all.0, "every process gets the whole matrix");
+            let n = recv.len();
+            assert_eq!(recv, all.1[at..at + n]);
+            assert_eq!(received, all.2[at..at + n]);
+            assert_eq!(slots, all.3[at..at + n]);
+            at += n;
+        }
+        assert_eq!(at, 4);
+    }
+
+    #[test]
+    fn a_failed_call_releases_the_other_handles() {
+        let handles = LocalFabric::group(2, &[0..1, 1..2]).unwrap();
+        std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| handles[0].all_gather(&[vec![1]]));
+            // Two rows for one local rank: refused, and the waiting handle is released.
+            assert!(handles[1].all_gather(&[vec![1], vec![2]]).is_err());
+            let err = waiting.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("all-gather: 2 contributions"), "{err}");
+        });
+        // The group is unusable afterwards, as after an MPI error.
+        assert!(handles[0].all_gather(&[vec![1]]).is_err());
+    }
+
+    #[test]
+    fn a_handle_that_leaves_releases_the_others() {
+        let mut handles = LocalFabric::group(2, &[0..1, 1..2]).unwrap();
+        let leaving = handles.pop().unwrap();
+        std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| handles[0].all_to_all_v(vec![vec![msg(1.0), msg(2.0)]]));
+            // Its peer's thread ends (or unwinds) without joining the collective.
+            scope.spawn(move || drop(leaving));
+            let err = waiting.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("ranks 1..2 left"), "{err}");
+        });
     }
 }

@@ -2,22 +2,23 @@
 //! balances every MoE layer on its exact load (count exchange, plan, replica streaming, dispatch,
 //! expert compute, combine).
 //!
-//! - [`ep`]: the EP runtime (`R` ranks in one process) over a [`fabric::Fabric`], its MoE data
-//!   plane on the CPU or (feature `cuda`) on a GPU ([`DataPlane`]);
+//! - [`ep`]: the EP runtime over a [`fabric::Fabric`] (one process holding every rank, or any
+//!   subset of them), its MoE data plane (`plane`) on the CPU or (feature `cuda`) on a GPU
+//!   ([`DataPlane`]);
+//! - [`cost`] and [`rack`]: the cost of one MoE layer on a rack, shared with `rackfill simulate`;
 //! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
 //! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
 
 pub mod cost;
-mod cpu_plane;
 pub mod engine;
 pub mod ep;
 pub mod error;
 pub mod fabric;
-#[cfg(feature = "cuda")]
-mod gpu_plane;
 pub mod metrics;
 pub mod penalties;
+mod plane;
+pub mod rack;
 pub mod request;
 pub mod routing_trace;
 pub mod sampling;
@@ -25,10 +26,12 @@ pub mod scheduler;
 pub mod sequence;
 pub mod stop;
 
-pub use cost::{CostModel, SimulatedMakespan};
+pub use cost::{MoeCost, MoeDims, MoeTerms, SimulatedMakespan};
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
-pub use ep::{DataPlane, EpConfig, EpRuntime, LayerReport, PhaseTimes, StepOutput};
+pub use ep::{EpConfig, EpRuntime, LayerReport, StepOutput};
 pub use error::{EngineError, Result};
+pub use plane::{DataPlane, PhaseTimes};
+pub use rack::Rack;
 pub use request::{
     Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,
 };

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime};
+use rackfill_engine::fabric::LocalFabric;
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport};
 use rackfill_models::{KvCache, LogitsFor, ModelBundle, MoeModel, SequenceInput};
 
 /// Max abs logit difference allowed between EP and dense (f32 on CPU; the combine is done in the
@@ -62,32 +63,54 @@ fn dense_logits(model: &MoeModel, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<f32>>> {
         .collect()
 }
 
+/// What a runtime computed for the prompts on its ranks.
+struct EpRun {
+    /// Per prompt: every position's logits (empty for prompts on other processes' ranks).
+    logits: Vec<Vec<Vec<f32>>>,
+    /// Replicas over all steps and layers.
+    replicas: usize,
+    /// Every step's layer reports, in order.
+    layers: Vec<LayerReport>,
+}
+
 /// Runs `prompts` through the EP runtime, sequence `i` on rank `i % R`, in steps of at most
-/// `chunk` tokens per sequence; returns every position's logits per prompt.
+/// `chunk` tokens per sequence. The runtime computes its local ranks' sequences and steps until
+/// every prompt of every rank is done (a process whose ranks are idle still steps with the
+/// others, as the fabric requires).
 fn ep_logits(
     runtime: &mut EpRuntime,
     model: &MoeModel,
     prompts: &[Vec<u32>],
     chunk: usize,
-) -> (Vec<Vec<Vec<f32>>>, usize) {
+) -> EpRun {
     let ranks = runtime.config().ep_size;
-    let mut replicas = 0;
+    let local = runtime.local_ranks();
+    let mut run = EpRun {
+        logits: prompts.iter().map(|_| Vec::new()).collect(),
+        replicas: 0,
+        layers: Vec::new(),
+    };
     let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
-    let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| Vec::new()).collect();
     let mut done = vec![0usize; prompts.len()];
     while done.iter().zip(prompts).any(|(d, p)| *d < p.len()) {
-        let mut members: Vec<Vec<usize>> = vec![Vec::new(); ranks];
-        let mut batches: Vec<Vec<SequenceInput<'_>>> = (0..ranks).map(|_| Vec::new()).collect();
+        let ends: Vec<usize> = done
+            .iter()
+            .zip(prompts)
+            .map(|(&d, p)| (d + chunk).min(p.len()))
+            .collect();
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); local.len()];
+        let mut batches: Vec<Vec<SequenceInput<'_>>> =
+            (0..local.len()).map(|_| Vec::new()).collect();
         for (i, cache) in caches.iter_mut().enumerate() {
-            if done[i] >= prompts[i].len() {
+            let rank = i % ranks;
+            if done[i] >= prompts[i].len() || !local.contains(&rank) {
                 continue;
             }
-            let end = (done[i] + chunk).min(prompts[i].len());
-            batches[i % ranks].push(SequenceInput {
-                tokens: &prompts[i][done[i]..end],
+            batches[rank - local.start].push(SequenceInput {
+                tokens: &prompts[i][done[i]..ends[i]],
                 cache,
             });
-            members[i % ranks].push(i);
+            members[rank - local.start].push(i);
         }
         let which: Vec<Vec<LogitsFor>> = batches
             .iter()
@@ -95,27 +118,27 @@ fn ep_logits(
             .collect();
         let step = runtime.forward(&mut batches, &which).unwrap();
         drop(batches);
-        for (rank, logits) in step.logits.iter().enumerate() {
+        for (logits, members) in step.logits.iter().zip(&members) {
             let Some(logits) = logits else { continue };
             let mut rows = logits.to_vec2::<f32>().unwrap().into_iter();
-            for &i in &members[rank] {
-                let end = (done[i] + chunk).min(prompts[i].len());
-                out[i].extend(rows.by_ref().take(end - done[i]));
-                done[i] = end;
+            for &i in members {
+                run.logits[i].extend(rows.by_ref().take(ends[i] - done[i]));
             }
         }
+        done = ends;
         check_replica_slots(runtime, model, &step);
-        replicas += step
+        run.replicas += step
             .layers
             .iter()
             .map(|l| l.metrics.replicas)
             .sum::<usize>();
+        run.layers.extend(step.layers);
     }
-    (out, replicas)
+    run
 }
 
-/// After a step, every replica slot of the last MoE layer holds that layer's home expert's
-/// weights exactly.
+/// After a step, every replica slot of the last MoE layer on the runtime's ranks holds that
+/// layer's home expert's weights exactly.
 fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_engine::StepOutput) {
     let Some(last) = step.layers.last() else {
         return;
@@ -123,8 +146,16 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
     let rackfill_models::FeedForward::Moe(block) = model.layers()[last.layer].ffn() else {
         panic!("reported layer {} is not an MoE layer", last.layer);
     };
+    let local = runtime.local_ranks();
     let mut checked = 0;
     for (rank, slots) in last.slots.iter().enumerate() {
+        if !local.contains(&rank) {
+            assert!(
+                runtime.slot_contents(rank, 0).is_none(),
+                "rank {rank} is not here"
+            );
+            continue;
+        }
         for (slot, expert) in slots.iter().enumerate() {
             let Some(expert) = expert else { continue };
             let [gate_up, down] = block.experts[*expert as usize].weights();
@@ -144,7 +175,11 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
             checked += 1;
         }
     }
-    assert_eq!(checked, last.metrics.replicas, "every replica slot checked");
+    let filled: usize = last.slots[local]
+        .iter()
+        .map(|slots| slots.iter().flatten().count())
+        .sum();
+    assert_eq!(checked, filled, "every local replica slot checked");
 }
 
 fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
@@ -194,12 +229,12 @@ fn check_on(
                 ..EpConfig::default()
             };
             let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
-            let (got, replicas) = ep_logits(&mut runtime, &model, &prompts, chunk);
+            let run = ep_logits(&mut runtime, &model, &prompts, chunk);
             if ep_size > 1 && balancer == Algo::Quota {
                 // Otherwise the replica path would be untested.
-                assert!(replicas > 0, "EP {ep_size}: quota made no replicas");
+                assert!(run.replicas > 0, "EP {ep_size}: quota made no replicas");
             }
-            let diff = max_abs_diff(&got, &want);
+            let diff = max_abs_diff(&run.logits, &want);
             assert!(
                 diff <= tolerance,
                 "EP {ep_size} with {balancer} on {data_plane:?}: max abs logit difference {diff}"
@@ -233,6 +268,68 @@ fn shared_experts_and_dense_layers_match_dense() {
             &[19, 7, 30, 12],
             8,
         );
+    }
+}
+
+/// One process per group of ranks: EP 4 split over three runtimes holding ranks {0}, {1, 2} and
+/// {3}, each on its own thread over one in-process fabric group, exactly as processes of one MPI
+/// job would run. Together they compute the dense logits, and every process reports the layers
+/// the single-process runtime reports (same loads, plans and simulated makespans).
+#[test]
+fn ranks_split_over_processes_match_dense() {
+    let model = builtin();
+    let prompts = prompts(
+        model.config().vocab_size,
+        &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+    );
+    let want = dense_logits(&model, &prompts);
+    for balancer in [Algo::Quota, Algo::EplbExact] {
+        let config = EpConfig {
+            ep_size: 4,
+            redundant_slots: 2,
+            balancer,
+            verify_plans: true,
+            ..EpConfig::default()
+        };
+        let mut whole = EpRuntime::new(Arc::clone(&model), config).unwrap();
+        let reference = ep_logits(&mut whole, &model, &prompts, 24);
+        let handles = LocalFabric::group(4, &[0..1, 1..3, 3..4]).unwrap();
+        let runs: Vec<EpRun> = std::thread::scope(|scope| {
+            let spawned: Vec<_> = handles
+                .into_iter()
+                .map(|fabric| {
+                    let (model, prompts) = (&model, &prompts);
+                    scope.spawn(move || {
+                        let mut runtime =
+                            EpRuntime::with_fabric(Arc::clone(model), config, Box::new(fabric))
+                                .unwrap();
+                        ep_logits(&mut runtime, model, prompts, 24)
+                    })
+                })
+                .collect();
+            spawned.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut got: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| Vec::new()).collect();
+        for run in &runs {
+            for (i, logits) in run.logits.iter().enumerate() {
+                if !logits.is_empty() {
+                    assert!(got[i].is_empty(), "prompt {i} computed twice");
+                    got[i] = logits.clone();
+                }
+            }
+            assert_eq!(run.layers.len(), reference.layers.len());
+            for (mine, all) in run.layers.iter().zip(&reference.layers) {
+                assert_eq!(
+                    (&mine.load, &mine.metrics, &mine.slots, mine.simulated),
+                    (&all.load, &all.metrics, &all.slots, all.simulated)
+                );
+            }
+        }
+        if balancer == Algo::Quota {
+            assert!(reference.replicas > 0, "quota made no replicas");
+        }
+        let diff = max_abs_diff(&got, &want);
+        assert!(diff <= TOLERANCE, "{balancer} over three processes: {diff}");
     }
 }
 

@@ -13,6 +13,9 @@
 //!   expert instance (one GEMM each), route the outputs back, scatter them by pair and combine with
 //!   the router weights in top-k order, so the result is bitwise identical to the dense path.
 //!
+//! - [`weights`]: where an expert instance's weights live on the rank that computes it (home or
+//!   redundant slot), for the CPU and the GPU plane alike.
+//!
 //! - `cuda` (feature `cuda`): the same data plane on the GPU, CUDA C compiled at run time by NVRTC,
 //!   plus the quota solver on the device and grouped expert GEMMs with cuBLAS.
 //!
@@ -23,14 +26,16 @@
 pub mod cuda;
 pub mod permute;
 pub mod replicate;
+pub mod weights;
 
 pub use permute::{
-    combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, ExpertBatches,
-    InstanceGroup, InstanceRouter,
+    combine, group_by_instance, permute_tokens, remote_recv_bytes, scatter_pairs, DispatchBuffers,
+    ExpertBatches, InstanceGroup, InstanceRouter, IDS_PER_ROW,
 };
 pub use replicate::{
     distribute_replicas, distribute_replicas_sequential, ReplicationStats, TransferFault,
 };
+pub use weights::{weight_source, WeightSource};
 
 /// Why a kernel refused its input (or, for the concurrent copy, could not start its workers).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

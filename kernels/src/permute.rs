@@ -90,6 +90,64 @@ impl DispatchBuffers {
     }
 }
 
+/// Integer ids a dispatched row carries on the wire beside its activations: (pair, expert,
+/// instance), as [`DispatchBuffers::into_wire`] writes them. Every data plane counts them the same
+/// way ([`remote_recv_bytes`]).
+pub const IDS_PER_ROW: usize = 3;
+
+impl DispatchBuffers {
+    /// The wire form: the activation rows, and (pair, expert, instance) per row.
+    pub fn into_wire(self) -> (Vec<f32>, Vec<u32>) {
+        let mut ids = Vec::with_capacity(self.len() * IDS_PER_ROW);
+        for ((&p, &e), &i) in self.pairs.iter().zip(&self.experts).zip(&self.instances) {
+            ids.extend_from_slice(&[p, e, i]);
+        }
+        (self.rows, ids)
+    }
+
+    /// The receiving side of [`Self::into_wire`]; `ids` must hold [`IDS_PER_ROW`] per row.
+    pub fn from_wire(rows: Vec<f32>, ids: &[u32]) -> Result<Self, KernelError> {
+        if ids.len() % IDS_PER_ROW != 0 {
+            return Err(KernelError::NotMultiple {
+                what: "dispatch ids",
+                len: ids.len(),
+                of: IDS_PER_ROW,
+            });
+        }
+        let column =
+            |c: usize| -> Vec<u32> { ids.chunks_exact(IDS_PER_ROW).map(|row| row[c]).collect() };
+        Ok(Self {
+            pairs: column(0),
+            experts: column(1),
+            instances: column(2),
+            rows,
+        })
+    }
+}
+
+/// Bytes one rank receives from other ranks over a layer's two all-to-alls: the rows other
+/// sources dispatch to it (`rows_from[src]`, activations and [`IDS_PER_ROW`] ids each) and the
+/// outputs of its own rows computed elsewhere (`rows_to[dst]`, activations only). Its own entry
+/// in either list never crosses the fabric.
+pub fn remote_recv_bytes(
+    rank: usize,
+    rows_from: &[usize],
+    rows_to: &[usize],
+    hidden: usize,
+) -> u64 {
+    let row = hidden as u64 * 4;
+    let ids = IDS_PER_ROW as u64 * 4;
+    let remote = |counts: &[usize]| -> u64 {
+        counts
+            .iter()
+            .enumerate()
+            .filter(|&(peer, _)| peer != rank)
+            .map(|(_, &n)| n as u64)
+            .sum()
+    };
+    remote(rows_from) * (row + ids) + remote(rows_to) * row
+}
+
 /// Groups one source rank's token-expert pairs by the rank of the instance that computes them.
 ///
 /// `x` is the source's `tokens x hidden` activations, `experts` its `tokens * top_k` routed expert

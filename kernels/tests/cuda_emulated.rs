@@ -22,9 +22,10 @@ use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_kernels::cuda::nvrtc;
-use rackfill_kernels::cuda::solver::{PlanArrays, SolverShape};
-use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanFault, TilePlanParams};
+use rackfill_kernels::cuda::solver::SolverShape;
+use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanParams};
 use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileStream};
+use rackfill_kernels::cuda::{PlanArrays, TilePlanFault};
 use rackfill_kernels::{
     combine, distribute_replicas_sequential, group_by_instance, permute_tokens, scatter_pairs,
     DispatchBuffers, InstanceRouter,

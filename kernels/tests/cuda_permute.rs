@@ -10,10 +10,9 @@ use cuda_common::common::{load_of, skewed_batches, Batch, Routing};
 use cuda_common::gpu_or_skip;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::{Balancer, Layout, Plan};
-use rackfill_kernels::cuda::permute::{self, DevicePlan, Received, Routed};
-use rackfill_kernels::cuda::solver::instance_offsets;
+use rackfill_kernels::cuda::permute::{self, Received, Routed};
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
-use rackfill_kernels::cuda::{CudaError, Gpu};
+use rackfill_kernels::cuda::{instance_offsets, CudaError, DevicePlan, Gpu};
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
 };

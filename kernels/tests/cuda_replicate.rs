@@ -12,11 +12,11 @@ use cuda_common::{gpu_or_skip, skewed_load, Rng};
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
 use rackfill_balancer::{Balancer, Layout, Plan};
-use rackfill_kernels::cuda::permute::DevicePlan;
 use rackfill_kernels::cuda::replicate::{DeviceTileStream, RankBuffers};
 use rackfill_kernels::cuda::solver::GpuQuotaSolver;
 use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanner};
 use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileStream, SRC_HOME};
+use rackfill_kernels::cuda::DevicePlan;
 use rackfill_kernels::{distribute_replicas_sequential, KernelError, TransferFault};
 
 const RANKS: usize = 24;

@@ -4,8 +4,8 @@
 
 use rackfill_balancer::{Algo, Layout, Plan, Settings};
 use rackfill_kernels::{
-    combine, group_by_instance, permute_tokens, scatter_pairs, DispatchBuffers, InstanceRouter,
-    KernelError,
+    combine, group_by_instance, permute_tokens, remote_recv_bytes, scatter_pairs, DispatchBuffers,
+    InstanceRouter, KernelError, IDS_PER_ROW,
 };
 use std::collections::BTreeMap;
 
@@ -337,4 +337,29 @@ fn bad_received_and_returned_buffers_are_errors() {
     scatter_pairs(&mut pair_outputs, HIDDEN, &[3, 1], &rows).unwrap();
     assert_eq!(pair_outputs[3 * HIDDEN], 1.0);
     assert_eq!(pair_outputs[0], 0.0);
+}
+
+#[test]
+fn dispatch_rows_survive_the_wire_and_are_counted_once() {
+    let batches = batches(11);
+    let router = InstanceRouter::new(&plan_for(&batches));
+    let sent = dispatch(&batches, &router);
+    for per_dst in &sent {
+        for buffers in per_dst {
+            let (rows, ids) = buffers.clone().into_wire();
+            assert_eq!(ids.len(), buffers.len() * IDS_PER_ROW);
+            assert_eq!(&DispatchBuffers::from_wire(rows, &ids).unwrap(), buffers);
+        }
+    }
+    assert!(matches!(
+        DispatchBuffers::from_wire(Vec::new(), &[1, 2]),
+        Err(KernelError::NotMultiple { .. })
+    ));
+    // Rank 1 of 3 receives 2 rows from rank 0 and 5 from rank 2 (8 floats + 3 ids each, 44
+    // bytes) and gets back the outputs of the 4 rows it sent to rank 2 (32 bytes); its own rows
+    // (7 in, 7 out) never leave it.
+    assert_eq!(
+        remote_recv_bytes(1, &[2, 7, 5], &[0, 7, 4], HIDDEN),
+        7 * 44 + 4 * 32
+    );
 }

@@ -19,9 +19,11 @@
 //! stream so it is generated once.
 
 use super::cost::Segment;
+use super::error::SimError;
 use super::report::RateReport;
-use super::trace::{thin_rows, Routing};
-use super::{Engine, SimError, SimSpec, MAX_STEPS};
+use super::spec::{SimSpec, MAX_STEPS};
+use super::step::StepCoster;
+use super::trace::{thin_rows, LoadStream};
 use crate::serve::arrivals::{schedule, Arrivals, RequestRate};
 use crate::serve::dataset::RequestSpec;
 use crate::serve::report::percentile;
@@ -58,7 +60,7 @@ struct Pending {
 
 /// One balancer (or the ideal) serving the trace at one rate.
 struct Timeline<'a> {
-    engine: Engine<'a>,
+    coster: StepCoster<'a>,
     algo: Option<Algo>,
     rate: Option<f64>,
     /// Arrival times, seconds, non-decreasing, with each request's prompt length.
@@ -151,9 +153,9 @@ impl Timeline<'_> {
                     .iter()
                     .map(|l| thin_rows(l, chunk, &tokens, top_k, &mut self.rng))
                     .collect();
-                self.engine.step(&batch, &thinned)?[0].terms.total()
+                self.coster.step(&batch, &thinned)?[0].terms.total()
             }
-            _ => self.engine.ideal(&batch).total(),
+            _ => self.coster.ideal(&batch).total(),
         };
         self.clock += step_ms / 1e3;
         self.busy_ms += step_ms;
@@ -232,7 +234,7 @@ pub fn run_requests(
         for algo in algos {
             let index = timelines.len() as u64;
             timelines.push(Timeline {
-                engine: Engine::new(spec, algo.as_slice())?,
+                coster: StepCoster::new(spec, algo.as_slice())?,
                 algo,
                 rate: *rate,
                 arrivals: arrivals.clone(),
@@ -249,7 +251,7 @@ pub fn run_requests(
             });
         }
     }
-    let mut routing = Routing::synthetic_mixed(
+    let mut routing = LoadStream::synthetic_mixed(
         spec.ep,
         spec.shape.experts,
         spec.shape.top_k,

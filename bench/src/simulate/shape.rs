@@ -5,14 +5,12 @@
 //! `rackfill_models` where it knows the architecture, with a generic reader of the common field
 //! names otherwise, e.g. GLM-4.5/4.7's `glm4_moe`).
 
-use super::SimError;
+use super::error::SimError;
 use crate::synthetic::MAX_EXPERTS;
+use rackfill_engine::cost::MoeDims;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;
-
-/// Bytes per weight and per activation element: everything is BF16, as in UltraEP's evaluation.
-pub const BYTES_PER_ELEMENT: u64 = 2;
 
 /// Largest width, head count, head dimension or rank a shape may give. Real models stay far below
 /// (hidden sizes of a few ten thousand); the bound keeps every product of dimensions the cost
@@ -268,20 +266,13 @@ impl ModelShape {
         self.layers - self.dense_layers
     }
 
-    /// Bytes of one routed expert's weights (gate, up and down projections, BF16): what a replica
-    /// transfer moves.
-    pub fn expert_bytes(&self) -> u64 {
-        3 * (self.hidden * self.moe_intermediate) as u64 * BYTES_PER_ELEMENT
-    }
-
-    /// FLOPs of one token through one routed expert (three `H x I` products).
-    pub fn flops_per_pair(&self) -> f64 {
-        6.0 * self.hidden as f64 * self.moe_intermediate as f64
-    }
-
-    /// Bytes of one token's hidden state on the wire (dispatch and combine are both BF16).
-    pub fn token_bytes(&self) -> u64 {
-        self.hidden as u64 * BYTES_PER_ELEMENT
+    /// The dimensions a routed expert's cost depends on (expert bytes, FLOPs per pair and token
+    /// bytes, all BF16 as in UltraEP's evaluation: [`MoeDims`]).
+    pub fn moe_dims(&self) -> MoeDims {
+        MoeDims {
+            hidden: self.hidden,
+            intermediate: self.moe_intermediate,
+        }
     }
 
     /// Projection FLOPs of attention per token (q, k, v and output projections).
@@ -483,8 +474,8 @@ mod tests {
         }
         // UltraEP §4.1: one Qwen3-235B redundant slot holds 36 MB of weights.
         let qwen = ModelShape::qwen3_235b();
-        assert_eq!(qwen.expert_bytes(), 3 * 4096 * 1536 * 2);
-        assert_eq!(qwen.expert_bytes() >> 20, 36);
+        assert_eq!(qwen.moe_dims().expert_bytes(), 3 * 4096 * 1536 * 2);
+        assert_eq!(qwen.moe_dims().expert_bytes() >> 20, 36);
         assert_eq!(ModelShape::deepseek_v3().moe_layers(), 58);
         assert_eq!(ModelShape::glm_4_7().moe_layers(), 89);
     }

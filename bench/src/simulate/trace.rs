@@ -8,10 +8,10 @@
 //!   `docs/simulate.md`).
 //! - a recorded routing trace (`--record-routing` JSONL, read with
 //!   [`TraceReader`]): its expert count must match the model shape; when
-//!   its rank count differs from `--ep`, every expert's total is re-split evenly over the EP ranks
+//!   its rank count differs from `--ep-size`, every expert's total is re-split evenly over the EP ranks
 //!   (the trace's per-source split is dropped, its per-expert load kept).
 
-use super::SimError;
+use super::error::SimError;
 use crate::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
 use crate::synthetic::Popularity;
 use rackfill_balancer::LoadMatrix;
@@ -58,7 +58,7 @@ impl TraceSource {
 }
 
 /// A stream of steps, each one load matrix per simulated MoE layer.
-pub enum Routing {
+pub enum LoadStream {
     Synthetic(Box<TraceGenerator>),
     Recorded {
         reader: Box<TraceReader<BufReader<File>>>,
@@ -68,7 +68,7 @@ pub enum Routing {
     },
 }
 
-impl Routing {
+impl LoadStream {
     /// `synthetic-mixed` routing: `layers` MoE layers of `ranks x experts`, `tokens_per_rank`
     /// tokens per rank and step, `steps` steps.
     pub fn synthetic_mixed(

@@ -4,11 +4,8 @@
 
 use super::permute::DeviceDispatch;
 use super::{CudaError, Gpu};
+use crate::permute::remote_recv_bytes;
 use cudarc::driver::CudaSlice;
-
-/// Per-row ids a dispatched row carries on the wire (pair, expert, instance), as the CPU plane
-/// counts them.
-const IDS_PER_ROW: u64 = 3;
 
 /// Everything one destination rank received, concatenated in sender order.
 pub(crate) struct ReceivedRows {
@@ -141,17 +138,12 @@ impl Exchange {
 
     /// Per rank: bytes received from other ranks (dispatched rows with their ids, returned rows).
     pub(crate) fn remote_bytes(&self, hidden: usize) -> Vec<u64> {
-        let row = hidden as u64 * 4;
-        let mut recv = vec![0u64; self.counts.len()];
-        for (src, row_counts) in self.counts.iter().enumerate() {
-            for (dst, &n) in row_counts.iter().enumerate() {
-                if src != dst {
-                    recv[dst] += n as u64 * (row + IDS_PER_ROW * 4);
-                    recv[src] += n as u64 * row;
-                }
-            }
-        }
-        recv
+        (0..self.counts.len())
+            .map(|rank| {
+                let rows_from: Vec<usize> = self.counts.iter().map(|row| row[rank]).collect();
+                remote_recv_bytes(rank, &rows_from, &self.counts[rank], hidden)
+            })
+            .collect()
     }
 }
 

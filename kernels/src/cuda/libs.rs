@@ -173,3 +173,15 @@ fn subdirs(dir: &Path) -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// Runs `f`, turning a panic inside cudarc (a library or entry point that could not be loaded)
+/// into an error message. cudarc panics instead of returning errors in exactly those cases.
+pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a CUDA library call panicked".to_string())
+    })
+}

@@ -22,14 +22,15 @@
 //! gate-up then `[I, H]` down, row-major f32). The slots are shared by all layers, as on a rack.
 
 use super::exchange::Exchange;
-use super::gemm::{weight_source, GemmGroup, GroupedGemm, WeightOrder, WeightSource};
-use super::permute::{self, DevicePlan, Received, Routed};
+use super::gemm::{GemmGroup, GroupedGemm, WeightOrder};
+use super::permute::{self, Received, Routed};
 use super::replicate::RankBuffers;
-use super::solver::{instance_offsets, GpuQuotaSolver};
+use super::solver::GpuQuotaSolver;
 use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
-use super::{to_u32, CudaError, Gpu};
+use super::{instance_offsets, to_u32, CudaError, DevicePlan, Gpu};
 use crate::permute::check_len;
+use crate::weights::{weight_source, WeightSource};
 use crate::KernelError;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};

@@ -5,10 +5,24 @@
 //! [`compile`] is also what `rackfill kernels check` runs for a list of architectures on machines
 //! without a GPU: NVRTC needs no device.
 
-use super::libs::{self, Lib};
-use super::{guard, NvrtcUnavailable};
+use super::libs::{self, guard, Lib, LIB_DIR_ENV};
 use cudarc::nvrtc::{result, sys, Ptx};
 use std::ffi::CString;
+
+/// Why NVRTC cannot compile anything.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NvrtcUnavailable {
+    #[error(
+        "NVRTC was not found: install it with `pip install nvidia-cuda-nvrtc` and set \
+         {LIB_DIR_ENV} (or LD_LIBRARY_PATH) to its site-packages/nvidia/cu13/lib \
+         (searched {searched})"
+    )]
+    NotFound { searched: String },
+    #[error("NVRTC is unusable: {0}")]
+    Broken(String),
+    #[error("'{arch}' is not a GPU architecture NVRTC targets (expected e.g. sm_90 or sm_100)")]
+    BadArch { arch: String },
+}
 
 /// Environment variable: how many milliseconds a replica-streaming block waits for a relay chunk
 /// before it declares the tile stream broken (`CudaError::TileStreamStalled`); default 5000.

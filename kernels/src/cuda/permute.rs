@@ -10,103 +10,11 @@
 //!
 //! The plan is read from a [`DevicePlan`]: the quota solver's outputs, or a host plan uploaded.
 
-use super::solver::PlanArrays;
-use super::{to_u32, CudaError, Gpu};
+use super::{to_u32, CudaError, DevicePlan, Gpu};
 use crate::permute::check_len;
 use crate::permute::InstanceGroup;
 use crate::KernelError;
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use rackfill_balancer::{Layout, Plan};
-use std::sync::Arc;
-
-/// A plan in device memory, in the flat layout of [`PlanArrays`].
-pub struct DevicePlan {
-    ranks: usize,
-    experts: usize,
-    slots_per_rank: usize,
-    pub(crate) slots: CudaSlice<i32>,
-    pub(crate) inst_offsets: CudaSlice<u32>,
-    pub(crate) inst_rank: CudaSlice<u32>,
-    pub(crate) inst_quota: CudaSlice<u64>,
-    pub(crate) split_offsets: CudaSlice<u32>,
-    pub(crate) cumulative: CudaSlice<u64>,
-}
-
-impl DevicePlan {
-    /// Buffers for any plan of `layout` whose split fits `cumulative_capacity` entries.
-    pub(crate) fn alloc(
-        gpu: &Gpu,
-        layout: &Layout,
-        cumulative_capacity: usize,
-    ) -> Result<Self, CudaError> {
-        let s = gpu.stream();
-        let (r, e) = (layout.ranks(), layout.experts());
-        let instances = e + r * layout.slots_per_rank();
-        Ok(Self {
-            ranks: r,
-            experts: e,
-            slots_per_rank: layout.slots_per_rank(),
-            slots: s.alloc_zeros((r * layout.slots_per_rank()).max(1))?,
-            inst_offsets: s.alloc_zeros(e + 1)?,
-            inst_rank: s.alloc_zeros(instances.max(1))?,
-            inst_quota: s.alloc_zeros(instances.max(1))?,
-            split_offsets: s.alloc_zeros(e + 1)?,
-            cumulative: s.alloc_zeros(cumulative_capacity.max(1))?,
-        })
-    }
-
-    /// Uploads a host plan (from any balancer).
-    pub fn upload(gpu: &Gpu, plan: &Plan) -> Result<Self, CudaError> {
-        let a = PlanArrays::from_plan(plan)?;
-        let s = gpu.stream();
-        let nonempty = |v: &[u64]| if v.is_empty() { vec![0] } else { v.to_vec() };
-        Ok(Self {
-            ranks: plan.ranks(),
-            experts: plan.experts(),
-            slots_per_rank: plan.slots_per_rank(),
-            slots: s.clone_htod(&if a.slots.is_empty() {
-                vec![-1]
-            } else {
-                a.slots
-            })?,
-            inst_offsets: s.clone_htod(&a.inst_offsets)?,
-            inst_rank: s.clone_htod(&a.inst_rank)?,
-            inst_quota: s.clone_htod(&nonempty(&a.inst_quota))?,
-            split_offsets: s.clone_htod(&a.split_offsets)?,
-            cumulative: s.clone_htod(&nonempty(&a.cumulative))?,
-        })
-    }
-
-    /// Downloads the arrays (sized by the plan's own offsets) on `s`.
-    pub fn download(&self, s: &Arc<CudaStream>) -> Result<PlanArrays, CudaError> {
-        let inst_offsets = s.clone_dtoh(&self.inst_offsets)?;
-        let split_offsets = s.clone_dtoh(&self.split_offsets)?;
-        let instances = inst_offsets[self.experts] as usize;
-        let cells = split_offsets[self.experts] as usize;
-        if instances > self.inst_rank.len() || cells > self.cumulative.len() {
-            return Err(rackfill_balancer::PlanViolation::Shape.into());
-        }
-        let slots = s.clone_dtoh(&self.slots)?;
-        Ok(PlanArrays {
-            slots: slots[..self.ranks * self.slots_per_rank].to_vec(),
-            inst_rank: s.clone_dtoh(&self.inst_rank.slice(..instances))?,
-            inst_quota: s.clone_dtoh(&self.inst_quota.slice(..instances))?,
-            cumulative: s.clone_dtoh(&self.cumulative.slice(..cells))?,
-            inst_offsets,
-            split_offsets,
-        })
-    }
-
-    /// Number of ranks.
-    pub fn ranks(&self) -> usize {
-        self.ranks
-    }
-
-    /// Number of logical experts.
-    pub fn experts(&self) -> usize {
-        self.experts
-    }
-}
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Threads per block for row copies: enough to cover typical hidden sizes in one pass.
 const ROW_THREADS: u32 = 256;

@@ -12,12 +12,11 @@
 //! for the worst plan the layout allows (every slot filled); the kernel still checks each
 //! capacity and plans nothing, with a [`TilePlanFault`], rather than write past one.
 
-use super::permute::DevicePlan;
 use super::replicate::{
     check_not_stalled, launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers,
 };
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{to_u32, CudaError, Gpu};
+use super::{to_u32, CudaError, DevicePlan, Gpu, TilePlanFault};
 use crate::KernelError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
@@ -149,37 +148,6 @@ impl TilePlanParams {
             self.edge_capacity as usize,
         );
         8 * (r + 4 * c) + 4 * (2 * e + 3 * (e + c) + 7 * c + 2)
-    }
-}
-
-/// Why `plan_tiles` planned nothing (its status codes); no replica byte moved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum TilePlanFault {
-    #[error("the quota solver reported an error, so there is no plan to distribute")]
-    Solver,
-    #[error("the plan in device memory is malformed (instance offsets, ranks or slots)")]
-    Plan,
-    #[error("the plan needs more tile tasks than the planner was sized for")]
-    Tasks,
-    #[error("the plan needs more tile destinations than the planner was sized for")]
-    Destinations,
-    #[error("a relay needs more ready counters than each rank has")]
-    Flags,
-    #[error("unknown status {0}")]
-    Unknown(u32),
-}
-
-impl TilePlanFault {
-    /// The fault for a nonzero status word of the kernel.
-    pub fn from_status(status: u32) -> Self {
-        match status {
-            1 => Self::Solver,
-            2 => Self::Plan,
-            3 => Self::Tasks,
-            4 => Self::Destinations,
-            5 => Self::Flags,
-            other => Self::Unknown(other),
-        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! that holds the expert; destination ranges of one slot pairwise disjoint and covering the whole
 //! expert; every stage-2 copy reads exactly the bytes an earlier copy delivered to its source.
 
-use super::{ReplicationStats, TransferFault};
+use super::outcome::{ReplicationStats, TransferFault};
 use crate::KernelError;
 use rackfill_balancer::relay::{Transfer, TransferSchedule};
 use rackfill_balancer::Plan;

@@ -3,14 +3,15 @@
 //!
 //! The dense path here runs every expert locally and is the reference the EP engine must match.
 //! It groups tokens by expert and runs one GEMM per expert over its token block, never one per
-//! token.
+//! token, and sums each token's expert outputs with `rackfill_kernels::combine`, the weighted
+//! combine the EP data plane runs too.
 
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
 
 use crate::checkpoint::Weights;
 use crate::config::{ModelConfig, SharedExpertConfig};
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::layers::router::{Router, Routing};
 use crate::layers::{Mlp, MlpNames};
 
@@ -74,31 +75,6 @@ pub fn gather_pair_rows(x: &[f32], hidden: usize, top_k: usize, pairs: &[u32]) -
     for &p in pairs {
         let r = p as usize / top_k.max(1);
         out.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
-    }
-    out
-}
-
-/// The weighted sum of each token's expert outputs, taken over its choices in top-k order.
-/// `pair_outputs` is `[T * top_k, H]`, indexed by pair. The fixed order makes the result
-/// bitwise independent of where each pair was computed, which is how the EP engine reproduces
-/// this dense path exactly.
-pub fn combine_in_choice_order(
-    pair_outputs: &[f32],
-    weights: &[f32],
-    top_k: usize,
-    hidden: usize,
-) -> Vec<f32> {
-    let tokens = weights.len() / top_k.max(1);
-    let mut out = vec![0f32; tokens * hidden];
-    for (t, acc) in out.chunks_exact_mut(hidden).enumerate() {
-        for k in 0..top_k {
-            let p = t * top_k + k;
-            let w = weights[p];
-            let y = &pair_outputs[p * hidden..(p + 1) * hidden];
-            for (a, &v) in acc.iter_mut().zip(y) {
-                *a += w * v;
-            }
-        }
     }
     out
 }
@@ -193,7 +169,10 @@ impl MoeBlock {
                 pair_outputs[p * hidden..(p + 1) * hidden].copy_from_slice(row);
             }
         }
-        let acc = combine_in_choice_order(&pair_outputs, &routing.weights, k, hidden);
+        // The one weighted combine of the EP data plane too: sums in top-k order, so the result
+        // is bitwise independent of where each pair was computed.
+        let acc = rackfill_kernels::combine(&pair_outputs, &routing.weights, tokens, k, hidden)
+            .map_err(|e| ModelError::Input(format!("MoE combine: {e}")))?;
         Ok(Tensor::from_vec(acc, (tokens, hidden), &Device::Cpu)?)
     }
 

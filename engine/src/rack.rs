@@ -1,13 +1,21 @@
-//! The rack a simulation runs on: GPUs, scale-up fabric and per-GPU compute, plus the efficiency
-//! curves that turn peak figures into achieved ones.
+//! The rack a layer is costed on: GPUs, scale-up fabric and per-GPU compute, plus the efficiency
+//! curves that turn peak figures into achieved ones. The one description of the hardware that
+//! both the EP runtime's per-layer simulated makespan ([`crate::cost`]) and `rackfill simulate`
+//! cost with, so their figures compare.
 //!
 //! Built-in: [`Rack::nvl72`], the GB200-class figures of UltraEP's Table 2 on a 72-GPU NVLink
 //! domain. `--rack FILE.json` describes any other rack in the same fields (see
-//! `docs/simulate.md`); every number is validated before a simulation starts.
+//! `docs/simulate.md`); every number is validated before anything is costed on it.
 
-use super::SimError;
-use crate::synthetic::MAX_RANKS;
 use serde::{Deserialize, Serialize};
+
+/// Why a rack cannot be used: one line naming the file and field at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RackError(String);
+
+/// Most GPUs a rack may have (the largest EP group rackfill plans for).
+pub const MAX_RACK_GPUS: usize = 1024;
 
 /// Smallest bandwidth, peak or efficiency a rack file may give (in its field's unit).
 /// Together with [`MAX_FIGURE`] this keeps every step time finite: figures like 1e-300 TFLOP/s
@@ -115,33 +123,33 @@ impl Rack {
     }
 
     /// `nvl72` or a rack JSON file.
-    pub fn load(spec: &str) -> Result<Self, SimError> {
+    pub fn load(spec: &str) -> Result<Self, RackError> {
         if spec == "nvl72" {
             return Ok(Self::nvl72());
         }
         let text = std::fs::read_to_string(spec)
-            .map_err(|e| SimError::Input(format!("cannot read rack file {spec}: {e}")))?;
+            .map_err(|e| RackError(format!("cannot read rack file {spec}: {e}")))?;
         Self::from_json(&text, spec)
     }
 
     /// Parses and validates a rack file's contents; `origin` names it in errors.
-    pub fn from_json(text: &str, origin: &str) -> Result<Self, SimError> {
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, RackError> {
         let mut rack: Rack = serde_json::from_str(text)
-            .map_err(|e| SimError::Input(format!("rack file {origin}: {e}")))?;
+            .map_err(|e| RackError(format!("rack file {origin}: {e}")))?;
         if rack.gemm_efficiency.is_empty() && rack.bf16_tflops > 0.0 && rack.hbm_tbytes_per_s > 0.0
         {
             rack.gemm_efficiency = roofline_curve(rack.bf16_tflops, rack.hbm_tbytes_per_s);
         }
         rack.validate()
-            .map_err(|why| SimError::Input(format!("rack file {origin}: {why}")))?;
+            .map_err(|why| RackError(format!("rack file {origin}: {why}")))?;
         Ok(rack)
     }
 
     /// Checks every figure; the reason names the field.
     pub fn validate(&self) -> Result<(), String> {
-        if !(1..=MAX_RANKS).contains(&self.gpus) {
+        if !(1..=MAX_RACK_GPUS).contains(&self.gpus) {
             return Err(format!(
-                "gpus must be in 1..={MAX_RANKS}, got {}",
+                "gpus must be in 1..={MAX_RACK_GPUS}, got {}",
                 self.gpus
             ));
         }
@@ -194,6 +202,25 @@ impl Rack {
     /// Bytes per second one GPU moves in one direction, after [`Self::link_efficiency`].
     pub fn link_bytes_per_s(&self) -> f64 {
         self.scale_up_gbytes_per_s * 1e9 * self.link_efficiency
+    }
+
+    /// Milliseconds of a GEMM of `flops` FLOPs over `rows` rows (tokens), at the curve's
+    /// efficiency for that many rows; nothing for no rows or no FLOPs.
+    pub fn gemm_ms(&self, flops: f64, rows: f64) -> f64 {
+        if rows <= 0.0 || flops <= 0.0 {
+            return 0.0;
+        }
+        flops / (self.peak_flops() * self.gemm_efficiency_at(rows)) * 1e3
+    }
+
+    /// One communication phase in which the busiest GPU sends or receives `bytes` (links are full
+    /// duplex, so it is the larger of its two directions): bytes over the achieved bandwidth plus
+    /// the phase latency; nothing when nothing moves.
+    pub fn comm_ms(&self, bytes: u64) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        bytes as f64 / self.link_bytes_per_s() * 1e3 + self.link_latency_us * 1e-3
     }
 
     /// GEMM efficiency at `tokens` rows, interpolated linearly in log-log space between the

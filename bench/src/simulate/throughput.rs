@@ -1,0 +1,190 @@
+//! Throughput mode: every rank prefills a full chunk every step (or what a recorded trace's rows
+//! hold), each balancer and the ideal costed on the same routing.
+
+use super::cost::Segment;
+use super::error::SimError;
+use super::report::{self, BalancerReport, Imbalance, ThroughputReport, TimedTerms};
+use super::spec::{SimSpec, MAX_STEPS};
+use super::step::{AlgoStep, StepCoster};
+use super::trace::{LoadStream, TraceSource};
+use crate::stats::round_us;
+use rackfill_balancer::LoadMatrix;
+
+/// A throughput simulation: every rank prefills a full chunk every step.
+#[derive(Debug, Clone)]
+pub struct ThroughputRun {
+    pub spec: SimSpec,
+    pub trace: TraceSource,
+    pub steps: usize,
+    /// Tokens of earlier chunks each synthetic chunk's request already holds (attention context).
+    pub context_tokens: u64,
+}
+
+/// Runs a throughput simulation; `progress(done, total)` after every step.
+///
+/// Synthetic routing simulates `spec.sim_layers` layers of full `spec.chunk_tokens` chunks. A
+/// recorded trace simulates every one of its layers once per step, each standing for
+/// `moe_layers / trace layers` of the model's (fewer or more than the model has), with the tokens
+/// per rank its rows imply; `spec.sim_layers` and `spec.chunk_tokens` do not apply to it.
+pub fn run_throughput(
+    run: &ThroughputRun,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<ThroughputReport, SimError> {
+    let spec = &run.spec;
+    if !(1..=MAX_STEPS).contains(&run.steps) {
+        return Err(SimError::Input(format!(
+            "--steps must be in 1..={MAX_STEPS}, got {}",
+            run.steps
+        )));
+    }
+    spec.validate()?;
+    let mut routing = match &run.trace {
+        TraceSource::SyntheticMixed => LoadStream::synthetic_mixed(
+            spec.ep,
+            spec.shape.experts,
+            spec.shape.top_k,
+            spec.sim_layers,
+            spec.chunk_tokens,
+            run.steps,
+            spec.seed,
+        )?,
+        TraceSource::File(path) => LoadStream::recorded(path, spec.ep, spec.shape.experts)?,
+    };
+    let mut coster = StepCoster::with_layers(spec, &spec.algos, routing.layers())?;
+    let mut totals = Totals::new(spec.algos.len());
+    while totals.steps < run.steps {
+        let Some(loads) = routing.next_step() else {
+            break;
+        };
+        let loads = loads?;
+        let batch = step_batch(run, &loads);
+        let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
+        totals.ideal.push(coster.ideal(&batch), tokens);
+        totals.ideal_imbalance += coster.ideal_imbalance(&batch);
+        totals.add_step(&coster.step(&batch, &loads)?, tokens);
+        progress(totals.steps, run.steps);
+    }
+    if totals.steps == 0 {
+        return Err(SimError::Input("the routing trace has no steps".into()));
+    }
+    Ok(totals.report(run, routing.layers()))
+}
+
+/// Running sums over the steps of a throughput simulation.
+struct Totals {
+    steps: usize,
+    ideal: TimedTerms,
+    ideal_imbalance: f64,
+    /// Per balancer, in the spec's order: its terms and its other figures.
+    algos: Vec<TimedTerms>,
+    stats: Vec<AlgoStep>,
+}
+
+impl Totals {
+    fn new(algos: usize) -> Self {
+        Self {
+            steps: 0,
+            ideal: TimedTerms::default(),
+            ideal_imbalance: 0.0,
+            algos: vec![TimedTerms::default(); algos],
+            stats: vec![AlgoStep::default(); algos],
+        }
+    }
+
+    /// Adds one step's results (one per balancer) that prefilled `tokens` tokens.
+    fn add_step(&mut self, results: &[AlgoStep], tokens: u64) {
+        for ((acc, stat), result) in self.algos.iter_mut().zip(&mut self.stats).zip(results) {
+            acc.push(result.terms, tokens);
+            stat.imbalance_before += result.imbalance_before;
+            stat.imbalance_after += result.imbalance_after;
+            stat.replicas += result.replicas;
+            stat.max_fanout += result.max_fanout;
+            stat.replica_mb += result.replica_mb;
+            stat.solve_us += result.solve_us;
+        }
+        self.steps += 1;
+    }
+
+    /// The report: means per step (and per MoE layer) of `run`, which simulated
+    /// `simulated_layers` load matrices per step.
+    fn report(self, run: &ThroughputRun, simulated_layers: usize) -> ThroughputReport {
+        let spec = &run.spec;
+        let n = self.steps as f64;
+        let moe_layers = spec.shape.moe_layers() as f64;
+        let ideal = self.ideal;
+        let balancers = spec
+            .algos
+            .iter()
+            .zip(&self.algos)
+            .zip(&self.stats)
+            .map(|((algo, acc), stat)| BalancerReport {
+                balancer: algo.name().into(),
+                tokens_per_s: acc.tokens_per_s(),
+                fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
+                step_ms: acc.total_ms() / n,
+                breakdown_ms: acc.terms.scaled(1.0 / n),
+                layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
+                mean_imbalance: Imbalance {
+                    before: stat.imbalance_before / n,
+                    after: stat.imbalance_after / n,
+                },
+                replicas_mean: stat.replicas / n,
+                max_fanout_mean: stat.max_fanout / n,
+                replica_mb_busiest_mean: stat.replica_mb / n,
+                solve_us_mean: round_us(stat.solve_us / n),
+                step_ms_series: acc.step_ms.clone(),
+            })
+            .collect();
+        ThroughputReport {
+            model: spec.shape.name.clone(),
+            rack: spec.rack.name.clone(),
+            ep: spec.ep,
+            slots: spec.slots,
+            trace: run.trace.label(),
+            steps: self.steps,
+            seed: spec.seed,
+            chunk_tokens: match run.trace {
+                TraceSource::SyntheticMixed => Some(spec.chunk_tokens),
+                TraceSource::File(_) => None,
+            },
+            tokens_per_rank_mean: ideal.tokens as f64 / (n * spec.ep as f64),
+            context_tokens: run.context_tokens,
+            moe_layers: spec.shape.moe_layers(),
+            simulated_layers,
+            solve_us_override: spec.solve_us,
+            ideal: report::IdealReport {
+                tokens_per_s: ideal.tokens_per_s(),
+                step_ms: ideal.total_ms() / n,
+                breakdown_ms: ideal.terms.scaled(1.0 / n),
+                layer_ms: ideal.terms.scaled(1.0 / (n * moe_layers)),
+                imbalance: self.ideal_imbalance / n,
+                step_ms_series: ideal.step_ms,
+            },
+            balancers,
+        }
+    }
+}
+
+/// What every rank prefills in a throughput step: a full chunk on synthetic routing; on a
+/// recorded trace, the tokens its first layer's row implies (row sum / top-k).
+fn step_batch(run: &ThroughputRun, loads: &[LoadMatrix]) -> Vec<Vec<Segment>> {
+    let spec = &run.spec;
+    match run.trace {
+        TraceSource::SyntheticMixed => vec![
+            vec![Segment {
+                tokens: spec.chunk_tokens,
+                context: run.context_tokens,
+            }];
+            spec.ep
+        ],
+        TraceSource::File(_) => (0..spec.ep)
+            .map(|r| {
+                let pairs: u64 = loads[0].row(r).iter().sum();
+                vec![Segment {
+                    tokens: pairs.div_ceil(spec.shape.top_k as u64),
+                    context: run.context_tokens,
+                }]
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,322 @@
+//! The MoE data plane on the CPU: the local ranks' redundant slots in host memory, real bytes
+//! moved between ranks by the [`Fabric`], experts computed with the model's own gated MLP.
+//!
+//! Per layer, under the plan: replica weights streamed over the relay schedule into the slot
+//! buffers -> token assignment by cumulative quotas -> dispatch (all-to-all) -> grouped expert
+//! compute over main and replica experts -> combine (all-to-all back, weighted sum in top-k
+//! order). Every step touches only the fabric's local ranks; the other ranks' shares arrive and
+//! leave through the fabric.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+use rackfill_balancer::{Layout, Plan};
+use rackfill_kernels::{
+    combine, group_by_instance, permute_tokens, remote_recv_bytes, scatter_pairs, weight_source,
+    DispatchBuffers, InstanceRouter, KernelError, WeightSource,
+};
+use rackfill_models::layers::gated_mlp_rows;
+use rackfill_models::layers::moe::MoeBlock;
+
+use super::work::{LayerWork, PhaseTimes, PlaneOutput};
+use crate::error::{EngineError, Result};
+use crate::fabric::{Fabric, Message, ReplicaBuffers};
+
+/// The local ranks' redundant slots in host memory.
+pub(crate) struct CpuPlane {
+    layout: Layout,
+    /// The ranks whose slots live here (the fabric's local ranks).
+    local: Range<usize>,
+    relay: RelayConfig,
+    inter: usize,
+    /// Per local rank: `n_slot` slots of `expert_floats` f32s, reused by every layer.
+    slots: Vec<Vec<f32>>,
+    /// Floats of one expert: `[H, 2I]` gate-up then `[I, H]` down.
+    expert_floats: usize,
+    gate_up_floats: usize,
+}
+
+/// What the dispatch left for the expert step and the combine, per local rank.
+struct Dispatched {
+    /// `[i][src]`: the rows local rank `i` received from world rank `src`.
+    received: Vec<Vec<Message>>,
+    /// `[i][src]`: how many rows that was.
+    received_rows: Vec<Vec<usize>>,
+    /// `[i][dst]`: the pair indices local rank `i` sent to `dst`, in send order.
+    sent_pairs: Vec<Vec<Vec<u32>>>,
+}
+
+impl CpuPlane {
+    /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`.
+    pub(crate) fn new(
+        layout: &Layout,
+        local: Range<usize>,
+        relay: RelayConfig,
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
+        let gate_up_floats = hidden * 2 * inter;
+        let expert_floats = gate_up_floats + inter * hidden;
+        Self {
+            layout: layout.clone(),
+            slots: local
+                .clone()
+                .map(|_| vec![0f32; layout.slots_per_rank() * expert_floats])
+                .collect(),
+            local,
+            relay,
+            inter,
+            expert_floats,
+            gate_up_floats,
+        }
+    }
+
+    /// The contents of local rank `rank`'s redundant slot `slot`.
+    pub(crate) fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
+        let start = slot.checked_mul(self.expert_floats)?;
+        self.slots
+            .get(rank.checked_sub(self.local.start)?)?
+            .get(start..start.checked_add(self.expert_floats)?)
+            .map(<[f32]>::to_vec)
+    }
+
+    /// Replication, dispatch, expert compute and combine of one layer.
+    pub(crate) fn run_layer(
+        &mut self,
+        fabric: &dyn Fabric,
+        work: &LayerWork<'_>,
+    ) -> Result<PlaneOutput> {
+        let mut phases = PhaseTimes::default();
+        let started = Instant::now();
+        let replica_recv = self.stream_replicas(fabric, work.block, work.plan)?;
+        phases.replicate = started.elapsed();
+
+        let started = Instant::now();
+        let router = InstanceRouter::new(work.plan);
+        let Dispatched {
+            received,
+            received_rows,
+            sent_pairs,
+        } = self.dispatch(fabric, work, &router)?;
+        phases.dispatch = started.elapsed();
+
+        let started = Instant::now();
+        let replies = self.compute_experts(work, &router, received)?;
+        phases.experts = started.elapsed();
+
+        let started = Instant::now();
+        let returned = fabric.all_to_all_v(replies)?;
+        let routed = combine_on_sources(work, &returned, &sent_pairs)?;
+        phases.combine = started.elapsed();
+
+        let recv_bytes = self
+            .local
+            .clone()
+            .zip(received_rows.iter().zip(&sent_pairs))
+            .zip(&replica_recv)
+            .map(|((rank, (rows_from, pairs_to)), replicas)| {
+                let rows_to: Vec<usize> = pairs_to.iter().map(Vec::len).collect();
+                remote_recv_bytes(rank, rows_from, &rows_to, work.hidden) + replicas
+            })
+            .collect();
+        Ok(PlaneOutput {
+            routed,
+            recv_bytes,
+            replica_bytes: replica_recv.iter().sum(),
+            phases,
+        })
+    }
+
+    /// Streams every replica's weights from its home expert into its slot; returns the bytes
+    /// each local rank received.
+    fn stream_replicas(
+        &mut self,
+        fabric: &dyn Fabric,
+        block: &MoeBlock,
+        plan: &Plan,
+    ) -> Result<Vec<u64>> {
+        if plan.replicas() == 0 {
+            return Ok(vec![0; self.local.len()]);
+        }
+        let expert_bytes = (self.expert_floats * 4) as u64;
+        let schedule = plan_transfers(plan, expert_bytes, &self.relay);
+        let source = |e: u32| -> Vec<&[u8]> {
+            block.experts[e as usize]
+                .weights()
+                .iter()
+                .map(|w| bytemuck::cast_slice(w))
+                .collect()
+        };
+        let slot_bytes = self.expert_floats * 4;
+        fabric.stream_replicas(
+            plan,
+            &schedule,
+            ReplicaBuffers {
+                source: &source,
+                slots: self
+                    .slots
+                    .iter_mut()
+                    .map(|s| bytemuck::cast_slice_mut(s))
+                    .collect(),
+                slot_bytes,
+                expert_bytes: slot_bytes,
+            },
+        )
+    }
+
+    /// Token assignment by cumulative quotas on every local source, and the all-to-all that
+    /// carries each row with its (pair, expert, instance) to the rank computing its instance.
+    fn dispatch(
+        &self,
+        fabric: &dyn Fabric,
+        work: &LayerWork<'_>,
+        router: &InstanceRouter,
+    ) -> Result<Dispatched> {
+        let permuted: Vec<Vec<DispatchBuffers>> = self
+            .local
+            .clone()
+            .into_par_iter()
+            .zip(work.routed.par_iter())
+            .map(|(rank, (xs, routing))| {
+                permute_tokens(rank, xs, work.hidden, work.top_k, &routing.experts, router)
+            })
+            .collect::<Result<_, KernelError>>()?;
+        // A source keeps which pairs it sent where; the rows travel with their ids.
+        let mut sent_pairs = Vec::with_capacity(permuted.len());
+        let mut send = Vec::with_capacity(permuted.len());
+        for buffers in permuted {
+            sent_pairs.push(buffers.iter().map(|b| b.pairs.clone()).collect());
+            send.push(
+                buffers
+                    .into_iter()
+                    .map(|b| {
+                        let (rows, ids) = b.into_wire();
+                        Message { rows, ids }
+                    })
+                    .collect(),
+            );
+        }
+        let received = fabric.all_to_all_v(send)?;
+        let received_rows = received
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .map(|m| m.rows.len() / work.hidden.max(1))
+                    .collect()
+            })
+            .collect();
+        Ok(Dispatched {
+            received,
+            received_rows,
+            sent_pairs,
+        })
+    }
+
+    /// Grouped expert compute on every local rank, main and replica instances; returns each
+    /// rank's outputs addressed back to their sources (the combine's all-to-all send side).
+    fn compute_experts(
+        &self,
+        work: &LayerWork<'_>,
+        router: &InstanceRouter,
+        received: Vec<Vec<Message>>,
+    ) -> Result<Vec<Vec<Message>>> {
+        self.local
+            .clone()
+            .into_par_iter()
+            .zip(received.into_par_iter())
+            .map(|(rank, messages)| {
+                let received: Vec<DispatchBuffers> = messages
+                    .into_iter()
+                    .map(|m| DispatchBuffers::from_wire(m.rows, &m.ids))
+                    .collect::<Result<_, KernelError>>()?;
+                let batches = group_by_instance(rank, &received, work.hidden, router)?;
+                let outputs: Vec<Vec<f32>> = batches
+                    .groups()
+                    .par_iter()
+                    .map(|group| {
+                        let weights = self.instance_weights(
+                            work.block,
+                            work.plan,
+                            rank,
+                            group.expert,
+                            group.instance,
+                        )?;
+                        let input = batches.block(group).unwrap_or_default();
+                        Ok(gated_mlp_rows(
+                            weights,
+                            work.hidden,
+                            self.inter,
+                            input,
+                            group.rows.len(),
+                        ))
+                    })
+                    .collect::<Result<_>>()?;
+                let back = batches.return_outputs(&outputs.concat())?;
+                Ok(back
+                    .into_iter()
+                    .map(|rows| Message {
+                        rows,
+                        ids: Vec::new(),
+                    })
+                    .collect())
+            })
+            .collect()
+    }
+
+    /// The weights of `expert`'s `instance` as held by `rank`: the main expert on its home rank,
+    /// or the redundant slot the plan streamed it into.
+    fn instance_weights<'b>(
+        &'b self,
+        block: &'b MoeBlock,
+        plan: &Plan,
+        rank: usize,
+        expert: u32,
+        instance: u32,
+    ) -> Result<[&'b [f32]; 2]> {
+        match weight_source(&self.layout, plan, rank, expert, instance) {
+            Some(WeightSource::Home { .. }) => Ok(block.experts[expert as usize].weights()),
+            Some(WeightSource::Slot { slot }) => {
+                let slots = &self.slots[rank - self.local.start];
+                let floats = &slots[slot * self.expert_floats..(slot + 1) * self.expert_floats];
+                let (gate_up, down) = floats.split_at(self.gate_up_floats);
+                Ok([gate_up, down])
+            }
+            None => Err(EngineError::Fabric(format!(
+                "rank {rank} received tokens for instance {instance} of expert {expert}, which \
+                 the plan does not put there"
+            ))),
+        }
+    }
+}
+
+/// The combine on every local source: returned rows placed by pair, each token's outputs summed
+/// with its router weights in top-k order (exactly as the dense path sums them).
+fn combine_on_sources(
+    work: &LayerWork<'_>,
+    returned: &[Vec<Message>],
+    sent_pairs: &[Vec<Vec<u32>>],
+) -> Result<Vec<Option<Tensor>>> {
+    let hidden = work.hidden;
+    work.routed
+        .par_iter()
+        .zip(returned.par_iter().zip(sent_pairs.par_iter()))
+        .map(|((xs, routing), (messages, pairs))| {
+            if xs.is_empty() {
+                return Ok(None);
+            }
+            let tokens = routing.num_tokens();
+            let mut pair_outputs = vec![0f32; routing.experts.len() * hidden];
+            for (message, pairs) in messages.iter().zip(pairs) {
+                scatter_pairs(&mut pair_outputs, hidden, pairs, &message.rows)?;
+            }
+            let acc = combine(&pair_outputs, &routing.weights, tokens, work.top_k, hidden)?;
+            Tensor::from_vec(acc, (tokens, hidden), &Device::Cpu)
+                .map(Some)
+                .map_err(|e| rackfill_models::ModelError::from(e).into())
+        })
+        .collect()
+}
