@@ -53,6 +53,10 @@ pub struct ServeArgs {
     /// Largest request body in bytes; larger get 413.
     #[arg(long, default_value_t = ServerConfig::default().max_body_bytes)]
     max_body_bytes: usize,
+    /// Client connections served at once; more wait in the kernel's listen backlog until one
+    /// closes.
+    #[arg(long, default_value_t = ServerConfig::default().max_connections)]
+    max_connections: usize,
     /// Bearer token required on /v1/* (default: the RACKFILL_API_KEY environment variable).
     #[arg(long)]
     api_key: Option<String>,
@@ -106,6 +110,9 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     if args.max_body_bytes == 0 {
         bail!("--max-body-bytes must be at least 1");
     }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
     let read_timeout = seconds("--read-timeout", args.read_timeout)?;
     let write_timeout = seconds("--write-timeout", args.write_timeout)?;
@@ -143,6 +150,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         api_key,
         max_concurrent_requests: args.max_concurrent_requests,
         max_body_bytes: args.max_body_bytes,
+        max_connections: args.max_connections,
         read_timeout,
         write_timeout,
         shutdown_timeout,
@@ -313,6 +321,7 @@ mod tests {
         assert_eq!(engine.ep.redundant_slots, 2);
         assert_eq!(engine.ep.balancer, Algo::Quota);
         assert_eq!(server.max_concurrent_requests, 256);
+        assert_eq!(server.max_connections, 1024);
         let (engine, server) = parse(&[
             "--ep-size",
             "4",
@@ -324,6 +333,8 @@ mod tests {
             "2.5",
             "--read-timeout",
             "0.25",
+            "--max-connections",
+            "7",
         ])
         .unwrap();
         assert_eq!(engine.ep.ep_size, 4);
@@ -331,6 +342,7 @@ mod tests {
         assert_eq!(server.api_key.as_deref(), Some("k"));
         assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
         assert_eq!(server.read_timeout, Duration::from_millis(250));
+        assert_eq!(server.max_connections, 7);
         assert_eq!(server.write_timeout, Duration::from_secs(60));
     }
 
@@ -339,6 +351,7 @@ mod tests {
         for flags in [
             &["--ep-size", "0"][..],
             &["--max-concurrent-requests", "0"],
+            &["--max-connections", "0"],
             &["--shutdown-timeout=-1"],
             &["--shutdown-timeout", "1e300"],
             &["--shutdown-timeout", "NaN"],

@@ -3,13 +3,17 @@
 //!
 //! Headers are validated when the checkpoint opens, so a truncated file is reported with its
 //! path before any layer is built; tensor lookups report the tensor name and expected shape.
+//! Every lookup marks its tensor loaded, so once a model is built the tensors its config left
+//! unused can be counted and warned about, as transformers does.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{Device, Tensor};
 use safetensors::{Dtype, SafeTensors};
 
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 
 /// The bytes of one safetensors file.
@@ -34,13 +38,15 @@ struct Shard {
     bytes: ShardBytes,
 }
 
-/// Where one tensor lives: its shard, dtype, shape and byte range in the shard.
+/// Where one tensor lives: its shard, dtype, shape and byte range in the shard, and whether a
+/// module has loaded it.
 struct Entry {
     shard: usize,
     dtype: Dtype,
     shape: Vec<usize>,
     start: usize,
     end: usize,
+    loaded: AtomicBool,
 }
 
 /// All tensors of a checkpoint, addressable by name.
@@ -123,6 +129,7 @@ impl Checkpoint {
                     shape: view.shape().to_vec(),
                     start,
                     end: start + view.data().len(),
+                    loaded: AtomicBool::new(false),
                 };
                 entries.insert(name, entry);
             }
@@ -143,6 +150,7 @@ impl Checkpoint {
     /// Loads a tensor as f32 and checks its shape.
     pub fn tensor(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
         let entry = self.entry(name)?;
+        entry.loaded.store(true, Ordering::Relaxed);
         if entry.shape != expected {
             return Err(ModelError::TensorShape {
                 path: self.shards[entry.shard].path.clone(),
@@ -204,6 +212,60 @@ impl Checkpoint {
         }
     }
 
+    /// The tensors no module has loaded, sorted by name: once a model is built, those its
+    /// config leaves out.
+    pub fn unused_tensors(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .entries
+            .iter()
+            .filter(|(_, entry)| !entry.loaded.load(Ordering::Relaxed))
+            .map(|(name, _)| name.as_str())
+            .collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Warns, as transformers does, when the model built from `config` left tensors of this
+    /// checkpoint unused: the sign of a config that does not describe its checkpoint (most
+    /// often `num_hidden_layers` smaller than the layers stored, which would otherwise serve a
+    /// truncated model silently). Tensors no model loads are not counted: DeepSeek's
+    /// multi-token-prediction layers and stored `rotary_emb.inv_freq` buffers. Returns the
+    /// number counted.
+    pub fn warn_unused(&self, config: &ModelConfig) -> usize {
+        let mtp_layers = config.num_layers..config.num_layers + config.nextn_predict_layers;
+        let unused: Vec<&str> = self
+            .unused_tensors()
+            .into_iter()
+            .filter(|name| !name.ends_with("rotary_emb.inv_freq"))
+            .filter(|name| !layer_index(name).is_some_and(|i| mtp_layers.contains(&i)))
+            .collect();
+        if unused.is_empty() {
+            return 0;
+        }
+        let beyond = unused
+            .iter()
+            .filter(|name| layer_index(name).is_some_and(|i| i >= config.num_layers))
+            .count();
+        let layers = config.num_layers;
+        let hint = if beyond > 0 {
+            format!(
+                "; {beyond} of them belong to layers {layers} and above, which \
+                 num_hidden_layers = {layers} leaves out"
+            )
+        } else {
+            String::new()
+        };
+        let first: Vec<&str> = unused.iter().take(3).copied().collect();
+        tracing::warn!(
+            unused = unused.len(),
+            "{}: {} tensors of the checkpoint are not used by the model{hint} (first: {})",
+            self.describe().display(),
+            unused.len(),
+            first.join(", "),
+        );
+        unused.len()
+    }
+
     /// A prefix view for building one module (`VarBuilder::pp` style).
     pub fn root(&self) -> Weights<'_> {
         Weights {
@@ -211,6 +273,15 @@ impl Checkpoint {
             prefix: String::new(),
         }
     }
+}
+
+/// `i` for a tensor named `model.layers.{i}.*`.
+fn layer_index(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The distinct shard file names listed in an index's `weight_map`.

@@ -155,6 +155,10 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_layers: usize,
+    /// DeepSeek's multi-token-prediction layers (`num_nextn_predict_layers`), stored after the
+    /// last decoder layer: never run here (as in transformers), so their tensors are expected
+    /// to stay unused. 0 for the other families.
+    pub nextn_predict_layers: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     /// Per-head dimension of q, k and v for GQA families (MLA uses [`MlaConfig`]).
@@ -235,6 +239,8 @@ impl ModelConfig {
             ("num_attention_heads", self.num_heads),
             ("num_key_value_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
+            // A context of 0 would load, then refuse every request.
+            ("max_position_embeddings", self.max_position_embeddings),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -544,6 +550,9 @@ impl Raw<'_> {
             // Within the window, sliding-window attention is plain causal attention; the
             // context is capped there rather than computed differently from transformers.
             if let Some(window) = self.opt_usize(&["sliding_window"])? {
+                if window == 0 {
+                    return Err(self.error("sliding_window must be positive (or null)".into()));
+                }
                 max_position_embeddings = max_position_embeddings.min(window);
             }
         }
@@ -553,6 +562,10 @@ impl Raw<'_> {
             vocab_size: self.usize(&["vocab_size"])?,
             hidden_size,
             num_layers,
+            nextn_predict_layers: match family {
+                Family::DeepseekV3 => self.opt_usize(&["num_nextn_predict_layers"])?.unwrap_or(0),
+                _ => 0,
+            },
             num_heads,
             num_kv_heads,
             head_dim,

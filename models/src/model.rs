@@ -144,6 +144,7 @@ impl MoeModel {
         } else {
             Linear::load(&root.pp("lm_head"), hidden, vocab, false)?
         };
+        checkpoint.warn_unused(&config);
         Ok(Self {
             config,
             embed_tokens,

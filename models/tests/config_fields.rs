@@ -254,3 +254,35 @@ fn deepseek_routing_variants_transformers_lacks_are_refused() {
     })))
     .unwrap();
 }
+
+#[test]
+fn a_zero_context_is_refused_naming_the_field() {
+    // It would load, then refuse every request as too long.
+    let err = parse(&qwen3(
+        json!({"num_experts": 8, "max_position_embeddings": 0}),
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("max_position_embeddings must be positive"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
+    // Mixtral's window caps the context: a window of 0 is named as such.
+    let err = parse(&mixtral(json!({"sliding_window": 0})))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sliding_window must be positive"), "{err}");
+}
+
+#[test]
+fn deepseek_multi_token_prediction_layers_are_read() {
+    let config = parse(&deepseek(json!({"num_nextn_predict_layers": 1}))).unwrap();
+    assert_eq!(config.nextn_predict_layers, 1);
+    assert_eq!(parse(&deepseek(json!({}))).unwrap().nextn_predict_layers, 0);
+    let qwen = parse(&qwen3(
+        json!({"num_experts": 8, "num_nextn_predict_layers": 1}),
+    ))
+    .unwrap();
+    assert_eq!(qwen.nextn_predict_layers, 0);
+}

@@ -12,12 +12,40 @@
 //! | `GET /metrics` | Prometheus text: HTTP, latency (vLLM buckets) and the engine's balancing metrics |
 //! | `GET /version` | `{"name":"rackfill","version":...}` |
 //!
+//! # Errors
+//!
 //! Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}` (see
-//! [`ApiError`]): 400 malformed JSON / wrong type / out of range (`param` names the field) and
-//! context overflow (both numbers in the message), 401 bad bearer token on `/v1/*`, 404 unknown
-//! model or route, 405 method not taken by the route, 413 body over [`ServerConfig::max_body_bytes`], 429 admission or engine queue
-//! full, 503 engine stopped or server draining, 500 the engine failed an accepted request.
+//! [`ApiError`]). A request is checked in this order: the head alone (401, then 415), the body
+//! (413, 408), the route (404, 405), then the handler's checks.
+//!
+//! | status | `code` | when |
+//! | --- | --- | --- |
+//! | 401 | `invalid_api_key` | an API key is set and the bearer token is missing or wrong, on anything under `/v1` (unknown routes and methods included) and on `/tokenize`, `/detokenize`, `/tokenizer_info`; answered from the head, the body is never buffered (it is read and thrown away behind the answer, so clients that send it all first still get the 401) |
+//! | 415 | `unsupported_media_type` | the request carries a body whose `Content-Type` is not `application/json` (parameters such as `; charset=utf-8` and `application/*+json` are fine) or is absent |
+//! | 413 | `payload_too_large` | body over [`ServerConfig::max_body_bytes`] |
+//! | 408 | `request_timeout` | body not received within [`ServerConfig::read_timeout`] |
+//! | 404 | `not_found`, `model_not_found` | unknown route or model |
+//! | 405 | `method_not_allowed` | method not taken by the route (`allow` lists the methods) |
+//! | 400 | `invalid_value`, `context_length_exceeded`, ... | malformed JSON, wrong type, out of range (`param` names the field), context overflow (both numbers in the message) |
+//! | 429 | `rate_limit_exceeded` | admission limit or engine queue full |
+//! | 503 | `service_unavailable` | engine stopped or server draining |
+//! | 500 | `internal_error` | the engine failed an accepted request |
+//!
 //! Every response carries `x-request-id` (the client's, when it sent a sane one).
+//!
+//! # Transport
+//!
+//! HTTP/1.1 on hyper: at most [`ServerConfig::max_connections`] connections are served at once
+//! (more wait in the kernel's listen backlog); a request head must arrive within
+//! [`ServerConfig::read_timeout`]; a connection's read buffer is capped at 64 KiB (hyper's
+//! default is about 400 KiB), which bounds what each connection holds while a body streams in
+//! (a request head beyond about that size gets 431); a client may shut down its sending side
+//! once its request is out and still reads the whole response (half-close). The flip side of
+//! half-close: a client that closes its connection while a non-streamed request runs cannot be
+//! told from one that only half-closed it, so the request runs to its end before the server
+//! finds the socket gone (a stream notices at its next event). `rackfill:http_connections_open`
+//! and `rackfill:http_body_bytes_buffered` (see [`metrics`]) show what connections and request
+//! bodies hold.
 //!
 //! # Library use
 //!
@@ -48,6 +76,7 @@ mod backend;
 mod body;
 mod chat;
 mod completions;
+mod gate;
 mod generate;
 mod listen;
 pub mod metrics;
@@ -66,7 +95,7 @@ use ::metrics::counter;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::header;
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -74,7 +103,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
 use rackfill_models::ModelBundle;
 use serde_json::{json, Value};
-use subtle::ConstantTimeEq;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta};
@@ -88,12 +116,19 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// HTTP-side settings (the engine has its own [`EngineConfig`]).
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Bearer token required on `/v1/*`; `None` disables auth.
+    /// Bearer token required on everything under `/v1` and on vLLM's `/tokenize`,
+    /// `/detokenize` and `/tokenizer_info`, checked before the body is read; `None` disables
+    /// auth.
     pub api_key: Option<String>,
     /// Generation requests handled at once; more are refused with 429 (default 256).
     pub max_concurrent_requests: usize,
     /// Largest accepted request body; larger ones get 413 (default 4 MiB).
     pub max_body_bytes: usize,
+    /// Client connections served at once (default 1024). Beyond it the server stops accepting:
+    /// new connections wait in the kernel's listen backlog until one closes (or are refused
+    /// by the kernel once the backlog is full), so open connections, their tasks and the
+    /// bodies they buffer stay bounded.
+    pub max_connections: usize,
     /// How long a client may take to send a request head (request line and headers, counted
     /// from when the connection waits for one, so it also closes idle keep-alive connections),
     /// and again its body once the head is in; a body not finished by then gets 408 (default
@@ -113,6 +148,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_concurrent_requests: 256,
             max_body_bytes: 4 << 20,
+            max_connections: 1024,
             read_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
@@ -250,15 +286,14 @@ pub(crate) fn random_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// The full API as an `axum::Router` (auth on `/v1/*`, body limit, request ids, tracing spans
-/// and HTTP metrics included).
+/// The full API as an `axum::Router` (auth on `/v1/*`, JSON content type, body limit, request
+/// ids, tracing spans and HTTP metrics included).
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/v1/completions", post(completions::handle))
-        .route("/v1/chat/completions", post(chat::handle))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+        .route("/v1/chat/completions", post(chat::handle));
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -266,12 +301,14 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
-        // `body::read_body` buffers every body within the limit before the handlers run.
+        // `body::read_body` buffers every body within the limit before the handlers run, once
+        // `gate::gate` checked the key and the content type from the head alone.
         .layer(DefaultBodyLimit::disable())
         .layer(middleware::from_fn_with_state(
             state.clone(),
             body::read_body,
         ))
+        .layer(middleware::from_fn_with_state(state.clone(), gate::gate))
         .layer(middleware::from_fn(observe::observe))
         .with_state(state)
 }
@@ -296,12 +333,7 @@ pub async fn serve(
         drain_state.begin_drain();
         signalled_tx.send_replace(true);
     };
-    let server = listen::serve_until(
-        listener,
-        router(state.clone()),
-        state.config().read_timeout,
-        signal,
-    );
+    let server = listen::serve_until(listener, router(state.clone()), state.config(), signal);
     tokio::pin!(server);
     let timeout = state.config().shutdown_timeout;
     let drain_deadline = async {
@@ -335,29 +367,6 @@ pub async fn serve(
     let _ = tokio::task::spawn_blocking(move || backend.shutdown()).await;
     tracing::info!("server stopped");
     result
-}
-
-/// Bearer auth on `/v1/*` when an API key is configured; the comparison is constant-time.
-async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.config().api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, token)| token.trim());
-        let ok = given.is_some_and(|token| bool::from(token.as_bytes().ct_eq(key.as_bytes())));
-        if !ok {
-            let message = if given.is_some() {
-                "invalid API key"
-            } else {
-                "missing API key: send `Authorization: Bearer <key>`"
-            };
-            return ApiError::Unauthorized(message.into()).into_response();
-        }
-    }
-    next.run(request).await
 }
 
 async fn health(State(state): State<AppState>) -> Response {

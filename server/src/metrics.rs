@@ -16,6 +16,11 @@ pub const HTTP_DURATION: &str = "rackfill:http_request_duration_seconds";
 /// HTTP requests being handled, until their response body is done (a stream's last event) or
 /// the client went away (`rackfill:num_requests_running` counts sequences in the engine).
 pub const HTTP_IN_FLIGHT: &str = "rackfill:http_requests_in_flight";
+/// Client connections open now (at most `--max-connections`; more wait in the listen backlog).
+pub const HTTP_CONNECTIONS_OPEN: &str = "rackfill:http_connections_open";
+/// Bytes of request bodies held in memory now: read from clients and not yet taken by a
+/// handler (bodies still arriving included).
+pub const HTTP_BODY_BYTES_BUFFERED: &str = "rackfill:http_body_bytes_buffered";
 /// Time from a generation request's arrival to its first output (token, prompt logprobs or the
 /// end of a `max_tokens: 0` request).
 pub const TTFT: &str = "rackfill:time_to_first_token_seconds";
@@ -96,6 +101,14 @@ fn describe() {
     describe_gauge!(
         HTTP_IN_FLIGHT,
         "HTTP requests being handled, until their response body is done."
+    );
+    describe_gauge!(
+        HTTP_CONNECTIONS_OPEN,
+        "Client connections open now (at most --max-connections)."
+    );
+    describe_gauge!(
+        HTTP_BODY_BYTES_BUFFERED,
+        "Bytes of request bodies held in memory: received and not yet taken by a handler."
     );
     describe_histogram!(
         TTFT,

@@ -1,9 +1,11 @@
 //! Request id, tracing span and HTTP metrics around every request.
 //!
 //! A request counts as in flight, and its duration runs, until its response body has been sent
-//! or dropped: a stream is observed to its last event, and a request whose client went away
-//! before the response is still counted (status `499`, nginx's "client closed request") and
-//! leaves the in-flight gauge. Both come from a guard that is dropped with the request's future
+//! or dropped: a stream is observed to its last event, and a request dropped before its response
+//! (its connection torn down, as at the end of a shutdown) is still counted (status `499`,
+//! nginx's "client closed request") and leaves the in-flight gauge. A client that merely closed
+//! its connection is not noticed before the response is written (see `listen`: half-closed
+//! connections are served). Both come from a guard that is dropped with the request's future
 //! or with its response body, whichever holds it last.
 
 use std::pin::Pin;

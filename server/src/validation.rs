@@ -37,6 +37,10 @@ pub enum ApiError {
     /// The body is larger than `--max-body-bytes` (413).
     #[error("the request body exceeds the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    /// The request carries a body that is not declared JSON (415): a browser may send a
+    /// `text/plain` body to any origin without asking first, so only JSON is taken.
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// The client did not finish sending its body within the server's read timeout (408);
     /// the message names the limit.
     #[error("the request body was not received within {0}")]
@@ -70,6 +74,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::RouteNotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -86,6 +91,7 @@ impl ApiError {
             | Self::RouteNotFound(_)
             | Self::MethodNotAllowed(_)
             | Self::PayloadTooLarge(_)
+            | Self::UnsupportedMediaType(_)
             | Self::RequestTimeout(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::TooManyRequests(_) => "rate_limit_error",
@@ -114,6 +120,7 @@ impl ApiError {
             Self::RouteNotFound(_) => Some("not_found"),
             Self::MethodNotAllowed(_) => Some("method_not_allowed"),
             Self::PayloadTooLarge(_) => Some("payload_too_large"),
+            Self::UnsupportedMediaType(_) => Some("unsupported_media_type"),
             Self::RequestTimeout(_) => Some("request_timeout"),
             Self::TooManyRequests(_) => Some("rate_limit_exceeded"),
             Self::Unavailable(_) => Some("service_unavailable"),
