@@ -125,6 +125,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
         },
         max_waiting: args.max_waiting,
         record_routing: args.record_routing.clone(),
+        ..EngineConfig::default()
     };
     let server = ServerConfig {
         api_key,

@@ -4,6 +4,7 @@
 //!
 //! - [`ep`]: the EP runtime (`R` ranks in one process) over a [`fabric::Fabric`], its MoE data
 //!   plane on the CPU or (feature `cuda`) on a GPU ([`DataPlane`]);
+//! - [`validation`]: the checks every request passes once, before it is queued;
 //! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
 //! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
@@ -24,6 +25,7 @@ pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
 pub mod stop;
+pub mod validation;
 
 pub use cost::{CostModel, SimulatedMakespan};
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
@@ -34,3 +36,4 @@ pub use request::{
 };
 pub use sampling::{SamplingParams, TokenLogprob};
 pub use scheduler::{Scheduler, SchedulerConfig};
+pub use validation::{ContextLength, RequestError, RequestLimits, ValidatedRequest};
