@@ -84,7 +84,7 @@ pub struct EpArgs {
     pub redundant_slots: usize,
 
     /// Data planes to run every configuration on, comma-separated: `cpu`, `gpu`, `gpu:N`
-    /// (`gpu` needs a binary built with `--features cuda` and a GPU).
+    /// (`gpu` needs a GPU and the default build, not `--no-default-features`).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub data_planes: Vec<DataPlane>,
 

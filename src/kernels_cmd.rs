@@ -5,7 +5,8 @@
 //! - `probe` says which GPU the data plane would use, or why it would run on the CPU;
 //! - `bench` measures the GPU figures of docs/gpu.md (GPU host only).
 //!
-//! All of it needs a binary built with `--features cuda`; without it each command says so.
+//! All of it needs the GPU data plane of the default build; a binary built with
+//! `--no-default-features` says so.
 
 use anyhow::Result;
 
@@ -54,8 +55,8 @@ mod imp {
 
     pub fn run(_cmd: KernelsCommand) -> Result<()> {
         bail!(
-            "this rackfill was built without the GPU data plane: rebuild with \
-             `cargo build --release --features cuda`"
+            "this rackfill was built without the GPU data plane (--no-default-features): \
+             the default build (`cargo build --release`) has it"
         )
     }
 }

@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// Sequences waiting for the engine beyond which submissions get 429.
     #[arg(long, default_value_t = EngineConfig::default().max_waiting)]
     max_waiting: usize,
+    /// Most tokens one request may reserve: prompt plus max_tokens, summed over its prompts
+    /// times n; more get 400 naming both numbers.
+    #[arg(long, default_value_t = EngineConfig::default().max_request_tokens)]
+    max_request_tokens: usize,
     /// Largest request body in bytes; larger get 413.
     #[arg(long, default_value_t = ServerConfig::default().max_body_bytes)]
     max_body_bytes: usize,
@@ -84,7 +88,7 @@ pub struct ServeArgs {
     /// The model name clients use (default: the --model argument, or the built-in name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Where the MoE data plane runs: `auto` (the GPU when the binary has feature `cuda` and a
+    /// Where the MoE data plane runs: `auto` (the GPU when the binary has the GPU data plane and a
     /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
     #[arg(long, default_value = "auto")]
     data_plane: String,
@@ -106,6 +110,9 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     }
     if args.max_waiting == 0 {
         bail!("--max-waiting must be at least 1");
+    }
+    if args.max_request_tokens == 0 {
+        bail!("--max-request-tokens must be at least 1");
     }
     if args.max_body_bytes == 0 {
         bail!("--max-body-bytes must be at least 1");
@@ -141,6 +148,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
             kv_tokens_per_rank: args.kv_tokens_per_rank,
         },
         max_waiting: args.max_waiting,
+        max_request_tokens: args.max_request_tokens,
         record_routing: args.record_routing.as_ref().map(|path| RoutingTraceConfig {
             path: path.clone(),
             max_bytes: args.record_routing_max_bytes,
@@ -285,12 +293,12 @@ fn data_plane(arg: &str) -> Result<(DataPlane, String)> {
     {
         match gpu_ordinal {
             Some(_) => bail!(
-                "--data-plane {arg} needs a binary built with `--features cuda` \
-                 (this one runs the data plane on the CPU only)"
+                "--data-plane {arg} needs the GPU data plane of the default build (this \
+                 binary was built with --no-default-features and runs on the CPU only)"
             ),
             None => Ok((
                 DataPlane::Cpu,
-                "running on CPU (built without feature `cuda`)".into(),
+                "running on CPU (built with --no-default-features)".into(),
             )),
         }
     }
@@ -335,6 +343,8 @@ mod tests {
             "0.25",
             "--max-connections",
             "7",
+            "--max-request-tokens",
+            "9000",
         ])
         .unwrap();
         assert_eq!(engine.ep.ep_size, 4);
@@ -343,6 +353,7 @@ mod tests {
         assert_eq!(server.shutdown_timeout, Duration::from_millis(2500));
         assert_eq!(server.read_timeout, Duration::from_millis(250));
         assert_eq!(server.max_connections, 7);
+        assert_eq!(engine.max_request_tokens, 9000);
         assert_eq!(server.write_timeout, Duration::from_secs(60));
     }
 
@@ -352,6 +363,7 @@ mod tests {
             &["--ep-size", "0"][..],
             &["--max-concurrent-requests", "0"],
             &["--max-connections", "0"],
+            &["--max-request-tokens", "0"],
             &["--shutdown-timeout=-1"],
             &["--shutdown-timeout", "1e300"],
             &["--shutdown-timeout", "NaN"],
@@ -414,9 +426,9 @@ mod tests {
         if cfg!(not(feature = "cuda")) {
             let (plane, why) = data_plane("auto").unwrap();
             assert_eq!(plane, DataPlane::Cpu);
-            assert!(why.contains("without feature `cuda`"), "{why}");
+            assert!(why.contains("--no-default-features"), "{why}");
             let err = parse(&["--data-plane", "gpu:1"]).unwrap_err().to_string();
-            assert!(err.contains("--features cuda"), "{err}");
+            assert!(err.contains("--no-default-features"), "{err}");
         } else {
             let (engine, _) = parse(&["--data-plane", "gpu:1"]).unwrap();
             assert_eq!(engine.ep.data_plane, DataPlane::Gpu { ordinal: 1 });

@@ -38,6 +38,7 @@ fn record_trace(path: &Path) {
         },
         max_waiting: 64,
         record_routing: Some(RoutingTraceConfig::new(path)),
+        ..EngineConfig::default()
     };
     let engine = EngineHandle::spawn(
         Arc::new(bundle.model),

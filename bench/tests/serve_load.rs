@@ -42,6 +42,7 @@ impl Server {
             },
             max_waiting: 256,
             record_routing: None,
+            ..EngineConfig::default()
         };
         let bundle = ModelBundle::load(None).expect("built-in model");
         let state = AppState::launch(bundle, engine, config).expect("engine");

@@ -1,14 +1,16 @@
 //! The engine thread and its handle.
 //!
 //! The EP runtime and the scheduler live on one dedicated OS thread (model compute is CPU-bound
-//! and must never block an async runtime), fed by a bounded channel. Callers validate and submit
-//! from any thread through a cloneable [`EngineHandle`] and read events from an unbounded tokio
-//! channel; dropping the receiver cancels the sequence at the next step.
+//! and must never block an async runtime), fed by a bounded channel. Callers validate requests
+//! ([`EngineHandle::validate`]) and queue them ([`EngineHandle::enqueue`]) from any thread
+//! through a cloneable [`EngineHandle`], and read events from an unbounded tokio channel per
+//! sequence; dropping the receiver cancels the sequence at the next step.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use rackfill_models::{MoeModel, Tokenizer};
 use tokio::sync::mpsc as events;
@@ -20,14 +22,20 @@ use crate::request::{GenerateRequest, RequestStream};
 use crate::routing_trace::{RoutingRecorder, RoutingTraceConfig};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{Sequence, SequenceParts};
+use crate::validation::{RequestError, RequestLimits, ValidatedRequest};
 
 /// Everything the engine needs besides the model.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub ep: EpConfig,
     pub scheduler: SchedulerConfig,
-    /// Requests submitted but not yet admitted beyond which `submit` answers `QueueFull`.
+    /// Sequences submitted but not yet admitted beyond which `enqueue` answers `QueueFull`;
+    /// also the most sequences one request may have.
     pub max_waiting: usize,
+    /// The most tokens (prompt plus `max_tokens`, summed over its sequences) one request may
+    /// reserve; more is refused at validation, so one request cannot hold the engine for
+    /// minutes (default 524,288: 128 sequences of a 4,096-token context).
+    pub max_request_tokens: usize,
     /// Record every step's per-layer load matrices, up to a byte cap (see [`RoutingRecorder`]).
     pub record_routing: Option<RoutingTraceConfig>,
 }
@@ -41,6 +49,7 @@ impl Default for EngineConfig {
                 kv_tokens_per_rank: 65_536,
             },
             max_waiting: 1024,
+            max_request_tokens: 1 << 19,
             record_routing: None,
         }
     }
@@ -49,20 +58,17 @@ impl Default for EngineConfig {
 /// What callers need to know about the served model.
 #[derive(Debug, Clone)]
 pub struct EngineInfo {
-    pub vocab_size: usize,
-    /// Longest sequence (prompt plus generated tokens) the model accepts.
+    /// The model's own context length (`max_position_embeddings`).
     pub max_model_len: usize,
     /// End-of-sequence ids (generation stops on them unless `ignore_eos`).
     pub eos: Arc<[u32]>,
-    /// Largest prompt plus `max_tokens` one sequence may reserve (the KV budget of one rank).
-    pub max_reservation: usize,
-    /// Sequences the queue holds before `submit` answers `QueueFull`
-    /// ([`EngineConfig::max_waiting`]): a request of more sequences can never be admitted whole.
-    pub max_waiting: usize,
+    /// What requests are validated against.
+    pub limits: RequestLimits,
 }
 
 enum Command {
-    Submit(Box<Sequence>),
+    /// Every sequence of one request, queued together.
+    Submit(Vec<SequenceParts>),
     Cancel(u64),
     Shutdown,
 }
@@ -72,9 +78,8 @@ struct Shared {
     info: EngineInfo,
     tokenizer: Arc<Tokenizer>,
     next_id: AtomicU64,
-    /// Requests not yet admitted: in the channel or waiting in the scheduler.
+    /// Sequences not yet admitted: in the channel or waiting in the scheduler.
     queued: Arc<AtomicUsize>,
-    max_waiting: usize,
     alive: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -117,12 +122,17 @@ impl EngineHandle {
                 })
             })
             .transpose()?;
+        let max_model_len = model.config().max_position_embeddings;
         let info = EngineInfo {
-            vocab_size: model.config().vocab_size,
-            max_model_len: model.config().max_position_embeddings,
+            max_model_len,
             eos: eos.into(),
-            max_reservation: config.scheduler.kv_tokens_per_rank,
-            max_waiting: config.max_waiting,
+            limits: RequestLimits {
+                vocab_size: model.config().vocab_size,
+                max_context: max_model_len.min(config.scheduler.kv_tokens_per_rank),
+                max_sequences: config.max_waiting,
+                max_request_tokens: config.max_request_tokens,
+                max_token_bytes: tokenizer.max_token_bytes(),
+            },
         };
         let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1));
         let queued = Arc::new(AtomicUsize::new(0));
@@ -153,7 +163,6 @@ impl EngineHandle {
                 tokenizer,
                 next_id: AtomicU64::new(1),
                 queued,
-                max_waiting: config.max_waiting,
                 alive,
                 thread: Mutex::new(Some(thread)),
             }),
@@ -175,39 +184,60 @@ impl EngineHandle {
         self.shared.alive.load(Ordering::Acquire)
     }
 
-    /// Validates and queues a request. Errors here mean nothing was queued.
-    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
-        let info = &self.shared.info;
-        self.validate(&request)?;
+    /// Checks the sequences of one request against the served model and the engine's limits
+    /// (see [`RequestLimits`]): the only way to a [`ValidatedRequest`]. Cheap; never blocks.
+    pub fn validate(
+        &self,
+        sequences: Vec<GenerateRequest>,
+    ) -> Result<ValidatedRequest, RequestError> {
+        self.shared.info.limits.validate(sequences)
+    }
+
+    /// Queues every sequence of `request`, or none of them: `QueueFull` when the waiting queue
+    /// cannot take them all now, `Unavailable` when the engine stopped. The streams are in the
+    /// order of [`ValidatedRequest::sequences`]; never blocks.
+    pub fn enqueue(&self, request: ValidatedRequest) -> Result<Vec<RequestStream>> {
         if !self.is_alive() {
             return Err(EngineError::Unavailable);
         }
-        if self.shared.queued.load(Ordering::Acquire) >= self.shared.max_waiting {
-            return Err(EngineError::QueueFull(self.shared.max_waiting));
+        let sequences = request.into_sequences();
+        let needed = sequences.len();
+        self.reserve_queue(needed)?;
+        let arrived = Instant::now();
+        let mut streams = Vec::with_capacity(needed);
+        let mut parts = Vec::with_capacity(needed);
+        for request in sequences {
+            let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = events::unbounded_channel();
+            streams.push(RequestStream { id, events: rx });
+            parts.push(SequenceParts {
+                id,
+                request,
+                arrived,
+                fallback_seed: id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                tokenizer: Arc::clone(&self.shared.tokenizer),
+                eos: Arc::clone(&self.shared.info.eos),
+                events: tx,
+            });
         }
-        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = events::unbounded_channel();
-        let sequence = Sequence::new(SequenceParts {
-            id,
-            prompt: request.prompt,
-            params: request.params,
-            cache: rackfill_models::KvCache::new(0),
-            fallback_seed: id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            tokenizer: Arc::clone(&self.shared.tokenizer),
-            eos: Arc::clone(&info.eos),
-            events: tx,
-        })?;
-        self.shared.queued.fetch_add(1, Ordering::AcqRel);
-        match self.shared.tx.try_send(Command::Submit(Box::new(sequence))) {
-            Ok(()) => Ok(RequestStream { id, events: rx }),
+        match self.shared.tx.try_send(Command::Submit(parts)) {
+            Ok(()) => Ok(streams),
             Err(err) => {
-                self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+                self.shared.queued.fetch_sub(needed, Ordering::AcqRel);
                 Err(match err {
-                    TrySendError::Full(_) => EngineError::QueueFull(self.shared.max_waiting),
+                    TrySendError::Full(_) => self.queue_full(needed),
                     TrySendError::Disconnected(_) => EngineError::Unavailable,
                 })
             }
         }
+    }
+
+    /// Validates and queues one sequence ([`EngineHandle::validate`] then
+    /// [`EngineHandle::enqueue`]). Errors here mean nothing was queued.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
+        let validated = self.validate(vec![request])?;
+        let mut streams = self.enqueue(validated)?;
+        Ok(streams.remove(0))
     }
 
     /// Cancels request `id` (a no-op once it finished). Dropping its stream does the same.
@@ -224,36 +254,30 @@ impl EngineHandle {
         }
     }
 
-    /// Requests waiting for admission.
+    /// Sequences waiting for admission.
     pub fn queued(&self) -> usize {
         self.shared.queued.load(Ordering::Acquire)
     }
 
-    fn validate(&self, request: &GenerateRequest) -> Result<()> {
-        let info = &self.shared.info;
-        if request.prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+    /// Counts `needed` more sequences as queued, if they fit `max_waiting` (atomically: two
+    /// callers cannot both take the last places).
+    fn reserve_queue(&self, needed: usize) -> Result<()> {
+        let limit = self.shared.info.limits.max_sequences;
+        self.shared
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |waiting| {
+                (waiting + needed <= limit).then_some(waiting + needed)
+            })
+            .map(|_| ())
+            .map_err(|_| self.queue_full(needed))
+    }
+
+    fn queue_full(&self, needed: usize) -> EngineError {
+        EngineError::QueueFull {
+            waiting: self.queued(),
+            needed,
+            limit: self.shared.info.limits.max_sequences,
         }
-        if let Some(bad) = request
-            .prompt
-            .iter()
-            .find(|&&t| t as usize >= info.vocab_size)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                info.vocab_size
-            )));
-        }
-        request.params.validate(info.vocab_size)?;
-        let (prompt, max_tokens) = (request.prompt.len(), request.params.max_tokens as usize);
-        let limit = info.max_model_len.min(info.max_reservation);
-        if prompt + max_tokens > limit {
-            return Err(EngineError::TooLong(format!(
-                "this model's maximum context length is {limit} tokens, but {prompt} prompt \
-                 tokens plus max_tokens {max_tokens} were requested"
-            )));
-        }
-        Ok(())
     }
 }
 
@@ -317,9 +341,11 @@ impl EngineLoop {
     /// Applies one command; returns true on shutdown.
     fn handle(&mut self, command: Command) -> bool {
         match command {
-            Command::Submit(mut sequence) => {
-                sequence.cache = self.runtime.model().new_cache();
-                self.scheduler.enqueue(*sequence);
+            Command::Submit(sequences) => {
+                for parts in sequences {
+                    let cache = self.runtime.model().new_cache();
+                    self.scheduler.enqueue(Sequence::new(parts, cache));
+                }
                 false
             }
             Command::Cancel(id) => {

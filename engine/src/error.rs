@@ -5,6 +5,7 @@ use rackfill_kernels::KernelError;
 use rackfill_models::ModelError;
 
 use crate::sampling::SamplingError;
+use crate::validation::RequestError;
 
 /// Everything that can go wrong between a request entering the engine and its last token.
 #[derive(Debug, thiserror::Error)]
@@ -37,16 +38,25 @@ pub enum EngineError {
     /// The engine configuration is unusable (e.g. an EP size of zero).
     #[error("invalid engine configuration: {0}")]
     Config(String),
-    /// The request can never be served: its prompt plus `max_tokens` exceeds what the model or
-    /// the KV budget can hold.
-    #[error("{0}")]
-    TooLong(String),
-    /// The request was malformed (empty prompt, token id outside the vocabulary).
+    /// The request can never be served as it is (see [`RequestError`]).
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// The runtime was handed inconsistent inputs (no logits choice for a sequence, a KV cache
+    /// made for another model): a bug of its caller, not of a client's request, which
+    /// [`RequestError`] covers.
     #[error("{0}")]
     InvalidRequest(String),
-    /// The waiting queue is full; try again later.
-    #[error("the engine's queue is full ({0} requests waiting)")]
-    QueueFull(usize),
+    /// The waiting queue cannot take the request's sequences now; try again later. The queue
+    /// counts sequences: every prompt of a request, times its `n`.
+    #[error(
+        "the engine's queue is full: {waiting} of its {limit} sequences are waiting and this \
+         request needs {needed} more (every prompt times n is one sequence); retry later"
+    )]
+    QueueFull {
+        waiting: usize,
+        needed: usize,
+        limit: usize,
+    },
     /// The engine is shutting down or its thread has stopped.
     #[error("the engine is not running")]
     Unavailable,

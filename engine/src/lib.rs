@@ -6,6 +6,7 @@
 //!   subset of them), its MoE data plane (`plane`) on the CPU or (feature `cuda`) on a GPU
 //!   ([`DataPlane`]);
 //! - [`cost`] and [`rack`]: the cost of one MoE layer on a rack, shared with `rackfill simulate`;
+//! - [`validation`]: the checks every request passes once, before it is queued;
 //! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
 //! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
@@ -25,6 +26,7 @@ pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
 pub mod stop;
+pub mod validation;
 
 pub use cost::{MoeCost, MoeDims, MoeTerms, SimulatedMakespan};
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
@@ -37,3 +39,4 @@ pub use request::{
 };
 pub use sampling::{SamplingParams, TokenLogprob};
 pub use scheduler::{Scheduler, SchedulerConfig};
+pub use validation::{ContextLength, RequestError, RequestLimits, ValidatedRequest};

@@ -3,6 +3,7 @@
 //! `repetition_penalty` of transformers and vLLM (over the prompt and the generated tokens).
 //!
 //! They change which token is drawn, never the reported logprobs (see [`crate::sampling`]).
+//! Their ranges are checked with the other sampling parameters ([`SamplingParams::validate`]).
 //! In order, for a token `t` with logit `l`:
 //! 1. repetition, if `t` is in the prompt or was generated: `l / r` when `l > 0`, else `l * r`;
 //! 2. `l -= frequency * count(t) + presence * (count(t) > 0)`, `count` over generated tokens;
@@ -11,15 +12,6 @@
 use std::collections::HashMap;
 
 use crate::sampling::SamplingParams;
-
-/// Largest `|presence_penalty|` and `|frequency_penalty|` (OpenAI's range).
-pub const MAX_PENALTY: f32 = 2.0;
-
-/// Largest `|logit_bias|` value (OpenAI's range).
-pub const MAX_LOGIT_BIAS: f32 = 100.0;
-
-/// Smallest and largest `repetition_penalty`: bounded away from 0 so that `l / r` stays finite.
-pub const REPETITION_PENALTY_RANGE: (f32, f32) = (0.01, 100.0);
 
 /// One sequence's adjustments, with the counts they depend on.
 #[derive(Debug, Clone)]

@@ -1,5 +1,6 @@
-//! What goes into the engine (a tokenized prompt and its sampling parameters) and what comes
-//! back (a stream of events), independent of any HTTP shape.
+//! What goes into the engine (a tokenized prompt and its sampling parameters, checked in
+//! [`crate::validation`]) and what comes back (a stream of events), independent of any HTTP
+//! shape.
 
 use std::time::Duration;
 
@@ -7,8 +8,10 @@ use tokio::sync::mpsc;
 
 use crate::sampling::{SamplingParams, TokenLogprob};
 
-/// A tokenized generation (or scoring) request.
-#[derive(Debug, Clone)]
+/// One sequence to generate (or score): a tokenized prompt and its sampling parameters. A
+/// request of several prompts, or `n` choices, is several of these validated together
+/// ([`crate::EngineHandle::validate`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
@@ -23,17 +26,6 @@ pub enum FinishReason {
     Length,
     /// The client went away or the request was cancelled.
     Cancelled,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-            Self::Cancelled => "cancelled",
-        }
-    }
 }
 
 /// One generated token.

@@ -67,14 +67,10 @@ impl Scheduler {
         })
     }
 
-    /// Queues a sequence; the caller has checked it can ever fit ([`Scheduler::fits_ever`]).
+    /// Queues a sequence. Its reservation must fit one rank's KV budget (request validation
+    /// bounds prompt plus `max_tokens` by it), or it would wait forever.
     pub fn enqueue(&mut self, sequence: Sequence) {
         self.waiting.push_back(sequence);
-    }
-
-    /// Whether a reservation of `tokens` can ever be admitted.
-    pub fn fits_ever(&self, tokens: usize) -> bool {
-        tokens <= self.config.kv_tokens_per_rank
     }
 
     /// Sequences waiting for admission.

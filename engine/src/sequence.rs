@@ -8,7 +8,9 @@ use rackfill_models::{DecodeStream, KvCache, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::error::Result;
-use crate::request::{Event, FinishEvent, FinishReason, StopReason, TokenEvent, Usage};
+use crate::request::{
+    Event, FinishEvent, FinishReason, GenerateRequest, StopReason, TokenEvent, Usage,
+};
 use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob};
 use crate::stop::{StopMatcher, StopOutcome};
 
@@ -36,12 +38,13 @@ pub struct Sequence {
     pub done: bool,
 }
 
-/// What the scheduler needs to build a sequence.
+/// What the engine thread needs to build a sequence, besides its KV cache.
 pub struct SequenceParts {
     pub id: u64,
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    pub cache: KvCache,
+    /// One sequence of a [`crate::ValidatedRequest`]: its parameters passed validation.
+    pub request: GenerateRequest,
+    /// When the request was submitted (its queue time runs from here).
+    pub arrived: Instant,
     pub fallback_seed: u64,
     pub tokenizer: Arc<Tokenizer>,
     /// End-of-sequence ids of the model (ignored with `ignore_eos`).
@@ -50,31 +53,30 @@ pub struct SequenceParts {
 }
 
 impl Sequence {
-    /// A new sequence; fails on sampling parameters the sampler cannot use.
-    pub fn new(parts: SequenceParts) -> Result<Self> {
+    /// A new sequence with its (empty) KV cache, made by the engine thread for the model it runs.
+    pub fn new(parts: SequenceParts, cache: KvCache) -> Self {
         let SequenceParts {
             id,
-            prompt,
-            params,
-            cache,
+            request: GenerateRequest { prompt, params },
+            arrived,
             fallback_seed,
             tokenizer,
             eos,
             events,
         } = parts;
-        let sampler = Sampler::new(&params, &prompt, fallback_seed)?;
+        let sampler = Sampler::from_checked(&params, &prompt, fallback_seed);
         let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(eos.iter().copied());
         }
         let reserved = prompt.len() + params.max_tokens as usize;
-        Ok(Self {
+        Self {
             id,
             generated: Vec::new(),
             cache,
             computed: 0,
             reserved,
-            arrived: Instant::now(),
+            arrived,
             scheduled: None,
             sampler,
             decoder: tokenizer.decode_stream(params.skip_special_tokens),
@@ -85,7 +87,7 @@ impl Sequence {
             done: false,
             prompt,
             params,
-        })
+        }
     }
 
     /// Every token the sequence has: prompt then generated.

@@ -9,12 +9,12 @@ use rackfill_balancer::Algo;
 use rackfill_engine::routing_trace::RoutingTraceConfig;
 use rackfill_engine::{
     EngineConfig, EngineError, EngineHandle, EpConfig, Event, FinishReason, GenerateRequest,
-    RequestStream, SamplingParams, SchedulerConfig, StopReason, TokenLogprob,
+    RequestError, RequestStream, SamplingParams, SchedulerConfig, StopReason, TokenLogprob,
 };
 use rackfill_models::{LogitsFor, ModelBundle, SequenceInput};
 
 fn spawn(ep_size: usize, balancer: Algo, chunk_tokens: usize, kv: usize) -> EngineHandle {
-    spawn_recording(ep_size, balancer, chunk_tokens, kv, None)
+    spawn_with(config(ep_size, balancer, chunk_tokens, kv))
 }
 
 fn spawn_recording(
@@ -24,8 +24,14 @@ fn spawn_recording(
     kv: usize,
     record_routing: Option<std::path::PathBuf>,
 ) -> EngineHandle {
-    let bundle = ModelBundle::builtin().unwrap();
-    let config = EngineConfig {
+    spawn_with(EngineConfig {
+        record_routing: record_routing.map(RoutingTraceConfig::new),
+        ..config(ep_size, balancer, chunk_tokens, kv)
+    })
+}
+
+fn config(ep_size: usize, balancer: Algo, chunk_tokens: usize, kv: usize) -> EngineConfig {
+    EngineConfig {
         ep: EpConfig {
             ep_size,
             balancer,
@@ -37,8 +43,12 @@ fn spawn_recording(
             kv_tokens_per_rank: kv,
         },
         max_waiting: 64,
-        record_routing: record_routing.map(RoutingTraceConfig::new),
-    };
+        ..EngineConfig::default()
+    }
+}
+
+fn spawn_with(config: EngineConfig) -> EngineHandle {
+    let bundle = ModelBundle::builtin().unwrap();
     EngineHandle::spawn(
         Arc::new(bundle.model),
         Arc::new(bundle.tokenizer),
@@ -243,7 +253,7 @@ fn admission_limits_and_bad_requests_are_typed_errors() {
     };
     assert!(matches!(
         engine.submit(too_long),
-        Err(EngineError::TooLong(_))
+        Err(EngineError::Request(RequestError::ContextLength(_)))
     ));
     let empty = GenerateRequest {
         prompt: vec![],
@@ -251,7 +261,7 @@ fn admission_limits_and_bad_requests_are_typed_errors() {
     };
     assert!(matches!(
         engine.submit(empty),
-        Err(EngineError::InvalidRequest(_))
+        Err(EngineError::Request(RequestError::EmptyPrompt { .. }))
     ));
     let bad_token = GenerateRequest {
         prompt: vec![1_000_000],
@@ -259,7 +269,7 @@ fn admission_limits_and_bad_requests_are_typed_errors() {
     };
     assert!(matches!(
         engine.submit(bad_token),
-        Err(EngineError::InvalidRequest(_))
+        Err(EngineError::Request(RequestError::OutOfVocabulary { .. }))
     ));
     let bad_param = GenerateRequest {
         prompt: vec![5],
@@ -270,7 +280,7 @@ fn admission_limits_and_bad_requests_are_typed_errors() {
     };
     assert!(matches!(
         engine.submit(bad_param),
-        Err(EngineError::Sampling(_))
+        Err(EngineError::Request(RequestError::Sampling(_)))
     ));
     // Reservations of 60 tokens: one per rank fits a 100-token budget, the rest wait and still
     // finish once KV is released.
@@ -337,4 +347,76 @@ fn routing_trace_records_every_step_and_moe_layer() {
         }
         assert_eq!(pairs, tokens as u64 * 4, "layer {layer}");
     }
+}
+
+/// A request's sequences are queued together or not at all, and a full queue says what it
+/// counts: sequences (every prompt times `n`), not requests.
+#[test]
+fn requests_queue_whole_and_a_full_queue_counts_sequences() {
+    let engine = spawn_with(EngineConfig {
+        max_waiting: 3,
+        ..config(1, Algo::None, 64, 2000)
+    });
+    let long = |prompt: u32| GenerateRequest {
+        prompt: vec![prompt; 100],
+        params: greedy(1890),
+    };
+    // The hog takes the only rank's whole KV budget, so everything after it waits.
+    let hog = engine.submit(long(9)).unwrap();
+    while engine.queued() > 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let pair = engine
+        .enqueue(engine.validate(vec![long(10), long(11)]).unwrap())
+        .unwrap();
+    assert_eq!(pair.len(), 2);
+    assert_eq!(engine.queued(), 2);
+    let refused = engine.enqueue(engine.validate(vec![long(12), long(13)]).unwrap());
+    let err = refused.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::QueueFull {
+                waiting: 2,
+                needed: 2,
+                limit: 3
+            }
+        ),
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("2 of its 3 sequences") && message.contains("needs 2 more"),
+        "{message}"
+    );
+    // Nothing of the refused request was queued; one more sequence still fits.
+    assert_eq!(engine.queued(), 2);
+    let one = engine.submit(long(14)).unwrap();
+    assert_eq!(engine.queued(), 3);
+    drop((hog, pair, one));
+    engine.shutdown();
+}
+
+/// `max_request_tokens` bounds prompt plus `max_tokens` over all sequences of one request.
+#[test]
+fn the_tokens_of_one_request_are_bounded() {
+    let engine = spawn_with(EngineConfig {
+        max_request_tokens: 1000,
+        ..config(1, Algo::None, 64, 4096)
+    });
+    let sequence = GenerateRequest {
+        prompt: vec![5; 200],
+        params: greedy(50),
+    };
+    assert!(engine.validate(vec![sequence.clone(); 4]).is_ok());
+    let err = engine.validate(vec![sequence; 5]).unwrap_err();
+    assert_eq!(
+        err,
+        RequestError::TooManyTokens {
+            tokens: 1250,
+            sequences: 5,
+            limit: 1000
+        }
+    );
+    engine.shutdown();
 }

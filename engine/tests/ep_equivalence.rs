@@ -382,5 +382,5 @@ fn gpu_data_plane_needs_the_cuda_feature() {
         ..EpConfig::default()
     };
     let err = EpRuntime::new(builtin(), config).err().expect("refused");
-    assert!(err.to_string().contains("--features cuda"), "{err}");
+    assert!(err.to_string().contains("feature `cuda`"), "{err}");
 }

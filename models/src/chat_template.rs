@@ -74,6 +74,7 @@ impl SpecialTokens {
 pub struct ChatTemplate {
     env: Environment<'static>,
     origin: String,
+    source: String,
     special: SpecialTokens,
 }
 
@@ -96,6 +97,7 @@ impl ChatTemplate {
         Ok(Self {
             env,
             origin: origin.to_owned(),
+            source: source.to_owned(),
             special,
         })
     }
@@ -114,6 +116,11 @@ impl ChatTemplate {
     /// Where the template came from (a path or the name given to [`ChatTemplate::new`]).
     pub fn origin(&self) -> &str {
         &self.origin
+    }
+
+    /// The template's Jinja source, as loaded (vLLM's `/tokenizer_info` returns it).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The special tokens the template prints.

@@ -72,6 +72,23 @@ pub struct SequenceInput<'a> {
     pub cache: &'a mut KvCache,
 }
 
+/// A token id the model has no embedding for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("token id {token} is outside the vocabulary (size {vocab_size})")]
+pub struct OutOfVocabulary {
+    pub token: u32,
+    pub vocab_size: usize,
+}
+
+/// The first id of `tokens` that is not below `vocab_size`, as an error: the one definition of
+/// the vocabulary check, used by the engine's request validation and by [`MoeModel::embed`].
+pub fn check_vocabulary(tokens: &[u32], vocab_size: usize) -> Result<(), OutOfVocabulary> {
+    match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(&token) => Err(OutOfVocabulary { token, vocab_size }),
+        None => Ok(()),
+    }
+}
+
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsFor {
@@ -169,14 +186,11 @@ impl MoeModel {
         KvCache::new(self.config.num_layers)
     }
 
-    /// Token embeddings `[T, H]`; ids beyond the vocabulary are an input error.
+    /// Token embeddings `[T, H]`; ids beyond the vocabulary are an input error (the engine
+    /// refuses them when a request is validated; this guards direct callers of the model).
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
-        let vocab = self.config.vocab_size;
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::Input(format!(
-                "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
-        }
+        check_vocabulary(tokens, self.config.vocab_size)
+            .map_err(|e| ModelError::Input(e.to_string()))?;
         let ids = Tensor::from_slice(tokens, tokens.len(), &Device::Cpu)?;
         Ok(self.embed_tokens.index_select(&ids, 0)?)
     }

@@ -18,6 +18,8 @@ pub struct Tokenizer {
     /// Sorted ids that have a token. Other ids are rejected instead of being dropped silently,
     /// as `tokenizers` would do.
     known: Arc<[u32]>,
+    /// The most bytes of (normalized) text one token of the vocabulary stands for.
+    max_token_bytes: usize,
 }
 
 // The engine shares one tokenizer across threads; fail the build if that ever stops being sound.
@@ -69,11 +71,19 @@ impl Tokenizer {
                 error(format!("inconsistent tokenizer: {message}"))
             })?
             .map_err(|e| error(e.to_string()))?;
-        let mut known: Vec<u32> = inner.get_vocab(true).into_values().collect();
+        let vocab = inner.get_vocab(true);
+        let max_token_bytes = vocab
+            .keys()
+            .map(|token| raw_token_bytes(token).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let mut known: Vec<u32> = vocab.into_values().collect();
         known.sort_unstable();
         Ok(Self {
             inner: Arc::new(inner),
             known: known.into(),
+            max_token_bytes,
         })
     }
 
@@ -116,6 +126,20 @@ impl Tokenizer {
         }
         let hex: String = bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
         Some(format!("bytes:{hex}"))
+    }
+
+    /// The most bytes of text one token stands for (after the tokenizer's normalizer): the
+    /// longest vocabulary entry, byte-level and `<0xNN>` tokens counted as the bytes they encode.
+    /// A text of `b` normalized bytes is therefore at least `b / max_token_bytes` tokens, which
+    /// lets a server refuse an overlong prompt before paying for its tokenization.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    /// The vocabulary string of `id` (`Ġthe`, `<|im_end|>`): Hugging Face's
+    /// `convert_ids_to_tokens`. `None` when `id` has no token.
+    pub fn token_str(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
     }
 
     /// Number of tokens, added (special) tokens included: the `len(tokenizer)` of Hugging Face.

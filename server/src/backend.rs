@@ -1,13 +1,17 @@
 //! The narrow interface between the HTTP layer and whatever generates tokens.
 //!
-//! Handlers see only [`Backend`]: submit a tokenized request, tokenize, render a chat, name
-//! tokens, probe health, read the served model's limits. [`EngineBackend`] implements it over the
-//! engine thread ([`EngineHandle`]); tests or benches can put anything else behind it.
+//! Handlers see only [`Backend`]: validate and submit a tokenized request, tokenize, render a
+//! chat, name tokens, probe health, read the served model's limits. [`EngineBackend`] implements
+//! it over the engine thread ([`EngineHandle`]), which is the one place requests are checked
+//! ([`ValidatedRequest`]).
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rackfill_engine::{EngineError, EngineHandle, GenerateRequest, RequestStream};
+use rackfill_engine::{
+    EngineError, EngineHandle, GenerateRequest, RequestError, RequestLimits, RequestStream,
+    ValidatedRequest,
+};
 use rackfill_models::{ChatMessage, ChatTemplate, GenerationConfig, Tokenizer};
 
 /// What clients may know about the served model.
@@ -17,18 +21,26 @@ pub struct ModelInfo {
     pub name: String,
     /// Unix seconds the server started serving it (`created` in `/v1/models`).
     pub created: u64,
-    /// Token ids are `0..vocab_size`.
-    pub vocab_size: usize,
-    /// Prompt plus generated tokens may not exceed this (the smaller of the model's context
-    /// length and the KV budget of one rank).
-    pub max_context: usize,
-    /// Sequences the engine queues at most: a request of more sequences (prompts times `n`) can
-    /// never be admitted, so it gets a 400 instead of a 429 to retry.
-    pub max_queued_sequences: usize,
-    /// Whether `/v1/chat/completions` can render prompts.
-    pub has_chat_template: bool,
+    /// What the engine validates requests against: vocabulary, context (`max_context`, the
+    /// smaller of the model's context length and the KV budget of one rank), sequences and
+    /// tokens per request, and the bound on a text's tokens
+    /// ([`RequestLimits::check_text`]).
+    pub limits: RequestLimits,
     /// Sampling defaults from `generation_config.json`, used when a request omits them.
     pub generation: GenerationConfig,
+    /// The chat template's source; `None` when the model has none (chat requests are refused).
+    pub chat_template: Option<String>,
+    /// The texts of the special tokens, as `tokenizer_config.json` names them.
+    pub special_tokens: SpecialTokenTexts,
+}
+
+/// Special tokens by their text (`/tokenizer_info` reports them; a remote tokenizer in an
+/// evaluation harness ends documents with `eos_token`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokenTexts {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub pad_token: Option<String>,
 }
 
 /// Everything the HTTP layer needs from a generation backend. Methods documented as blocking
@@ -37,10 +49,16 @@ pub trait Backend: Send + Sync + 'static {
     /// The served model's name and limits.
     fn info(&self) -> &ModelInfo;
 
-    /// Validates and queues one sequence; never blocks. Dropping the returned stream cancels it.
-    fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError>;
+    /// Checks the sequences of one request (every prompt times `n`) against the engine's
+    /// limits; the only checks of sampling parameters, token ids and lengths. Cheap.
+    fn validate(&self, sequences: Vec<GenerateRequest>) -> Result<ValidatedRequest, RequestError>;
 
-    /// Token ids of `text` (blocking: CPU work).
+    /// Queues every sequence of a validated request or none; never blocks. The streams are in
+    /// the request's order; dropping one cancels its sequence.
+    fn submit(&self, request: ValidatedRequest) -> Result<Vec<RequestStream>, EngineError>;
+
+    /// Token ids of `text` (blocking: CPU work, and memory many times the text's length; bound
+    /// the text first with [`RequestLimits::check_text`]).
     fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String>;
 
     /// Text of `ids` (blocking: CPU work).
@@ -53,6 +71,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// How one token is shown in logprobs (`bytes:\xNN` for partial UTF-8); cheap.
     fn token_text(&self, id: u32) -> String;
+
+    /// The vocabulary string of a token (`Ġthe`), `None` for an id without one; cheap.
+    fn token_str(&self, id: u32) -> Option<String>;
 
     /// Whether requests can be served now.
     fn is_healthy(&self) -> bool;
@@ -80,21 +101,38 @@ pub struct EngineBackend {
 impl EngineBackend {
     /// Serves `engine` under `meta.name`; tokenizes with the engine's own tokenizer.
     pub fn new(engine: EngineHandle, meta: ModelMeta) -> Self {
+        let tokenizer = Arc::clone(engine.tokenizer());
         let engine_info = engine.info();
+        let special = meta
+            .chat_template
+            .as_ref()
+            .map(|t| t.special_tokens().clone())
+            .unwrap_or_default();
+        let special_tokens = SpecialTokenTexts {
+            bos_token: special
+                .bos_token
+                .or_else(|| (meta.generation.bos_token_id).and_then(|id| tokenizer.token_str(id))),
+            eos_token: special.eos_token.or_else(|| {
+                engine_info
+                    .eos
+                    .first()
+                    .and_then(|&id| tokenizer.token_str(id))
+            }),
+            pad_token: (meta.generation.pad_token_id).and_then(|id| tokenizer.token_str(id)),
+        };
         let info = ModelInfo {
             name: meta.name,
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
-            vocab_size: engine_info.vocab_size,
-            max_context: engine_info.max_model_len.min(engine_info.max_reservation),
-            max_queued_sequences: engine_info.max_waiting,
-            has_chat_template: meta.chat_template.is_some(),
+            limits: engine_info.limits.clone(),
             generation: meta.generation,
+            chat_template: meta.chat_template.as_ref().map(|t| t.source().to_owned()),
+            special_tokens,
         };
         Self {
-            tokenizer: Arc::clone(engine.tokenizer()),
+            tokenizer,
             engine,
             chat_template: meta.chat_template,
             info,
@@ -112,8 +150,12 @@ impl Backend for EngineBackend {
         &self.info
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
-        self.engine.submit(request)
+    fn validate(&self, sequences: Vec<GenerateRequest>) -> Result<ValidatedRequest, RequestError> {
+        self.engine.validate(sequences)
+    }
+
+    fn submit(&self, request: ValidatedRequest) -> Result<Vec<RequestStream>, EngineError> {
+        self.engine.enqueue(request)
     }
 
     fn tokenize(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
@@ -156,6 +198,10 @@ impl Backend for EngineBackend {
 
     fn token_text(&self, id: u32) -> String {
         self.tokenizer.token_text(id).unwrap_or_default()
+    }
+
+    fn token_str(&self, id: u32) -> Option<String> {
+        self.tokenizer.token_str(id)
     }
 
     fn is_healthy(&self) -> bool {

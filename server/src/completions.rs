@@ -1,6 +1,10 @@
 //! `POST /v1/completions`: prompts as a string, strings, token ids or lists of token ids; `echo`
 //! with `logprobs` scores the prompt (first token `null`), the way evaluation harnesses compute
 //! log-likelihoods with `max_tokens: 0`.
+//!
+//! A request goes: JSON shape ([`CompletionPlan::read`]) -> admission -> text prompts tokenized
+//! ([`crate::prompt_text`]) -> the engine validates and queues every prompt times `n` -> a JSON
+//! body or an SSE stream ([`CompletionFormat`]).
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -9,78 +13,21 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use metrics::counter;
 use rackfill_engine::{FinishEvent, GenerateRequest, TokenEvent, TokenLogprob};
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
-use crate::generate::{self, finish_reason, stop_reason, usage_json, ChunkFormat, Output, Timing};
+use crate::api_types::{
+    finish_reason, ApiStopReason, ChunkUsage, CompletionChoice, CompletionChunk, CompletionRequest,
+    CompletionResponse, LegacyLogprobs, Usage,
+};
+use crate::generate::{self, ChunkFormat, Output, Timing};
 use crate::metrics as m;
-use crate::params::{common_params, CommonParams, StreamOptions};
+use crate::params::{common_params, CommonParams, Resolved, StreamUsage};
 use crate::token_text::{token_bytes, TextOffsets};
-use crate::validation::{self as v, ApiError};
-use crate::{unix_now, AppState};
+use crate::validation::{self as v, ApiError, PromptField};
+use crate::{prompt_text, unix_now, AppState};
 
 /// Most sequences (prompts times `n`) one request may ask for.
 pub const MAX_SEQUENCES_PER_REQUEST: usize = 1024;
-
-/// The fields of an OpenAI completion request rackfill reads (unknown fields are ignored).
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    #[serde(default)]
-    pub model: Option<String>,
-    pub prompt: Value,
-    #[serde(default)]
-    pub max_tokens: Option<i64>,
-    #[serde(default)]
-    pub min_tokens: Option<i64>,
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    #[serde(default)]
-    pub top_k: Option<i64>,
-    #[serde(default)]
-    pub n: Option<i64>,
-    #[serde(default)]
-    pub best_of: Option<i64>,
-    #[serde(default)]
-    pub stop: Option<Value>,
-    #[serde(default)]
-    pub stop_token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    pub seed: Option<i64>,
-    #[serde(default)]
-    pub stream: Option<bool>,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    pub logprobs: Option<i64>,
-    #[serde(default)]
-    pub echo: Option<bool>,
-    #[serde(default)]
-    pub ignore_eos: Option<bool>,
-    #[serde(default)]
-    pub min_p: Option<f64>,
-    #[serde(default)]
-    pub presence_penalty: Option<f64>,
-    #[serde(default)]
-    pub frequency_penalty: Option<f64>,
-    #[serde(default)]
-    pub repetition_penalty: Option<f64>,
-    #[serde(default)]
-    pub logit_bias: Option<Map<String, Value>>,
-    #[serde(default)]
-    pub suffix: Option<String>,
-    #[serde(default)]
-    pub include_stop_str_in_output: Option<bool>,
-    #[serde(default)]
-    pub skip_special_tokens: Option<bool>,
-    #[serde(default)]
-    pub user: Option<String>,
-    /// Fields not named above: ignored, except the vLLM fields rackfill refuses
-    /// ([`crate::params::UNSUPPORTED_FIELDS`]).
-    #[serde(flatten)]
-    pub other: Map<String, Value>,
-}
 
 /// A prompt as given: text, or token ids.
 enum PromptInput {
@@ -157,44 +104,129 @@ fn parse_prompt(value: &Value) -> Result<Vec<PromptInput>, ApiError> {
     }
 }
 
-/// A tokenized prompt and the text `echo` returns for it.
-struct Prompt {
-    ids: Vec<u32>,
-    text: String,
+/// A request read from its JSON: everything but the prompts' token ids.
+struct CompletionPlan {
+    inputs: Vec<PromptInput>,
+    resolved: Resolved,
+    echo: bool,
+    user: Option<String>,
 }
 
-/// Tokenizes text prompts (with the tokenizer's special tokens, as vLLM does) and decodes
-/// token-id prompts for `echo`, off the async runtime.
-async fn tokenize(state: &AppState, inputs: Vec<PromptInput>) -> Result<Vec<Prompt>, ApiError> {
-    let backend = state.backend().clone();
-    tokio::task::spawn_blocking(move || {
-        inputs
-            .into_iter()
-            .enumerate()
-            .map(|(i, input)| match input {
-                PromptInput::Text(text) => backend
-                    .tokenize(&text, true)
-                    .map(|ids| Prompt { ids, text })
-                    .map_err(|e| ApiError::invalid(format!("prompt[{i}]"), e)),
-                PromptInput::Tokens(ids) => {
-                    let vocab = backend.info().vocab_size;
-                    if let Some(j) = ids.iter().position(|&id| id as usize >= vocab) {
-                        return Err(ApiError::invalid(
-                            "prompt",
-                            format!(
-                                "token id {} is outside the vocabulary (size {vocab})",
-                                ids[j]
-                            ),
-                        ));
+impl CompletionPlan {
+    /// The JSON's shape: the model, the prompt forms, the shared fields, and the fields only a
+    /// completion has. The values' ranges are checked by the engine once the prompts are
+    /// tokenized.
+    fn read(state: &AppState, request: CompletionRequest) -> Result<Self, ApiError> {
+        v::check_model(request.model.as_deref(), &state.backend().info().name)?;
+        let inputs = parse_prompt(&request.prompt)?;
+        let mut resolved = common_params!(request).resolve(state)?;
+        if request.best_of.is_some_and(|b| b != resolved.n as i64) {
+            return Err(ApiError::invalid(
+                "best_of",
+                "`best_of` other than `n` is not supported",
+            ));
+        }
+        if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "`suffix` is not supported"));
+        }
+        let max_tokens = request.max_tokens.unwrap_or(16);
+        let max_tokens = v::int_in("max_tokens", max_tokens, 0, u32::MAX.into())?;
+        let logprobs = request
+            .logprobs
+            .map(|n| v::int_in("logprobs", n, 0, u32::MAX.into()))
+            .transpose()?
+            .map(|n| n as u32);
+        if inputs.len().saturating_mul(resolved.n) > MAX_SEQUENCES_PER_REQUEST {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "{} prompts times n = {} exceed the limit of {MAX_SEQUENCES_PER_REQUEST} \
+                     sequences per request",
+                    inputs.len(),
+                    resolved.n
+                ),
+            ));
+        }
+        let echo = request.echo.unwrap_or(false);
+        resolved.params.max_tokens = max_tokens as u32;
+        resolved.params.logprobs = logprobs;
+        resolved.params.prompt_logprobs = if echo { logprobs } else { None };
+        Ok(Self {
+            inputs,
+            resolved,
+            echo,
+            user: request.user,
+        })
+    }
+
+    /// Every prompt times `n`, in choice order; choice `i` of a prompt seeds with `seed + i`.
+    fn sequences(&self, prompts: &[Prompt]) -> Vec<GenerateRequest> {
+        let n = self.resolved.n;
+        prompts
+            .iter()
+            .flat_map(|prompt| {
+                (0..n).map(|i| {
+                    let mut params = self.resolved.params.clone();
+                    params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+                    GenerateRequest {
+                        prompt: prompt.ids.clone(),
+                        params,
                     }
-                    let text = backend.detokenize(&ids).unwrap_or_default();
-                    Ok(Prompt { ids, text })
-                }
+                })
             })
             .collect()
+    }
+}
+
+/// A tokenized prompt and the text `echo` returns for it (a text prompt's own text; the
+/// decoded ids of a token-id prompt, filled in only when `echo` needs it).
+struct Prompt {
+    ids: Vec<u32>,
+    text: Option<String>,
+}
+
+/// Tokenizes text prompts (with the tokenizer's special tokens, as vLLM does), each bounded by
+/// the engine's cheap length check first ([`prompt_text::tokenize`]).
+async fn tokenize(
+    state: &AppState,
+    inputs: Vec<PromptInput>,
+    max_tokens: usize,
+    field: PromptField,
+) -> Result<Vec<Prompt>, ApiError> {
+    let mut prompts = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        prompts.push(match input {
+            PromptInput::Text(text) => {
+                let (text, ids) =
+                    prompt_text::tokenize(state, text, true, max_tokens, field).await?;
+                Prompt {
+                    ids,
+                    text: Some(text),
+                }
+            }
+            PromptInput::Tokens(ids) => Prompt { ids, text: None },
+        });
+    }
+    Ok(prompts)
+}
+
+/// Decodes the token-id prompts whose text `echo` returns, off the async runtime.
+async fn decode_for_echo(
+    state: &AppState,
+    mut prompts: Vec<Prompt>,
+) -> Result<Vec<Prompt>, ApiError> {
+    if prompts.iter().all(|p| p.text.is_some()) {
+        return Ok(prompts);
+    }
+    let backend = state.backend().clone();
+    tokio::task::spawn_blocking(move || {
+        for prompt in prompts.iter_mut().filter(|p| p.text.is_none()) {
+            prompt.text = Some(backend.detokenize(&prompt.ids).unwrap_or_default());
+        }
+        prompts
     })
     .await
-    .map_err(|e| ApiError::Internal(format!("tokenization failed: {e}")))?
+    .map_err(|e| ApiError::Internal(format!("decoding the prompt failed: {e}")))
 }
 
 /// The handler.
@@ -210,189 +242,67 @@ pub async fn handle(
 
 async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = crate::body::buffered(body)?;
-    let request: CompletionRequest = v::parse_json(&body)?;
-    let info = state.backend().info().clone();
-    v::check_model(request.model.as_deref(), &info.name)?;
-    let inputs = parse_prompt(&request.prompt)?;
-    let common = common_params!(request);
-    let mut resolved = common.resolve(&state)?;
-    if let Some(best_of) = request.best_of {
-        if best_of != resolved.n as i64 {
-            return Err(ApiError::invalid(
-                "best_of",
-                "`best_of` other than `n` is not supported",
-            ));
-        }
-    }
-    if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::invalid("suffix", "`suffix` is not supported"));
-    }
-    let max_tokens = v::int_in(
-        "max_tokens",
-        request.max_tokens.unwrap_or(16),
-        0,
-        u32::MAX as i64,
-    )?;
-    let logprobs = request
-        .logprobs
-        .map(|n| v::int_in("logprobs", n, 0, 20))
-        .transpose()?
-        .map(|n| n as u32);
-    let echo = request.echo.unwrap_or(false);
-    if inputs.len().saturating_mul(resolved.n) > MAX_SEQUENCES_PER_REQUEST {
-        return Err(ApiError::invalid(
-            "n",
-            format!(
-                "{} prompts times n = {} exceed the limit of {MAX_SEQUENCES_PER_REQUEST} \
-                 sequences per request",
-                inputs.len(),
-                resolved.n
-            ),
-        ));
-    }
-    resolved.params.max_tokens = max_tokens as u32;
-    resolved.params.logprobs = logprobs;
-    resolved.params.prompt_logprobs = if echo { logprobs } else { None };
-    resolved
-        .params
-        .validate(info.vocab_size)
-        .map_err(|e| ApiError::from_engine(e.into(), "prompt"))?;
+    let mut plan = CompletionPlan::read(&state, v::parse_json(&body)?)?;
     state.check_draining()?;
     let permit = state.admit()?;
     let mut timing = Timing::start();
-    tracing::debug!(user = request.user.as_deref().unwrap_or(""), "completion");
+    tracing::debug!(user = plan.user.as_deref().unwrap_or(""), "completion");
 
-    let prompts = tokenize(&state, inputs).await?;
-    for (i, prompt) in prompts.iter().enumerate() {
-        if prompt.ids.is_empty() {
-            return Err(ApiError::invalid(
-                format!("prompt[{i}]"),
-                "the prompt tokenizes to no tokens",
-            ));
-        }
-        v::check_context(
-            prompt.ids.len(),
-            max_tokens as usize,
-            info.max_context,
-            "prompt",
-        )?;
-    }
-    let n = resolved.n;
-    let mut requests = Vec::with_capacity(prompts.len() * n);
-    for (p, prompt) in prompts.iter().enumerate() {
-        for i in 0..n {
-            let mut params = resolved.params.clone();
-            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
-            requests.push((
-                p * n + i,
-                GenerateRequest {
-                    prompt: prompt.ids.clone(),
-                    params,
-                },
-            ));
-        }
-    }
-    let seqs = generate::submit_all(&state, requests, "prompt")?;
-    let prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
-    counter!(m::PROMPT_TOKENS).increment(prompt_tokens as u64);
-    let id = format!("cmpl-{}", crate::random_id());
-    let created = unix_now();
-    let format = CompletionFormat {
-        id,
-        created,
-        model: info.name.clone(),
-        state: state.clone(),
-        prompts,
-        n,
-        echo,
-        logprobs: logprobs.is_some(),
-        include_usage: resolved.include_usage,
-        offsets: vec![TextOffsets::default(); seqs.len()],
+    let field = PromptField::Prompt { n: plan.resolved.n };
+    let max_tokens = plan.resolved.params.max_tokens as usize;
+    let inputs = std::mem::take(&mut plan.inputs);
+    let prompts = tokenize(&state, inputs, max_tokens, field).await?;
+    let seqs = generate::submit(&state, plan.sequences(&prompts), field)?;
+    let prompts = if plan.echo {
+        decode_for_echo(&state, prompts).await?
+    } else {
+        prompts
     };
-    if resolved.stream {
+    let format = CompletionFormat::new(&state, &plan, prompts);
+    counter!(m::PROMPT_TOKENS).increment(format.prompt_tokens() as u64);
+    if plan.resolved.stream {
         return Ok(generate::stream_response(
-            &state,
-            seqs,
-            format,
-            resolved.include_usage,
-            prompt_tokens,
-            permit,
-            timing,
+            &state, seqs, format, permit, timing,
         ));
     }
     let outputs = generate::collect_all(&state, seqs, &mut timing).await?;
     drop(permit);
-    let completion_tokens: usize = outputs
-        .iter()
-        .map(|o| o.finish.usage.completion_tokens)
-        .sum();
-    let choices: Vec<Value> = outputs
-        .into_iter()
-        .enumerate()
-        .map(|(index, out)| format.choice(index, out))
-        .collect();
-    Ok(Json(json!({
-        "id": format.id,
-        "object": "text_completion",
-        "created": created,
-        "model": format.model,
-        "choices": choices,
-        "usage": usage_json(prompt_tokens, completion_tokens),
-    }))
-    .into_response())
+    Ok(Json(format.response(outputs)).into_response())
 }
 
-/// Builds OpenAI's legacy `logprobs` object incrementally.
-#[derive(Default)]
-struct LegacyLogprobs {
-    tokens: Vec<Value>,
-    token_logprobs: Vec<Value>,
-    top_logprobs: Vec<Value>,
-    text_offset: Vec<Value>,
-}
-
-impl LegacyLogprobs {
-    /// Adds one position; `lp` `None` is a position with nothing before it (the first prompt
-    /// token). The sampled or scored token is always among `top_logprobs`, as in OpenAI.
-    fn push(
-        &mut self,
-        state: &AppState,
-        token: u32,
-        lp: Option<&TokenLogprob>,
-        offsets: &mut TextOffsets,
-    ) {
-        let backend = state.backend();
-        let text = backend.token_text(token);
-        self.text_offset
-            .push(json!(offsets.next(&token_bytes(&text))));
-        match lp {
-            None => {
-                self.token_logprobs.push(Value::Null);
-                self.top_logprobs.push(Value::Null);
-            }
-            Some(lp) => {
-                self.token_logprobs.push(json!(lp.logprob));
-                let mut top = Map::new();
-                for &(id, logprob) in &lp.top_logprobs {
-                    top.entry(backend.token_text(id)).or_insert(json!(logprob));
-                }
-                top.entry(text.clone()).or_insert(json!(lp.logprob));
-                self.top_logprobs.push(Value::Object(top));
-            }
+/// Adds one position to OpenAI's legacy `logprobs`; `lp` `None` is a position with nothing
+/// before it (the first prompt token). The sampled or scored token is always among
+/// `top_logprobs`, as in OpenAI.
+fn push_logprob(
+    out: &mut LegacyLogprobs,
+    state: &AppState,
+    token: u32,
+    lp: Option<&TokenLogprob>,
+    offsets: &mut TextOffsets,
+) {
+    let backend = state.backend();
+    let text = backend.token_text(token);
+    out.text_offset.push(offsets.next(&token_bytes(&text)));
+    match lp {
+        None => {
+            out.token_logprobs.push(None);
+            out.top_logprobs.push(None);
         }
-        self.tokens.push(json!(text));
+        Some(lp) => {
+            out.token_logprobs.push(Some(f64::from(lp.logprob)));
+            let mut top = std::collections::BTreeMap::new();
+            for &(id, logprob) in &lp.top_logprobs {
+                top.entry(backend.token_text(id))
+                    .or_insert(f64::from(logprob));
+            }
+            top.entry(text.clone()).or_insert(f64::from(lp.logprob));
+            out.top_logprobs.push(Some(top));
+        }
     }
-
-    fn into_json(self) -> Value {
-        json!({
-            "tokens": self.tokens,
-            "token_logprobs": self.token_logprobs,
-            "top_logprobs": self.top_logprobs,
-            "text_offset": self.text_offset,
-        })
-    }
+    out.tokens.push(text);
 }
 
+/// Builds a completion's response, whole or chunk by chunk, and counts its usage.
 struct CompletionFormat {
     id: String,
     created: u64,
@@ -402,19 +312,42 @@ struct CompletionFormat {
     n: usize,
     echo: bool,
     logprobs: bool,
-    include_usage: bool,
+    usage: StreamUsage,
     /// Running `text_offset` of each choice's stream.
     offsets: Vec<TextOffsets>,
+    /// Tokens generated so far, per choice.
+    generated: Vec<usize>,
 }
 
 impl CompletionFormat {
+    fn new(state: &AppState, plan: &CompletionPlan, prompts: Vec<Prompt>) -> Self {
+        let choices = prompts.len() * plan.resolved.n;
+        Self {
+            id: format!("cmpl-{}", crate::random_id()),
+            created: unix_now(),
+            model: state.backend().info().name.clone(),
+            state: state.clone(),
+            prompts,
+            n: plan.resolved.n,
+            echo: plan.echo,
+            logprobs: plan.resolved.params.logprobs.is_some(),
+            usage: plan.resolved.usage,
+            offsets: vec![TextOffsets::default(); choices],
+            generated: vec![0; choices],
+        }
+    }
+
     fn prompt_of(&self, index: usize) -> &Prompt {
         &self.prompts[index / self.n]
     }
 
-    /// Choice `index`'s running offsets, taken out while `self` is borrowed (put them back).
-    fn take_offsets(&mut self, index: usize) -> TextOffsets {
-        std::mem::take(&mut self.offsets[index])
+    fn prompt_text(&self, index: usize) -> String {
+        self.prompt_of(index).text.clone().unwrap_or_default()
+    }
+
+    /// Prompt tokens of the request: each prompt once, whatever its `n` (as OpenAI counts).
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(|p| p.ids.len()).sum()
     }
 
     /// Prompt positions of `echo` + `logprobs`.
@@ -430,128 +363,195 @@ impl CompletionFormat {
             let lp = prompt_logprobs
                 .and_then(|lps| lps.get(pos))
                 .and_then(Option::as_ref);
-            out.push(&self.state, token, lp, offsets);
+            push_logprob(out, &self.state, token, lp, offsets);
         }
     }
 
-    /// One choice of a JSON (non-streamed) response.
-    fn choice(&self, index: usize, out: Output) -> Value {
-        let mut text = String::new();
-        if self.echo {
-            text.push_str(&self.prompt_of(index).text);
+    /// The whole (non-streamed) response.
+    fn response(&self, outputs: Vec<Output>) -> CompletionResponse {
+        let completion_tokens = outputs
+            .iter()
+            .map(|o| o.finish.usage.completion_tokens)
+            .sum();
+        CompletionResponse {
+            choices: outputs
+                .into_iter()
+                .enumerate()
+                .map(|(index, out)| self.choice(index, out))
+                .collect(),
+            created: self.created,
+            id: self.id.clone(),
+            model: self.model.clone(),
+            object: "text_completion",
+            usage: Usage::new(self.prompt_tokens(), completion_tokens),
         }
+    }
+
+    /// One choice of the whole response.
+    fn choice(&self, index: usize, out: Output) -> CompletionChoice {
+        let mut text = if self.echo {
+            self.prompt_text(index)
+        } else {
+            String::new()
+        };
         text.push_str(&out.text);
         let logprobs = self.logprobs.then(|| {
             let mut lps = LegacyLogprobs::default();
             let mut offsets = TextOffsets::default();
             if self.echo {
-                self.prompt_positions(
-                    index,
-                    out.prompt_logprobs.as_deref(),
-                    &mut lps,
-                    &mut offsets,
-                );
+                let prompt_logprobs = out.prompt_logprobs.as_deref();
+                self.prompt_positions(index, prompt_logprobs, &mut lps, &mut offsets);
             }
             for (&token, lp) in out.tokens.iter().zip(&out.logprobs) {
-                lps.push(&self.state, token, lp.as_ref(), &mut offsets);
+                push_logprob(&mut lps, &self.state, token, lp.as_ref(), &mut offsets);
             }
-            lps.into_json()
+            lps
         });
-        json!({
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason(out.finish.reason),
-            "stop_reason": stop_reason(out.finish.stop.as_ref()),
-        })
+        CompletionChoice {
+            finish_reason: Some(finish_reason(out.finish.reason)),
+            index,
+            logprobs,
+            stop_reason: Some(ApiStopReason(out.finish.stop)),
+            text,
+        }
     }
 
-    fn chunk(
-        &self,
-        index: usize,
-        text: String,
-        logprobs: Option<Value>,
-        finish: Option<&str>,
-    ) -> Value {
-        let mut chunk = json!({
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }],
-        });
-        if self.include_usage {
-            chunk["usage"] = Value::Null;
+    /// A chunk with one choice's delta.
+    fn chunk(&self, choice: CompletionChoice) -> CompletionChunk {
+        let usage = match self.usage {
+            StreamUsage::None => ChunkUsage::Omitted,
+            StreamUsage::Closing => ChunkUsage::Null,
+            StreamUsage::Continuous => ChunkUsage::Counts(Usage::new(
+                self.prompt_of(choice.index).ids.len(),
+                self.generated[choice.index],
+            )),
+        };
+        CompletionChunk {
+            choices: vec![choice],
+            created: self.created,
+            id: self.id.clone(),
+            model: self.model.clone(),
+            object: "text_completion",
+            usage,
         }
-        chunk
+    }
+
+    fn delta(index: usize, text: String, logprobs: Option<LegacyLogprobs>) -> CompletionChoice {
+        CompletionChoice {
+            finish_reason: None,
+            index,
+            logprobs,
+            stop_reason: None,
+            text,
+        }
     }
 }
 
 impl ChunkFormat for CompletionFormat {
-    fn start(&mut self, index: usize) -> Vec<Value> {
+    type Chunk = CompletionChunk;
+
+    fn start(&mut self, index: usize) -> Vec<CompletionChunk> {
         if self.echo && !self.logprobs {
-            let text = self.prompt_of(index).text.clone();
-            vec![self.chunk(index, text, None, None)]
+            let text = self.prompt_text(index);
+            vec![self.chunk(Self::delta(index, text, None))]
         } else {
             Vec::new()
         }
     }
 
-    fn prompt_logprobs(&mut self, index: usize, logprobs: Vec<Option<TokenLogprob>>) -> Vec<Value> {
+    fn prompt_logprobs(
+        &mut self,
+        index: usize,
+        logprobs: Vec<Option<TokenLogprob>>,
+    ) -> Vec<CompletionChunk> {
         if !(self.echo && self.logprobs) {
             return Vec::new();
         }
         let mut lps = LegacyLogprobs::default();
-        let mut offsets = self.take_offsets(index);
+        let mut offsets = std::mem::take(&mut self.offsets[index]);
         self.prompt_positions(index, Some(&logprobs), &mut lps, &mut offsets);
         self.offsets[index] = offsets;
-        let text = self.prompt_of(index).text.clone();
-        vec![self.chunk(index, text, Some(lps.into_json()), None)]
+        let text = self.prompt_text(index);
+        vec![self.chunk(Self::delta(index, text, Some(lps)))]
     }
 
-    fn token(&mut self, index: usize, token: TokenEvent) -> Option<Value> {
+    fn token(&mut self, index: usize, token: TokenEvent) -> Option<CompletionChunk> {
+        self.generated[index] += 1;
         let logprobs = self.logprobs.then(|| {
             let mut lps = LegacyLogprobs::default();
-            let mut offsets = self.take_offsets(index);
-            lps.push(
+            let offsets = &mut self.offsets[index];
+            push_logprob(
+                &mut lps,
                 &self.state,
                 token.token,
                 token.logprob.as_ref(),
-                &mut offsets,
+                offsets,
             );
-            self.offsets[index] = offsets;
-            lps.into_json()
+            lps
         });
         if token.text.is_empty() && logprobs.is_none() {
             return None;
         }
-        Some(self.chunk(index, token.text, logprobs, None))
+        Some(self.chunk(Self::delta(index, token.text, logprobs)))
     }
 
-    fn finish(&mut self, index: usize, finish: &FinishEvent) -> Value {
-        let mut chunk = self.chunk(
+    /// The finishing chunk carries the held-back text and no token; with logprobs it has an
+    /// empty (well-formed) `logprobs` object, so clients can read every chunk's lists alike.
+    fn finish(&mut self, index: usize, finish: &FinishEvent) -> CompletionChunk {
+        self.generated[index] = finish.usage.completion_tokens;
+        self.chunk(CompletionChoice {
+            finish_reason: Some(finish_reason(finish.reason)),
             index,
-            finish.text.clone(),
-            None,
-            Some(finish_reason(finish.reason)),
-        );
-        chunk["choices"][0]["stop_reason"] = stop_reason(finish.stop.as_ref());
-        chunk
+            logprobs: self.logprobs.then(LegacyLogprobs::default),
+            stop_reason: Some(ApiStopReason(finish.stop.clone())),
+            text: finish.text.clone(),
+        })
     }
 
-    fn usage(&mut self, prompt_tokens: usize, completion_tokens: usize) -> Value {
-        json!({
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_json(prompt_tokens, completion_tokens),
+    fn closing_usage(&mut self) -> Option<CompletionChunk> {
+        (self.usage != StreamUsage::None).then(|| CompletionChunk {
+            choices: Vec::new(),
+            created: self.created,
+            id: self.id.clone(),
+            model: self.model.clone(),
+            object: "text_completion",
+            usage: ChunkUsage::Counts(Usage::new(
+                self.prompt_tokens(),
+                self.generated.iter().sum(),
+            )),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_keep_the_bytes_clients_got_from_json_maps() {
+        let mut lps = LegacyLogprobs::default();
+        lps.text_offset.push(0);
+        lps.token_logprobs.push(Some(f64::from(-0.5f32)));
+        lps.tokens.push("a".into());
+        lps.top_logprobs
+            .push(Some([("b".to_string(), f64::from(-1.1f32))].into()));
+        let response = CompletionResponse {
+            choices: vec![CompletionChoice {
+                finish_reason: Some("length"),
+                index: 0,
+                logprobs: Some(lps),
+                stop_reason: Some(ApiStopReason(None)),
+                text: "a".into(),
+            }],
+            created: 7,
+            id: "cmpl-1".into(),
+            model: "m".into(),
+            object: "text_completion",
+            usage: Usage::new(3, 1),
+        };
+        assert_eq!(
+            serde_json::to_string(&response).unwrap(),
+            r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":{"text_offset":[0],"token_logprobs":[-0.5],"tokens":["a"],"top_logprobs":[{"b":-1.100000023841858}]},"stop_reason":null,"text":"a"}],"created":7,"id":"cmpl-1","model":"m","object":"text_completion","usage":{"completion_tokens":1,"prompt_tokens":3,"total_tokens":4}}"#
+        );
     }
 }

@@ -12,15 +12,15 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
 use metrics::{counter, histogram};
 use rackfill_engine::{
-    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent,
-    TokenLogprob,
+    Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, TokenEvent, TokenLogprob,
 };
-use serde_json::{json, Value};
+use serde::Serialize;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tracing::Instrument;
 
+use crate::api_types::finish_reason;
 use crate::metrics as m;
-use crate::validation::ApiError;
+use crate::validation::{ApiError, PromptField};
 use crate::AppState;
 
 /// One submitted sequence: choice `index` of the response.
@@ -29,35 +29,26 @@ pub(crate) struct Seq {
     pub stream: RequestStream,
 }
 
-/// Submits every `(index, request)`; on the first refusal the already-submitted sequences are
-/// dropped (cancelled) and the refusal is returned, so a request is admitted whole or not at all.
-/// A request of more sequences than the engine ever queues is refused up front (400 on `n`):
-/// a 429 would tell the client to retry something that can never succeed.
-pub(crate) fn submit_all(
+/// Validates the sequences of one request (every prompt times `n`, in choice order) with the
+/// engine and queues them, all or none; errors name the request field at fault (`field` holds
+/// the prompts). Choice `i` of the response reads `seqs[i]`.
+pub(crate) fn submit(
     state: &AppState,
-    requests: Vec<(usize, GenerateRequest)>,
-    prompt_param: &str,
+    sequences: Vec<GenerateRequest>,
+    field: PromptField,
 ) -> Result<Vec<Seq>, ApiError> {
     let backend = state.backend();
-    let queue = backend.info().max_queued_sequences;
-    if requests.len() > queue {
-        return Err(ApiError::invalid(
-            "n",
-            format!(
-                "this request needs {} sequences (prompts times n), more than the {queue} the \
-                 server queues at once (--max-waiting)",
-                requests.len()
-            ),
-        ));
-    }
-    let mut seqs = Vec::with_capacity(requests.len());
-    for (index, request) in requests {
-        let stream = backend
-            .submit(request)
-            .map_err(|e| ApiError::from_engine(e, prompt_param))?;
-        seqs.push(Seq { index, stream });
-    }
-    Ok(seqs)
+    let validated = backend
+        .validate(sequences)
+        .map_err(|e| ApiError::from_request(e, field))?;
+    let streams = backend
+        .submit(validated)
+        .map_err(|e| ApiError::from_engine(e, field))?;
+    Ok(streams
+        .into_iter()
+        .enumerate()
+        .map(|(index, stream)| Seq { index, stream })
+        .collect())
 }
 
 /// Latency bookkeeping of one generation request.
@@ -96,24 +87,6 @@ impl Timing {
 
     fn done(&self) {
         histogram!(m::E2E).record(self.start.elapsed().as_secs_f64());
-    }
-}
-
-/// OpenAI's `finish_reason`.
-pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Cancelled => "abort",
-    }
-}
-
-/// vLLM's `stop_reason`: the stop string, the requested stop token's id, or null.
-pub(crate) fn stop_reason(stop: Option<&StopReason>) -> Value {
-    match stop {
-        Some(StopReason::String(text)) => json!(text),
-        Some(StopReason::Token(id)) => json!(id),
-        None => Value::Null,
     }
 }
 
@@ -219,31 +192,30 @@ pub(crate) async fn collect_all(
     Ok(outputs)
 }
 
-/// Turns engine events into the JSON chunks of one API's stream.
+/// Turns engine events into the chunks of one API's stream, and counts the usage they report.
 pub(crate) trait ChunkFormat: Send + 'static {
+    /// One `data:` event's JSON.
+    type Chunk: Serialize + Send + Sync;
     /// Chunks sent before any event of choice `index`.
-    fn start(&mut self, index: usize) -> Vec<Value>;
+    fn start(&mut self, index: usize) -> Vec<Self::Chunk>;
     /// Chunks for the prompt logprobs of choice `index`.
-    fn prompt_logprobs(&mut self, index: usize, logprobs: Vec<Option<TokenLogprob>>) -> Vec<Value>;
+    fn prompt_logprobs(
+        &mut self,
+        index: usize,
+        logprobs: Vec<Option<TokenLogprob>>,
+    ) -> Vec<Self::Chunk>;
     /// The chunk of one generated token, if it shows anything.
-    fn token(&mut self, index: usize, token: TokenEvent) -> Option<Value>;
+    fn token(&mut self, index: usize, token: TokenEvent) -> Option<Self::Chunk>;
     /// The last chunk of choice `index`.
-    fn finish(&mut self, index: usize, finish: &FinishEvent) -> Value;
-    /// The closing usage chunk (`choices: []`).
-    fn usage(&mut self, prompt_tokens: usize, completion_tokens: usize) -> Value;
+    fn finish(&mut self, index: usize, finish: &FinishEvent) -> Self::Chunk;
+    /// The closing chunk with the request's usage (`choices: []`), when the client asked for
+    /// usage (`stream_options.include_usage`).
+    fn closing_usage(&mut self) -> Option<Self::Chunk>;
 }
 
-/// `usage` in OpenAI's shape.
-pub(crate) fn usage_json(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    })
-}
-
-fn sse_json(value: &Value) -> SseEvent {
-    SseEvent::default().data(value.to_string())
+fn sse_json(value: &impl Serialize) -> SseEvent {
+    // Serializing plain data structs into a string cannot fail.
+    SseEvent::default().data(serde_json::to_string(value).unwrap_or_default())
 }
 
 /// How long the last events of an aborted stream (its error and `[DONE]`) may wait for a client
@@ -296,7 +268,7 @@ impl Outbox {
     /// Either counts the request as aborted.
     async fn deliver(
         &self,
-        chunks: &[Value],
+        chunks: &[impl Serialize],
         timing: &Timing,
         failure: &mut Option<ApiError>,
     ) -> Delivery {
@@ -326,8 +298,6 @@ pub(crate) fn stream_response<F: ChunkFormat>(
     state: &AppState,
     seqs: Vec<Seq>,
     mut format: F,
-    include_usage: bool,
-    prompt_tokens: usize,
     permit: OwnedSemaphorePermit,
     mut timing: Timing,
 ) -> Response {
@@ -359,7 +329,6 @@ pub(crate) fn stream_response<F: ChunkFormat>(
             .boxed()
         }));
         let mut finished = HashSet::new();
-        let mut completion_tokens = 0;
         while failure.is_none() && finished.len() < total {
             let item = tokio::select! {
                 biased;
@@ -387,7 +356,6 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                 Some((index, Some(Event::Finished(finish)))) => {
                     timing.finished(&finish);
                     finished.insert(index);
-                    completion_tokens += finish.usage.completion_tokens;
                     vec![format.finish(index, &finish)]
                 }
                 Some((_, Some(Event::Error(message)))) => {
@@ -421,15 +389,11 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         let last = match failure {
             Some(err) => {
                 tracing::warn!(%err, "stream failed after it started");
-                Some(err.body())
+                Some(sse_json(&err.body()))
             }
-            None if include_usage => Some(format.usage(prompt_tokens, completion_tokens)),
-            None => None,
+            None => format.closing_usage().map(|chunk| sse_json(&chunk)),
         };
-        let events = last
-            .iter()
-            .map(sse_json)
-            .chain([SseEvent::default().data("[DONE]")]);
+        let events = last.into_iter().chain([SseEvent::default().data("[DONE]")]);
         for event in events {
             let sent = if aborting {
                 // Only a short wait: the client may be the one that stopped reading.

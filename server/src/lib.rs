@@ -8,6 +8,7 @@
 //! | `POST /v1/completions` | prompts as a string, strings, token ids or lists of token ids; `n`, `stop`, `seed`, `echo`, `logprobs`, `stream` (+ `stream_options.include_usage`); penalties, `logit_bias`, `min_p`, `min_tokens` (README) |
 //! | `POST /v1/chat/completions` | system/user/assistant messages through the model's chat template; `logprobs` + `top_logprobs`, `stream` |
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the served model (404 `model_not_found` for another id) |
+//! | `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info` | vLLM's tokenizer routes (a prompt or chat messages; behind the API key like `/v1/*`) |
 //! | `GET /health` | 200 `{"status":"ok"}`, 503 when the engine is down or the server is draining |
 //! | `GET /metrics` | Prometheus text: HTTP, latency (vLLM buckets) and the engine's balancing metrics |
 //! | `GET /version` | `{"name":"rackfill","version":...}` |
@@ -72,9 +73,11 @@
 //! (for in-process use without a socket), [`serve`] runs it on a listener with graceful
 //! shutdown.
 
+mod api_types;
 mod backend;
 mod body;
 mod chat;
+mod chat_prompt;
 mod completions;
 mod gate;
 mod generate;
@@ -82,7 +85,9 @@ mod listen;
 pub mod metrics;
 mod observe;
 mod params;
+mod prompt_text;
 mod token_text;
+mod tokenize;
 mod validation;
 
 use std::future::Future;
@@ -102,10 +107,10 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
 use rackfill_models::ModelBundle;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
-pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta};
+pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta, SpecialTokenTexts};
 pub use completions::MAX_SEQUENCES_PER_REQUEST;
 pub use params::MAX_N;
 pub use validation::ApiError;
@@ -293,7 +298,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/v1/completions", post(completions::handle))
-        .route("/v1/chat/completions", post(chat::handle));
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info));
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -401,7 +409,11 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
 }
 
 async fn models(State(state): State<AppState>) -> Response {
-    Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+    Json(api_types::ModelList {
+        data: vec![model_card(&state)],
+        object: "list",
+    })
+    .into_response()
 }
 
 /// `GET /v1/models/{model}` (the id may hold slashes, as Hugging Face ids do): the served
@@ -426,17 +438,17 @@ async fn model(State(state): State<AppState>, id: Result<Path<String>, PathRejec
 }
 
 /// The served model as an OpenAI model object (plus vLLM's `root`, `parent`, `max_model_len`).
-fn model_card(state: &AppState) -> Value {
+fn model_card(state: &AppState) -> api_types::ModelCard {
     let info = state.backend().info();
-    json!({
-        "id": info.name,
-        "object": "model",
-        "created": info.created,
-        "owned_by": "rackfill",
-        "root": info.name,
-        "parent": null,
-        "max_model_len": info.max_context,
-    })
+    api_types::ModelCard {
+        created: info.created,
+        id: info.name.clone(),
+        max_model_len: info.limits.max_context,
+        object: "model",
+        owned_by: "rackfill",
+        parent: None,
+        root: info.name.clone(),
+    }
 }
 
 async fn not_found(request: Request) -> Response {

@@ -1,24 +1,18 @@
 //! The request fields completions and chat share: sampling, stopping, streaming and vLLM's
 //! extensions, read into the engine's [`SamplingParams`] with `generation_config.json`'s
 //! defaults; and the vLLM fields rackfill does not implement, refused by name instead of
-//! silently ignored.
+//! silently ignored. Only the JSON's shape is checked here (types, signs, `n`); the values'
+//! ranges are the engine's to check, once ([`rackfill_engine::EngineHandle::validate`]).
 
 use rackfill_engine::SamplingParams;
-use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::api_types::StreamOptions;
 use crate::validation::{self as v, ApiError};
 use crate::AppState;
 
 /// Largest `n`.
 pub const MAX_N: i64 = 128;
-
-/// `stream_options`.
-#[derive(Debug, Default, Deserialize)]
-pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: Option<bool>,
-}
 
 /// Borrows the sampling fields that completion and chat requests share (they have the same
 /// names in both request types) as [`CommonParams`].
@@ -79,13 +73,24 @@ pub(crate) struct Resolved {
     pub params: SamplingParams,
     pub n: usize,
     pub stream: bool,
-    pub include_usage: bool,
+    pub usage: StreamUsage,
+}
+
+/// Which usage a stream reports (`stream_options`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamUsage {
+    /// No usage (no `usage` key in the chunks).
+    None,
+    /// `include_usage`: a closing chunk with the request's usage (`usage: null` before).
+    Closing,
+    /// `include_usage` and vLLM's `continuous_usage_stats`: every chunk carries its choice's
+    /// usage so far, then the closing chunk.
+    Continuous,
 }
 
 impl CommonParams<'_> {
-    /// Validates the shared fields and fills [`SamplingParams`] (`max_tokens` and logprobs are
-    /// set by the caller, who then checks `min_tokens` against it with
-    /// [`SamplingParams::validate`]); omitted values take `generation_config.json`'s defaults.
+    /// Reads the shared fields into [`SamplingParams`] (`max_tokens` and logprobs are set by the
+    /// caller); omitted values take `generation_config.json`'s defaults.
     pub fn resolve(&self, state: &AppState) -> Result<Resolved, ApiError> {
         let info = state.backend().info();
         let gen = &info.generation;
@@ -104,10 +109,17 @@ impl CommonParams<'_> {
                 "`stream_options` is only allowed when `stream` is true",
             ));
         }
-        let include_usage = self
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
+        let usage = match self.stream_options {
+            Some(StreamOptions {
+                include_usage: Some(true),
+                continuous_usage_stats,
+            }) if *continuous_usage_stats == Some(true) => StreamUsage::Continuous,
+            Some(StreamOptions {
+                include_usage: Some(true),
+                ..
+            }) => StreamUsage::Closing,
+            _ => StreamUsage::None,
+        };
         let default_temperature = match gen.do_sample {
             Some(false) => 0.0,
             _ => gen.temperature.unwrap_or(1.0),
@@ -148,7 +160,7 @@ impl CommonParams<'_> {
             params,
             n,
             stream,
-            include_usage,
+            usage,
         })
     }
 }

@@ -1,12 +1,54 @@
 //! Everything that can be wrong with a request, as one typed error mapped to OpenAI's error
 //! envelope `{"error": {"message", "type", "param", "code"}}`, plus the helpers that turn raw
-//! JSON into typed requests and name the offending field (`param`) when they cannot.
+//! JSON into typed requests and name the offending field (`param`) when they cannot. These are
+//! the checks of the request's shape; what its values may be (sampling ranges, token ids,
+//! lengths) the engine checks once ([`rackfill_engine::RequestError`], mapped here).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use rackfill_engine::EngineError;
+use rackfill_engine::sampling::SamplingError;
+use rackfill_engine::{EngineError, RequestError};
 use serde::de::DeserializeOwned;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
+
+use crate::api_types::{ErrorBody, ErrorEnvelope};
+
+/// The request field that holds the prompts, for the `param` of errors about them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PromptField {
+    /// `prompt` of `/v1/completions` (and `/tokenize`): sequence `s` of the request is a choice
+    /// of `prompt[s / n]`.
+    Prompt { n: usize },
+    /// The chat's `messages`: one prompt.
+    Messages,
+}
+
+impl PromptField {
+    /// The field's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Prompt { .. } => "prompt",
+            Self::Messages => "messages",
+        }
+    }
+
+    /// The request field of the engine's sampling parameter `param`: the chat API names the
+    /// number of alternatives `top_logprobs`.
+    fn sampling_field(self, param: &'static str) -> &'static str {
+        match (self, param) {
+            (Self::Messages, "logprobs") => "top_logprobs",
+            _ => param,
+        }
+    }
+
+    /// The field that holds sequence `sequence`'s prompt (`prompt[1]`).
+    fn of_sequence(self, sequence: usize) -> String {
+        match self {
+            Self::Prompt { n } => format!("prompt[{}]", sequence / n.max(1)),
+            Self::Messages => "messages".into(),
+        }
+    }
+}
 
 /// A request that cannot be served, with the HTTP status and OpenAI error fields it maps to.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -129,36 +171,51 @@ impl ApiError {
     }
 
     /// The error envelope, as sent in a body or as a final SSE event.
-    pub fn body(&self) -> Value {
-        json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": self.param(),
-                "code": self.code(),
-            }
-        })
+    pub fn body(&self) -> ErrorEnvelope {
+        ErrorEnvelope {
+            error: ErrorBody {
+                code: self.code(),
+                message: self.to_string(),
+                param: self.param().map(str::to_owned),
+                kind: self.kind(),
+            },
+        }
     }
 
-    /// Maps an engine submission error; `prompt_param` is the field the prompt came from
-    /// (`prompt` or `messages`).
-    pub fn from_engine(err: EngineError, prompt_param: &str) -> Self {
+    /// A request the engine refused to validate: 400, naming the field at fault (a sampling
+    /// parameter, `n` for too many sequences, else the prompt's `field`).
+    pub(crate) fn from_request(err: RequestError, field: PromptField) -> Self {
+        let message = err.to_string();
         match err {
-            EngineError::Sampling(e) => match e.param() {
-                Some(param) => Self::invalid(param, e.to_string()),
-                None => Self::InvalidRequest {
-                    message: e.to_string(),
-                    param: None,
-                    code: None,
-                },
-            },
-            EngineError::InvalidRequest(message) => Self::invalid(prompt_param, message),
-            EngineError::Model(e) => Self::invalid(prompt_param, e.to_string()),
-            EngineError::TooLong(message) => Self::ContextLength {
+            RequestError::Sampling(SamplingError::InvalidParam { param, reason }) => {
+                let param = field.sampling_field(param);
+                Self::invalid(param, format!("invalid `{param}`: {reason}"))
+            }
+            RequestError::Sampling(_) => Self::InvalidRequest {
                 message,
-                param: prompt_param.into(),
+                param: None,
+                code: None,
             },
-            EngineError::QueueFull(_) => Self::TooManyRequests(err.to_string()),
+            RequestError::ContextLength(_) => Self::ContextLength {
+                message,
+                param: field.name().into(),
+            },
+            RequestError::EmptyPrompt { sequence } => {
+                Self::invalid(field.of_sequence(sequence), message)
+            }
+            RequestError::TooManySequences { .. } => Self::invalid("n", message),
+            RequestError::NoSequences
+            | RequestError::OutOfVocabulary { .. }
+            | RequestError::TooManyTokens { .. } => Self::invalid(field.name(), message),
+        }
+    }
+
+    /// An engine submission error: 429 for a full queue (it counts sequences), 503 when the
+    /// engine stopped, 500 for anything that is the server's fault.
+    pub(crate) fn from_engine(err: EngineError, field: PromptField) -> Self {
+        match err {
+            EngineError::Request(e) => Self::from_request(e, field),
+            EngineError::QueueFull { .. } => Self::TooManyRequests(err.to_string()),
             EngineError::Unavailable => Self::Unavailable(err.to_string()),
             other => Self::Internal(other.to_string()),
         }
@@ -319,26 +376,6 @@ pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError
     }
 }
 
-/// Context-length check done before anything is submitted, so a batch fails whole.
-pub fn check_context(
-    prompt_len: usize,
-    max_tokens: usize,
-    limit: usize,
-    param: &str,
-) -> Result<(), ApiError> {
-    if prompt_len.saturating_add(max_tokens) > limit {
-        return Err(ApiError::ContextLength {
-            message: format!(
-                "this model's maximum context length is {limit} tokens, but {prompt_len} prompt \
-                 tokens plus max_tokens {max_tokens} were requested ({} in total)",
-                prompt_len.saturating_add(max_tokens)
-            ),
-            param: param.into(),
-        });
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,16 +414,64 @@ mod tests {
 
     #[test]
     fn envelope_shape() {
-        let body = ApiError::invalid("top_p", "bad").body();
-        assert_eq!(body["error"]["param"], "top_p");
-        assert_eq!(body["error"]["type"], "invalid_request_error");
-        assert_eq!(body["error"]["message"], "bad");
-        let body = ApiError::TooManyRequests("full".into()).body();
-        assert!(body["error"]["param"].is_null());
+        let body = serde_json::to_string(&ApiError::invalid("top_p", "bad").body()).unwrap();
+        assert_eq!(
+            body,
+            r#"{"error":{"code":"invalid_value","message":"bad","param":"top_p","type":"invalid_request_error"}}"#
+        );
+        let body = serde_json::to_string(&ApiError::TooManyRequests("full".into()).body()).unwrap();
+        assert_eq!(
+            body,
+            r#"{"error":{"code":"rate_limit_exceeded","message":"full","param":null,"type":"rate_limit_error"}}"#
+        );
+    }
+
+    #[test]
+    fn engine_refusals_name_the_field_at_fault() {
+        let completions = PromptField::Prompt { n: 2 };
+        let err = ApiError::from_request(RequestError::EmptyPrompt { sequence: 3 }, completions);
+        assert_eq!(err.param(), Some("prompt[1]"));
+        let err = ApiError::from_request(
+            RequestError::EmptyPrompt { sequence: 0 },
+            PromptField::Messages,
+        );
+        assert_eq!(err.param(), Some("messages"));
+        let too_many = SamplingError::InvalidParam {
+            param: "logprobs",
+            reason: "must be at most 20, got 21".into(),
+        };
+        let err = ApiError::from_request(too_many.clone().into(), PromptField::Messages);
+        assert_eq!(err.param(), Some("top_logprobs"));
+        assert_eq!(
+            err.to_string(),
+            "invalid `top_logprobs`: must be at most 20, got 21"
+        );
+        let err = ApiError::from_request(too_many.into(), completions);
+        assert_eq!(err.param(), Some("logprobs"));
+        let err = ApiError::from_request(
+            RequestError::TooManySequences {
+                sequences: 9,
+                limit: 8,
+            },
+            completions,
+        );
+        assert_eq!(
+            (err.param(), err.status()),
+            (Some("n"), StatusCode::BAD_REQUEST)
+        );
+        let full = EngineError::QueueFull {
+            waiting: 3,
+            needed: 2,
+            limit: 4,
+        };
+        let err = ApiError::from_engine(full, completions);
+        assert_eq!(err.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(err.to_string().contains("sequences"), "{err}");
     }
 
     #[test]
     fn stop_forms() {
+        use serde_json::json;
         assert_eq!(stop_strings(None).unwrap(), Vec::<String>::new());
         assert_eq!(
             stop_strings(Some(&json!("x"))).unwrap(),

@@ -6,12 +6,18 @@ mod common;
 use std::time::Duration;
 
 use common::{json_chunks, read_sse, TestServer};
-use rackfill_engine::{Event, GenerateRequest, SamplingParams};
+use rackfill_engine::{Event, GenerateRequest, RequestStream, SamplingParams};
 use rackfill_models::{ChatMessage, BUILTIN_MODEL_NAME};
-use rackfill_server::{ChatRender, ServerConfig};
+use rackfill_server::{Backend, ChatRender, ServerConfig};
 use serde_json::{json, Value};
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog";
+
+/// Validates and queues one sequence straight on the backend, as a handler would.
+fn submit_one(backend: &dyn Backend, request: GenerateRequest) -> RequestStream {
+    let validated = backend.validate(vec![request]).unwrap();
+    backend.submit(validated).unwrap().remove(0)
+}
 
 fn choice_texts(body: &Value) -> Vec<String> {
     body["choices"]
@@ -149,16 +155,17 @@ async fn penalties_min_p_and_logit_bias_steer_sampling() {
 
     // A -100 bias on the greedy first token moves the pick, but the reported alternatives are
     // still the model's: the banned token stays the most likely one, with its logprob.
-    let mut stream = backend
-        .submit(GenerateRequest {
+    let mut stream = submit_one(
+        backend.as_ref(),
+        GenerateRequest {
             prompt: backend.tokenize(PROMPT, true).unwrap(),
             params: SamplingParams {
                 temperature: 0.0,
                 max_tokens: 1,
                 ..SamplingParams::default()
             },
-        })
-        .unwrap();
+        },
+    );
     let mut greedy_id = None;
     while let Some(event) = stream.events.recv().await {
         if let Event::Token(token) = event {
@@ -236,10 +243,9 @@ async fn echo_logprobs_scores_the_prompt() {
     }
 
     // The engine's own prompt logprobs for the same ids.
-    let mut stream = server
-        .state
-        .backend()
-        .submit(GenerateRequest {
+    let mut stream = submit_one(
+        server.state.backend().as_ref(),
+        GenerateRequest {
             prompt: ids.clone(),
             params: SamplingParams {
                 temperature: 0.0,
@@ -247,8 +253,8 @@ async fn echo_logprobs_scores_the_prompt() {
                 prompt_logprobs: Some(1),
                 ..SamplingParams::default()
             },
-        })
-        .unwrap();
+        },
+    );
     let mut engine = None;
     while let Some(event) = stream.events.recv().await {
         if let Event::PromptLogprobs(lp) = event {

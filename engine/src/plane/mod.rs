@@ -107,7 +107,9 @@ impl Plane {
             #[cfg(not(feature = "cuda"))]
             DataPlane::Gpu { .. } => {
                 return Err(EngineError::Gpu(
-                    "this build has no GPU data plane (rebuild with `--features cuda`)".into(),
+                    "this build has no GPU data plane (built without feature `cuda`: \
+                     the default build has it)"
+                        .into(),
                 ))
             }
         };

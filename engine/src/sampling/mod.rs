@@ -21,7 +21,10 @@ use crate::penalties::LogitAdjuster;
 
 mod params;
 
-pub use params::{SamplingError, SamplingParams, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE};
+pub use params::{
+    SamplingError, SamplingParams, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS,
+    MAX_TEMPERATURE, REPETITION_PENALTY_RANGE,
+};
 
 /// One token with its logprob and the most likely alternatives at the same position, all as
 /// `log_softmax(logits)` at temperature 1.
@@ -93,7 +96,17 @@ impl Sampler {
         fallback_seed: u64,
     ) -> Result<Self, SamplingError> {
         params.validate_sampling()?;
-        Ok(Self {
+        Ok(Self::from_checked(params, prompt, fallback_seed))
+    }
+
+    /// [`Sampler::new`] for parameters already checked: the engine builds its sequences only
+    /// from a [`crate::ValidatedRequest`], whose parameters passed [`SamplingParams::validate`].
+    pub(crate) fn from_checked(
+        params: &SamplingParams,
+        prompt: &[u32],
+        fallback_seed: u64,
+    ) -> Self {
+        Self {
             temperature: f64::from(params.temperature),
             top_p: f64::from(params.top_p),
             top_k: params.top_k as usize,
@@ -103,7 +116,7 @@ impl Sampler {
             rng: StdRng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
             candidates: Vec::new(),
             masked: Vec::new(),
-        })
+        }
     }
 
     /// Picks the next token from one row of logits (one entry per vocabulary id); its logprob

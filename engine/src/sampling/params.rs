@@ -4,13 +4,21 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::penalties::{MAX_LOGIT_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE};
-
 /// Largest accepted `temperature` (OpenAI's limit).
 pub const MAX_TEMPERATURE: f32 = 2.0;
 
 /// Largest accepted `logprobs` / `prompt_logprobs` (OpenAI's `top_logprobs` limit, and vLLM's).
 pub const MAX_LOGPROBS: u32 = 20;
+
+/// Largest `|presence_penalty|` and `|frequency_penalty|` (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
+
+/// Largest `|logit_bias|` value (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
+/// Smallest and largest `repetition_penalty`: bounded away from 0 so that `l / r` stays finite
+/// ([`crate::penalties`]).
+pub const REPETITION_PENALTY_RANGE: (f32, f32) = (0.01, 100.0);
 
 /// Most stop strings one request may carry (OpenAI's limit). Each string costs a scan of the
 /// held-back text on every streamed delta, so the count is bounded.

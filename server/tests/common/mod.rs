@@ -32,7 +32,7 @@ pub fn engine_config(ep_size: usize) -> EngineConfig {
             kv_tokens_per_rank: 65_536,
         },
         max_waiting: 256,
-        record_routing: None,
+        ..EngineConfig::default()
     }
 }
 
