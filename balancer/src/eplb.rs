@@ -136,7 +136,7 @@ impl Balancer for EplbHistory {
         if self.layout.as_ref() != Some(layout) {
             self.reset(layout);
         }
-        if (self.step == 1 || self.step % self.interval == 0) && !self.history.is_empty() {
+        if (self.step == 1 || self.step.is_multiple_of(self.interval)) && !self.history.is_empty() {
             self.replan(layout);
         }
         let totals = load.expert_totals();

@@ -460,7 +460,7 @@ impl Generator {
             Pattern::Stationary => {}
             Pattern::Drifting => drift(&mut self.hot_order, &mut self.master),
             Pattern::Switching { every } => {
-                if self.step % every == 0 {
+                if self.step.is_multiple_of(every) {
                     self.hot_order.shuffle(&mut self.master);
                 }
             }

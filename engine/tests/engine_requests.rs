@@ -327,7 +327,7 @@ fn routing_trace_records_every_step_and_moe_layer() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let layers = 4;
-    assert!(!lines.is_empty() && lines.len() % layers == 0);
+    assert!(!lines.is_empty() && lines.len().is_multiple_of(layers));
     // Every token computed (prompts once, then each generated token but the last) appears top-k
     // times in every layer's matrix, summed over steps.
     let tokens: usize = prompts.iter().map(Vec::len).sum::<usize>()

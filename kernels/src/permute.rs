@@ -107,7 +107,7 @@ impl DispatchBuffers {
 
     /// The receiving side of [`Self::into_wire`]; `ids` must hold [`IDS_PER_ROW`] per row.
     pub fn from_wire(rows: Vec<f32>, ids: &[u32]) -> Result<Self, KernelError> {
-        if ids.len() % IDS_PER_ROW != 0 {
+        if !ids.len().is_multiple_of(IDS_PER_ROW) {
             return Err(KernelError::NotMultiple {
                 what: "dispatch ids",
                 len: ids.len(),
@@ -166,7 +166,7 @@ pub fn permute_tokens(
     if top_k == 0 {
         return Err(KernelError::ZeroDimension { what: "top_k" });
     }
-    if experts.len() % top_k != 0 {
+    if !experts.len().is_multiple_of(top_k) {
         return Err(KernelError::NotMultiple {
             what: "experts",
             len: experts.len(),
@@ -381,7 +381,7 @@ pub fn scatter_pairs(
     if hidden == 0 {
         return Err(KernelError::ZeroDimension { what: "hidden" });
     }
-    if pair_outputs.len() % hidden != 0 {
+    if !pair_outputs.len().is_multiple_of(hidden) {
         return Err(KernelError::NotMultiple {
             what: "pair_outputs",
             len: pair_outputs.len(),

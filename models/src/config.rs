@@ -247,7 +247,7 @@ impl ModelConfig {
                 return fail(format!("{name} must be positive"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return fail(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
@@ -274,7 +274,7 @@ impl ModelConfig {
             ..
         } = moe.router
         {
-            if n_group == 0 || moe.num_experts % n_group != 0 || topk_group > n_group {
+            if n_group == 0 || !moe.num_experts.is_multiple_of(n_group) || topk_group > n_group {
                 return fail(format!(
                     "n_group {n_group} must divide the {} experts and be >= topk_group {topk_group}",
                     moe.num_experts
@@ -293,7 +293,7 @@ impl ModelConfig {
             if mla.qk_rope_head_dim % 2 != 0 || mla.kv_lora_rank == 0 {
                 return fail("qk_rope_head_dim must be even and kv_lora_rank positive".into());
             }
-        } else if self.head_dim % 2 != 0 {
+        } else if !self.head_dim.is_multiple_of(2) {
             return fail(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
         Ok(())

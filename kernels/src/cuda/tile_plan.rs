@@ -77,7 +77,7 @@ impl TilePlanParams {
                 what: "expert_bytes",
             });
         }
-        if g.tile_bytes == 0 || g.tile_bytes % 16 != 0 {
+        if g.tile_bytes == 0 || !g.tile_bytes.is_multiple_of(16) {
             return Err(KernelError::OutOfRange {
                 what: "tile_bytes (a positive multiple of 16)",
                 value: u64::from(g.tile_bytes),

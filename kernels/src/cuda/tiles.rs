@@ -100,7 +100,7 @@ impl TileStream {
             .into());
         }
         let tile = self.tile_bytes;
-        if tile == 0 || tile % 16 != 0 {
+        if tile == 0 || !tile.is_multiple_of(16) {
             return Err(fault(
                 0,
                 format!("tile_bytes {tile} is not a positive multiple of 16"),
@@ -199,7 +199,7 @@ pub fn compile(
     buffers: &BufferLayout<'_>,
     tile_bytes: u32,
 ) -> Result<TileStream, KernelError> {
-    if tile_bytes == 0 || tile_bytes % 16 != 0 {
+    if tile_bytes == 0 || !tile_bytes.is_multiple_of(16) {
         return Err(KernelError::OutOfRange {
             what: "tile_bytes (a positive multiple of 16)",
             value: u64::from(tile_bytes),
