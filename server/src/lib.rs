@@ -107,7 +107,6 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
 use rackfill_models::ModelBundle;
-use serde_json::json;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta, SpecialTokenTexts};
@@ -294,7 +293,7 @@ pub(crate) fn random_id() -> String {
 /// The full API as an `axum::Router` (auth on `/v1/*`, JSON content type, body limit, request
 /// ids, tracing spans and HTTP metrics included).
 pub fn router(state: AppState) -> Router {
-    let v1 = Router::new()
+    let api = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/v1/completions", post(completions::handle))
@@ -306,7 +305,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/version", get(version))
-        .merge(v1)
+        .merge(api)
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         // `body::read_body` buffers every body within the limit before the handlers run, once
@@ -384,11 +383,15 @@ async fn health(State(state): State<AppState>) -> Response {
     if !state.backend().is_healthy() {
         return ApiError::Unavailable("the engine is not running".into()).into_response();
     }
-    Json(json!({ "status": "ok" })).into_response()
+    Json(api_types::Health { status: "ok" }).into_response()
 }
 
 async fn version() -> Response {
-    Json(json!({ "name": "rackfill", "version": env!("CARGO_PKG_VERSION") })).into_response()
+    Json(api_types::VersionInfo {
+        name: "rackfill",
+        version: env!("CARGO_PKG_VERSION"),
+    })
+    .into_response()
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {

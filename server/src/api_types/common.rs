@@ -116,3 +116,16 @@ pub struct ModelCard {
     pub parent: Option<String>,
     pub root: String,
 }
+
+/// `GET /health` when the server can take requests (otherwise the error envelope with 503).
+#[derive(Debug, Clone, Serialize)]
+pub struct Health {
+    pub status: &'static str,
+}
+
+/// `GET /version`: which server this is, for clients that adapt to it.
+#[derive(Debug, Clone, Serialize)]
+pub struct VersionInfo {
+    pub name: &'static str,
+    pub version: &'static str,
+}
