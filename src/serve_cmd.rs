@@ -61,7 +61,8 @@ pub struct ServeArgs {
     /// closes.
     #[arg(long, default_value_t = ServerConfig::default().max_connections)]
     max_connections: usize,
-    /// Bearer token required on /v1/* (default: the RACKFILL_API_KEY environment variable).
+    /// Bearer token required on /v1/* and the /tokenize, /detokenize, /tokenizer_info routes
+    /// (default: the RACKFILL_API_KEY environment variable).
     #[arg(long)]
     api_key: Option<String>,
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.

@@ -7,7 +7,7 @@
 //! `n_slot` redundant slots and no rank may hold an expert twice, so (b) only fills slots and (a)
 //! never asks for more than `R` instances of one expert.
 //!
-//! Two feeds, as DESIGN.md compares them: [`EplbExact`] plans every layer from its exact load (EPLB's
+//! Two feeds, compared side by side: [`EplbExact`] plans every layer from its exact load (EPLB's
 //! algorithm given UltraEP's information), [`EplbHistory`] plans from a moving window of past loads
 //! and keeps its placement for `interval` steps (EPLB as serving stacks deploy it).
 

@@ -1,4 +1,5 @@
-//! Figures of merit for a plan, with the names DESIGN.md fixes for code, logs and reports.
+//! Figures of merit for a plan, with the names docs/architecture.md fixes for code, logs and
+//! reports.
 
 use crate::{main_rank_loads, Layout, LoadMatrix, Plan};
 use serde::Serialize;

@@ -9,7 +9,7 @@ use std::fmt;
 use rackfill_models::model::{check_vocabulary, OutOfVocabulary};
 
 use crate::request::GenerateRequest;
-use crate::sampling::SamplingError;
+use crate::sampling::{SamplingError, SamplingParams};
 
 /// How much a tokenizer's normalizer may shrink text, at most: NFKC turns a 4-byte character (a
 /// mathematical letter) into one byte; NFC and lowercasing shrink less, and the space-to-`▁`
@@ -61,6 +61,14 @@ impl RequestLimits {
         Ok(())
     }
 
+    /// Checks a request's sampling parameters alone, the first of [`Self::validate`]'s checks:
+    /// a server calls it as soon as it has read them, so a bad parameter is a 400 before the
+    /// request is admitted or its prompt tokenized (`validate` checks them again with the
+    /// prompt).
+    pub fn check_sampling(&self, params: &SamplingParams) -> Result<(), RequestError> {
+        Ok(params.validate(self.vocab_size)?)
+    }
+
     /// Refuses a prompt of `prompt_tokens` whose `max_tokens` would not fit the context.
     pub fn check_context(
         &self,
@@ -96,7 +104,7 @@ impl RequestLimits {
         }
         let mut total = 0usize;
         for (sequence, request) in sequences.iter().enumerate() {
-            request.params.validate(self.vocab_size)?;
+            self.check_sampling(&request.params)?;
             if request.prompt.is_empty() {
                 return Err(RequestError::EmptyPrompt { sequence });
             }

@@ -98,6 +98,14 @@ impl ChatPlan {
             ));
         }
         resolved.params.logprobs = logprobs.then_some(top_logprobs.unwrap_or(0) as u32);
+        // Checked now, before admission; an absent max_tokens is filled from the prompt later
+        // (and the whole request checked again), so it cannot fail this check.
+        let mut params = resolved.params.clone();
+        params.max_tokens = max_tokens.unwrap_or(u32::MAX);
+        let limits = &state.backend().info().limits;
+        limits
+            .check_sampling(&params)
+            .map_err(|e| ApiError::from_request(e, PromptField::Messages))?;
         chat_prompt::require_template(state)?;
         Ok(Self {
             chat,

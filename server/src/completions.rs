@@ -151,6 +151,10 @@ impl CompletionPlan {
         resolved.params.max_tokens = max_tokens as u32;
         resolved.params.logprobs = logprobs;
         resolved.params.prompt_logprobs = if echo { logprobs } else { None };
+        let limits = &state.backend().info().limits;
+        limits
+            .check_sampling(&resolved.params)
+            .map_err(|e| ApiError::from_request(e, PromptField::Prompt { n: resolved.n }))?;
         Ok(Self {
             inputs,
             resolved,

@@ -120,3 +120,38 @@ async fn the_tokens_of_one_request_are_bounded() {
     assert_eq!(status, 200, "{body}");
     server.shutdown().await.unwrap();
 }
+
+/// A bad sampling parameter is the 400 that names it even when the prompt is also too long:
+/// parameters are checked as soon as they are read, before admission and tokenization.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_parameter_is_named_before_the_prompt_is_looked_at() {
+    let server = TestServer::start(ServerConfig::default()).await;
+    let text = text_of(1 << 20);
+    let request = json!({"prompt": text, "max_tokens": 10, "min_tokens": 20});
+    let (status, body) = server.post("/v1/completions", &request).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "min_tokens", "{body}");
+    let chat = json!({
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 10,
+        "min_tokens": 20,
+    });
+    let (status, body) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "min_tokens", "{body}");
+    // Without max_tokens the chat's min_tokens is checked once the prompt fixes max_tokens (the
+    // rest of the context): the stream starts (its 200 is enough; dropping it cancels).
+    let chat = json!({
+        "messages": [{"role": "user", "content": "Hi"}],
+        "min_tokens": 20,
+        "stream": true,
+    });
+    let response = server
+        .client
+        .post(server.url("/v1/chat/completions"))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+}

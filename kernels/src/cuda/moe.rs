@@ -1,5 +1,6 @@
 //! A whole MoE layer's data plane on the GPU, for `R` ranks whose buffers all live on one device:
-//! what the engine runs on a GPU host instead of its CPU data plane (DESIGN.md "Data flow").
+//! what the engine runs on a GPU host instead of its CPU data plane (docs/architecture.md, "One
+//! MoE layer of one step").
 //!
 //! Per layer, after the plan is known (solved here by [`GpuQuotaSolver`], or by any host
 //! balancer and uploaded):
