@@ -13,7 +13,7 @@ use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
 use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
-use rackfill_engine::{DataPlane, EpConfig};
+use rackfill_engine::{DataPlane, EpConfig, Rack};
 use rackfill_models::ModelBundle;
 use std::path::PathBuf;
 
@@ -88,6 +88,11 @@ pub struct EpArgs {
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     pub data_planes: Vec<DataPlane>,
 
+    /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
+    /// racks and cost model as `rackfill simulate`, so the two compare).
+    #[arg(long, default_value = "nvl72")]
+    pub rack: String,
+
     /// Timed rounds after one warm-up, at most 1000; every round runs dense and every
     /// configuration.
     #[arg(long, default_value_t = 3, value_parser = parse_repeats)]
@@ -156,6 +161,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
 }
 
 fn ep(args: EpArgs) -> anyhow::Result<()> {
+    let rack = Rack::load(&args.rack)?;
     let json_file = create_report_file(args.json.as_deref())?;
     let (model, tokenizer, name) = match args.model.as_deref() {
         None => (
@@ -205,6 +211,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         &prompts,
         &cases,
         args.redundant_slots,
+        &rack,
         args.rounds,
     )?;
     out!("{}", report.to_table());

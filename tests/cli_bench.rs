@@ -221,3 +221,60 @@ fn help_lists_every_balancer() {
     let help = String::from_utf8(out.stdout).unwrap();
     assert!(help.contains("quota-paper"), "{help}");
 }
+
+/// `bench ep --rack` costs the simulated makespans on the rack it names, as `simulate` does; a
+/// rack file that cannot be read is one line before any work.
+#[test]
+fn bench_ep_costs_on_the_rack_it_is_given() {
+    let dir = temp_dir();
+    let rack = write(
+        &dir,
+        "slow-rack.json",
+        r#"{"name": "slow-rack", "gpus": 8, "scale_up_gbytes_per_s": 1.0, "link_efficiency": 0.5,
+            "link_latency_us": 10.0, "bf16_tflops": 1.0, "hbm_tbytes_per_s": 0.1,
+            "attention_efficiency": 0.5, "gemm_efficiency": [[1, 0.5], [4096, 0.8]]}"#,
+    );
+    let run = |rack: &str, json: &Path| {
+        let out = rackfill(&[
+            "bench",
+            "ep",
+            "--model",
+            "rackfill-tiny-moe",
+            "--sequences",
+            "2",
+            "--tokens",
+            "16",
+            "--ep-size",
+            "2",
+            "--balancer",
+            "quota",
+            "--rounds",
+            "1",
+            "--rack",
+            rack,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+        report
+    };
+    let slow = run(&rack, &dir.join("slow.json"));
+    let nvl72 = run("nvl72", &dir.join("nvl72.json"));
+    assert_eq!(slow["rack"], "slow-rack");
+    assert_eq!(nvl72["rack"], "nvl72");
+    let makespan = |r: &Value| r["results"][1]["simulated_moe_us"].as_f64().unwrap();
+    assert!(makespan(&slow) > 5.0 * makespan(&nvl72), "{slow} vs {nvl72}");
+    refused(
+        &[
+            "bench",
+            "ep",
+            "--model",
+            "rackfill-tiny-moe",
+            "--rack",
+            dir.join("missing.json").to_str().unwrap(),
+        ],
+        "cannot read rack file",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

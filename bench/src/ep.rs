@@ -164,6 +164,7 @@ pub fn run_ep(
     prompts: &[Vec<u32>],
     cases: &[EpCase],
     redundant_slots: usize,
+    rack: &Rack,
     rounds: usize,
 ) -> Result<EpReport, EpBenchError> {
     check_step(&model, prompts, cases)?;
@@ -171,7 +172,7 @@ pub fn run_ep(
     let mut runtimes: Vec<EpRuntime> = cases
         .iter()
         .map(|c| {
-            EpRuntime::new(
+            let mut runtime = EpRuntime::new(
                 Arc::clone(&model),
                 EpConfig {
                     ep_size: c.ep_size,
@@ -180,7 +181,9 @@ pub fn run_ep(
                     data_plane: c.data_plane,
                     ..EpConfig::default()
                 },
-            )
+            )?;
+            runtime.set_rack(rack.clone());
+            Ok::<_, EpBenchError>(runtime)
         })
         .collect::<Result<_, _>>()?;
     let mut dense_seconds = Vec::new();
@@ -239,9 +242,7 @@ pub fn run_ep(
     }
     Ok(EpReport {
         model: model_name.to_string(),
-        rack: runtimes
-            .first()
-            .map_or_else(|| Rack::nvl72().name, |r| r.rack().name.clone()),
+        rack: rack.name.clone(),
         sequences: prompts.len(),
         tokens_per_step: tokens,
         redundant_slots,

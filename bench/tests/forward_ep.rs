@@ -5,7 +5,7 @@
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{random_prompts, run_ep, EpBenchError, EpCase, MAX_STEP_TOKENS};
 use rackfill_bench::forward::{run_forward, ForwardBenchError};
-use rackfill_engine::DataPlane;
+use rackfill_engine::{DataPlane, Rack};
 use rackfill_models::ModelBundle;
 use std::sync::Arc;
 
@@ -55,7 +55,16 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
             balancer: Algo::Quota,
             data_plane: DataPlane::Cpu,
         };
-        let err = run_ep(Arc::clone(&model), "tiny", &prompts, &[case], 2, 1).unwrap_err();
+        let err = run_ep(
+            Arc::clone(&model),
+            "tiny",
+            &prompts,
+            &[case],
+            2,
+            &Rack::nvl72(),
+            1,
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
@@ -69,6 +78,6 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
         balancer: Algo::Quota,
         data_plane: DataPlane::Cpu,
     };
-    let report = run_ep(model, "tiny", &prompts, &[case], 2, 1).unwrap();
+    let report = run_ep(model, "tiny", &prompts, &[case], 2, &Rack::nvl72(), 1).unwrap();
     assert_eq!(report.tokens_per_step, 8);
 }
