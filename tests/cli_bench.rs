@@ -255,16 +255,22 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
             "--json",
             json.to_str().unwrap(),
         ]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let report: Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
-        report
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&std::fs::read(json).unwrap()).unwrap()
     };
     let slow = run(&rack, &dir.join("slow.json"));
     let nvl72 = run("nvl72", &dir.join("nvl72.json"));
     assert_eq!(slow["rack"], "slow-rack");
     assert_eq!(nvl72["rack"], "nvl72");
     let makespan = |r: &Value| r["results"][1]["simulated_moe_us"].as_f64().unwrap();
-    assert!(makespan(&slow) > 5.0 * makespan(&nvl72), "{slow} vs {nvl72}");
+    assert!(
+        makespan(&slow) > 5.0 * makespan(&nvl72),
+        "{slow} vs {nvl72}"
+    );
     refused(
         &[
             "bench",
