@@ -24,7 +24,7 @@ for t in "$bundle"/tests/*; do
 done
 "$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
 "$bundle/rackfill" bench ep --model rackfill-tiny-moe --prompts models/builtin/skew.json --ep-size 8 \
-  --balancer quota,none --data-planes cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
+  --balancer quota,none --data-plane cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
 # What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
 # barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
 # host has it. Last and time-bounded, so the figures above never wait on it; a timeout is

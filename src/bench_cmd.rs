@@ -5,8 +5,8 @@
 
 use crate::balance_cmd::BalanceArgs;
 use crate::flags::{
-    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, EP_SIZE_ALIASES,
-    REDUNDANT_SLOTS_ALIASES,
+    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, DATA_PLANE_ALIASES,
+    EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES,
 };
 use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
@@ -85,8 +85,8 @@ pub struct EpArgs {
 
     /// Data planes to run every configuration on, comma-separated: `cpu`, `gpu`, `gpu:N`
     /// (`gpu` needs a GPU and the default build, not `--no-default-features`).
-    #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    pub data_planes: Vec<DataPlane>,
+    #[arg(long, value_delimiter = ',', default_value = "cpu", aliases = DATA_PLANE_ALIASES)]
+    pub data_plane: Vec<DataPlane>,
 
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).
@@ -187,7 +187,7 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         None => random_prompts(&model, args.sequences, args.tokens, args.seed)?,
     };
     let mut cases = Vec::new();
-    for &data_plane in &args.data_planes {
+    for &data_plane in &args.data_plane {
         for ep_size in dedup(&args.ep_size) {
             for &balancer in &args.balancer {
                 cases.push(EpCase {

@@ -6,6 +6,7 @@
 //! | expert-parallel ranks | `--ep-size` | `--ep`, `--ranks` |
 //! | redundant expert slots per rank | `--redundant-slots` | `--slots` |
 //! | balancer (a comma list where a command compares several) | `--balancer` | `--algo`, `--balancers` |
+//! | MoE data plane (a comma list where a command compares several) | `--data-plane` | `--data-planes` |
 //!
 //! Defaults come from the config types (`EpConfig::default()`, `ServerConfig::default()`, ...),
 //! never from literals in the clap attributes.
@@ -17,6 +18,8 @@ pub(crate) const REDUNDANT_SLOTS_ALIASES: [&str; 1] = ["slots"];
 /// Hidden spellings of `--balancer` (`plan` said `--algo`, `bench ep` and `bench balance`
 /// `--balancers`).
 pub(crate) const BALANCER_ALIASES: [&str; 2] = ["algo", "balancers"];
+/// Hidden spelling of `--data-plane` (`bench ep` said `--data-planes`).
+pub(crate) const DATA_PLANE_ALIASES: [&str; 1] = ["data-planes"];
 
 /// `help` followed by `[default: a,b]`, for flags taking a comma list: clap joins default values
 /// with spaces, which reads as separate arguments.

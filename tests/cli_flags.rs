@@ -295,6 +295,8 @@ fn bench_ep_takes_the_old_spellings() {
             "1",
             "--balancer",
             "greedy-move,none",
+            "--data-plane",
+            "cpu",
         ],
     );
     let want = vec![(2.into(), "greedy-move".into()), (2.into(), "none".into())];
@@ -308,6 +310,8 @@ fn bench_ep_takes_the_old_spellings() {
             "1",
             "--balancers",
             "greedy-move,none",
+            "--data-planes",
+            "cpu",
         ],
     );
     assert_eq!(old, new);
