@@ -35,6 +35,7 @@ mod plan_cmd;
 mod report_file;
 mod serve_bench_cmd;
 mod serve_cmd;
+mod serve_group;
 mod simulate_cmd;
 
 use clap::{Parser, Subcommand};

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
 use rackfill_engine::routing_trace::RoutingTraceConfig;
 use rackfill_engine::{DataPlane, EngineConfig, EpConfig, SchedulerConfig};
-use rackfill_models::ModelBundle;
+use rackfill_models::{ExpertSelection, ModelBundle};
 use rackfill_server::{AppState, ServerConfig};
 
 use crate::flags::{parse_bytes, BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES};
@@ -28,9 +28,10 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Expert-parallel ranks `R`.
-    #[arg(long, default_value_t = EpConfig::default().ep_size, aliases = EP_SIZE_ALIASES)]
-    ep_size: usize,
+    /// Expert-parallel ranks `R` [default: 8 in one process; under mpirun/srun, the number of
+    /// processes, which it must equal if given].
+    #[arg(long, aliases = EP_SIZE_ALIASES)]
+    pub(crate) ep_size: Option<usize>,
     /// Redundant expert slots per rank.
     #[arg(long, default_value_t = EpConfig::default().redundant_slots,
           aliases = REDUNDANT_SLOTS_ALIASES)]
@@ -92,12 +93,25 @@ pub struct ServeArgs {
     /// Where the MoE data plane runs: `auto` (the GPU when the binary has the GPU data plane and a
     /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
     #[arg(long, default_value = "auto")]
-    data_plane: String,
+    pub(crate) data_plane: String,
+    /// Under mpirun/srun: what carries the MoE layers' data between processes: `auto`, `mpi`
+    /// (host memory over MPI) or `nccl` (through the process's GPU, one per process).
+    #[arg(long, default_value = "auto")]
+    pub(crate) fabric: String,
+    /// Under mpirun/srun: a rank that makes no progress (or whose heartbeats stop) for this many
+    /// seconds stops every process of the group with a non-zero status, naming the rank. Must
+    /// exceed the longest engine step.
+    #[arg(long, default_value_t = 30.0)]
+    pub(crate) watchdog_timeout: f64,
+    /// Under mpirun/srun: rewritten about every second while this process's rank makes progress
+    /// (for a liveness probe: check its age).
+    #[arg(long)]
+    pub(crate) heartbeat_file: Option<PathBuf>,
 }
 
 /// Engine and server settings from the flags, checked before anything is loaded.
 fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
-    if args.ep_size == 0 {
+    if args.ep_size == Some(0) {
         bail!("--ep-size must be at least 1");
     }
     if args.chunk_tokens == 0 {
@@ -138,7 +152,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     let (data_plane, _) = data_plane(&args.data_plane)?;
     let engine = EngineConfig {
         ep: EpConfig {
-            ep_size: args.ep_size,
+            ep_size: args.ep_size.unwrap_or(EpConfig::default().ep_size),
             redundant_slots: args.redundant_slots,
             balancer: args.balancer,
             data_plane,
@@ -169,7 +183,7 @@ fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
 
 /// `value` seconds of the flag `flag` as a duration: a non-negative number no larger than a
 /// duration holds (about 5.8e11 years).
-fn seconds(flag: &str, value: f64) -> Result<Duration> {
+pub(crate) fn seconds(flag: &str, value: f64) -> Result<Duration> {
     if value < 0.0 {
         bail!("{flag} must be a non-negative number of seconds, got {value}");
     }
@@ -209,10 +223,48 @@ async fn shutdown_signal() {
     }
 }
 
-/// Runs the server until SIGINT / SIGTERM.
+/// Runs the server until SIGINT / SIGTERM; under an MPI launcher, this process's rank of the
+/// group (the HTTP server on rank 0 only).
 pub fn run(args: ServeArgs) -> Result<()> {
     let (engine_config, server_config) = configs(&args)?;
     init_logging();
+    if let Some(group) = crate::serve_group::Launched::detect()? {
+        return group.run(&args, engine_config, server_config);
+    }
+    let ep = engine_config.ep;
+    serve_http(&args, load_bundle(&args, None), |bundle| {
+        let state = AppState::launch(bundle, engine_config, server_config)
+            .context("cannot start the engine")?;
+        Ok((state, ep))
+    })
+}
+
+/// Loads the model `--model` names (`shard`: only these routed experts), with
+/// `--served-model-name` applied.
+pub(crate) fn load_bundle(
+    args: &ServeArgs,
+    shard: Option<ExpertSelection>,
+) -> impl FnOnce() -> Result<ModelBundle> + Send + 'static {
+    let spec = args.model.clone();
+    let served_name = args.served_model_name.clone();
+    move || {
+        let selection = shard.unwrap_or(ExpertSelection::All);
+        let mut bundle = ModelBundle::load_with(spec.as_deref(), &selection)
+            .with_context(|| format!("cannot load model {}", spec.as_deref().unwrap_or("<built-in>")))?;
+        if let Some(name) = served_name {
+            bundle.name = name;
+        }
+        Ok(bundle)
+    }
+}
+
+/// Binds the listener, loads the model with `load`, starts the engine with `start`, and serves
+/// HTTP until SIGINT / SIGTERM. `start` also says how the engine it started is laid out.
+pub(crate) fn serve_http(
+    args: &ServeArgs,
+    load: impl FnOnce() -> Result<ModelBundle> + Send + 'static,
+    start: impl FnOnce(ModelBundle) -> Result<(AppState, EpConfig)>,
+) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("rackfill-http")
@@ -225,24 +277,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
         let local: SocketAddr = listener.local_addr().context("listener address")?;
-        let spec = args.model.clone();
-        let mut bundle = tokio::task::spawn_blocking(move || ModelBundle::load(spec.as_deref()))
+        let bundle = tokio::task::spawn_blocking(load)
             .await
-            .context("model loading panicked")?
-            .with_context(|| {
-                format!(
-                    "cannot load model {}",
-                    args.model.as_deref().unwrap_or("<built-in>")
-                )
-            })?;
-        if let Some(name) = &args.served_model_name {
-            bundle.name = name.clone();
-        }
+            .context("model loading panicked")??;
         let name = bundle.name.clone();
-        let ep = engine_config.ep;
         tracing::info!("data plane: {}", data_plane(&args.data_plane)?.1);
-        let state = AppState::launch(bundle, engine_config, server_config)
-            .context("cannot start the engine")?;
+        let (state, ep) = start(bundle)?;
         tracing::info!(
             model = %name,
             ep_size = ep.ep_size,
@@ -263,7 +303,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
 /// The data plane `--data-plane` asks for, and a line for the startup log saying where it runs
 /// and why. `auto` never fails: without feature `cuda` or a visible GPU (the probe never
 /// panics) it picks the CPU and says why.
-fn data_plane(arg: &str) -> Result<(DataPlane, String)> {
+pub(crate) fn data_plane(arg: &str) -> Result<(DataPlane, String)> {
     let gpu_ordinal = match arg {
         "auto" => None,
         other => match other.parse::<DataPlane>() {

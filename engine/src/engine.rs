@@ -66,11 +66,21 @@ pub struct EngineInfo {
     pub limits: RequestLimits,
 }
 
-enum Command {
+/// What the handle asks of the engine thread.
+pub(crate) enum Command {
     /// Every sequence of one request, queued together.
     Submit(Vec<SequenceParts>),
     Cancel(u64),
     Shutdown,
+}
+
+/// The engine thread's side of its handle.
+pub(crate) struct EngineThread {
+    pub(crate) commands: Receiver<Command>,
+    /// Sequences not yet admitted (the thread lowers it as it admits or drops them).
+    pub(crate) queued: Arc<AtomicUsize>,
+    /// Cleared when the engine can no longer serve (health checks fail).
+    pub(crate) alive: Arc<AtomicBool>,
 }
 
 struct Shared {
@@ -101,7 +111,7 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread on `model`.
+    /// Starts the engine thread on `model`, every EP rank in this process.
     pub fn spawn(
         model: Arc<MoeModel>,
         tokenizer: Arc<Tokenizer>,
@@ -110,18 +120,28 @@ impl EngineHandle {
     ) -> Result<Self> {
         let runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
         let scheduler = Scheduler::new(config.ep.ep_size, config.scheduler)?;
-        let recorder = config
-            .record_routing
-            .as_ref()
-            .map(|trace| {
-                RoutingRecorder::create(trace).map_err(|e| {
-                    EngineError::Config(format!(
-                        "cannot create routing trace {}: {e}",
-                        trace.path.display()
-                    ))
-                })
-            })
-            .transpose()?;
+        let recorder = open_recorder(&config)?;
+        Self::start(&model, tokenizer, eos, &config, move |thread| {
+            EngineLoop {
+                runtime,
+                scheduler,
+                recorder,
+                queued: thread.queued,
+                step: 0,
+            }
+            .run(thread.commands);
+        })
+    }
+
+    /// Starts `body` on the engine thread, with the handle's end of the command channel; the
+    /// engine's limits come from `model` and `config`.
+    pub(crate) fn start(
+        model: &MoeModel,
+        tokenizer: Arc<Tokenizer>,
+        eos: Vec<u32>,
+        config: &EngineConfig,
+        body: impl FnOnce(EngineThread) + Send + 'static,
+    ) -> Result<Self> {
         let max_model_len = model.config().max_position_embeddings;
         let info = EngineInfo {
             max_model_len,
@@ -138,21 +158,18 @@ impl EngineHandle {
         let queued = Arc::new(AtomicUsize::new(0));
         let alive = Arc::new(AtomicBool::new(true));
         let thread = {
-            let (queued, alive) = (Arc::clone(&queued), Arc::clone(&alive));
+            let engine_thread = EngineThread {
+                commands: rx,
+                queued: Arc::clone(&queued),
+                alive: Arc::clone(&alive),
+            };
             std::thread::Builder::new()
                 .name("rackfill-engine".into())
                 .spawn(move || {
                     // Cleared when the loop ends, also when it panics: health checks then fail
                     // and submissions get `Unavailable` instead of waiting on a dead thread.
-                    let _alive = AliveFlag(alive);
-                    EngineLoop {
-                        runtime,
-                        scheduler,
-                        recorder,
-                        queued,
-                        step: 0,
-                    }
-                    .run(rx);
+                    let _alive = AliveFlag(Arc::clone(&engine_thread.alive));
+                    body(engine_thread);
                 })
                 .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?
         };
@@ -214,7 +231,7 @@ impl EngineHandle {
                 id,
                 request,
                 arrived,
-                fallback_seed: id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                fallback_seed: fallback_seed(id),
                 tokenizer: Arc::clone(&self.shared.tokenizer),
                 eos: Arc::clone(&self.shared.info.eos),
                 events: tx,
@@ -281,6 +298,28 @@ impl EngineHandle {
     }
 }
 
+/// The seed of a sequence that gave none: fixed by its id, so any process that runs it samples
+/// the same tokens.
+pub(crate) fn fallback_seed(id: u64) -> u64 {
+    id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Opens the routing trace `config` asks for, if any.
+pub(crate) fn open_recorder(config: &EngineConfig) -> Result<Option<RoutingRecorder>> {
+    config
+        .record_routing
+        .as_ref()
+        .map(|trace| {
+            RoutingRecorder::create(trace).map_err(|e| {
+                EngineError::Config(format!(
+                    "cannot create routing trace {}: {e}",
+                    trace.path.display()
+                ))
+            })
+        })
+        .transpose()
+}
+
 /// The engine thread's state.
 struct EngineLoop {
     runtime: EpRuntime,
@@ -315,7 +354,7 @@ impl EngineLoop {
             );
             match stepped {
                 Ok(Some(summary)) => {
-                    metrics::record_step(&summary);
+                    metrics::record_step(&summary.output, summary.tokens.iter().sum());
                     if let Some(recorder) = &mut self.recorder {
                         let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
                         if let Err(stopped) = recorder.record(self.step, layers) {

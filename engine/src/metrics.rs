@@ -3,7 +3,7 @@
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
-use crate::scheduler::StepSummary;
+use crate::ep::StepOutput;
 
 /// Per-layer rank-load imbalance before balancing (`max L0 / mean L0`).
 pub const IMBALANCE_BEFORE: &str = "rackfill:moe_imbalance_before";
@@ -31,6 +31,16 @@ pub const KV_USAGE: &str = "rackfill:kv_cache_usage_perc";
 pub const ROUTING_TRACE_RECORDING: &str = "rackfill:routing_trace_recording";
 /// Bytes of whole steps written to the routing trace.
 pub const ROUTING_TRACE_BYTES: &str = "rackfill:routing_trace_bytes_total";
+/// Processes (EP ranks) of a multi-process group, on its leader.
+pub const GROUP_RANKS: &str = "rackfill:group_ranks";
+/// One rank's waiting sequences (`rank` label), on the leader of a multi-process group.
+pub const RANK_WAITING: &str = "rackfill:rank_num_requests_waiting";
+/// One rank's running sequences (`rank` label).
+pub const RANK_RUNNING: &str = "rackfill:rank_num_requests_running";
+/// One rank's reserved KV over its budget (`rank` label).
+pub const RANK_KV_USAGE: &str = "rackfill:rank_kv_cache_usage_perc";
+/// Seconds since the leader last heard a rank's heartbeat (`rank` label).
+pub const RANK_HEARTBEAT_AGE: &str = "rackfill:rank_heartbeat_age_seconds";
 
 /// Gives every engine metric its `# HELP` text in the installed recorder (call once, after
 /// installing it), so a scraper's users see what each series means.
@@ -73,13 +83,21 @@ pub fn describe() {
         ROUTING_TRACE_BYTES,
         "Bytes of whole steps written to the --record-routing trace."
     );
+    describe_gauge!(GROUP_RANKS, "Processes (EP ranks) in the multi-process group.");
+    describe_gauge!(RANK_WAITING, "Sequences waiting for admission on one rank.");
+    describe_gauge!(RANK_RUNNING, "Sequences admitted and not finished on one rank.");
+    describe_gauge!(RANK_KV_USAGE, "One rank's reserved KV cache over its budget, 0 to 1.");
+    describe_gauge!(
+        RANK_HEARTBEAT_AGE,
+        "Seconds since the leader last heard the rank's heartbeat."
+    );
 }
 
-/// Records one step's balancing figures and phase times.
-pub fn record_step(summary: &StepSummary) {
+/// Records one step's balancing figures and phase times; `tokens` were computed over all ranks.
+pub fn record_step(output: &StepOutput, tokens: usize) {
     counter!(STEPS).increment(1);
-    histogram!(STEP_TOKENS).record(summary.tokens.iter().sum::<usize>() as f64);
-    for layer in &summary.output.layers {
+    histogram!(STEP_TOKENS).record(tokens as f64);
+    for layer in &output.layers {
         histogram!(IMBALANCE_BEFORE).record(layer.metrics.imbalance_before);
         histogram!(IMBALANCE_AFTER).record(layer.metrics.imbalance_after);
         counter!(REPLICAS).increment(layer.metrics.replicas as u64);
@@ -104,6 +122,23 @@ pub fn record_queue(waiting: usize, running: usize, kv_usage: f64) {
     gauge!(WAITING).set(waiting as f64);
     gauge!(RUNNING).set(running as f64);
     gauge!(KV_USAGE).set(kv_usage);
+}
+
+/// Records an EP group's queue and KV gauges on its leader: group totals under the usual names,
+/// and every rank's under the `rank_` names with a `rank` label. `ranks[r]` is rank `r`'s.
+#[cfg(feature = "mpi")]
+pub(crate) fn record_ranks(ranks: &[crate::group::RankGauges]) {
+    let waiting = ranks.iter().map(|g| g.waiting).sum();
+    let running = ranks.iter().map(|g| g.running).sum();
+    let kv = ranks.iter().map(|g| g.kv_usage).sum::<f64>() / ranks.len().max(1) as f64;
+    record_queue(waiting, running, kv);
+    gauge!(GROUP_RANKS).set(ranks.len() as f64);
+    for (rank, g) in ranks.iter().enumerate() {
+        let rank = rank.to_string();
+        gauge!(RANK_WAITING, "rank" => rank.clone()).set(g.waiting as f64);
+        gauge!(RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
+        gauge!(RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);
+    }
 }
 
 /// Sets the routing-trace recording gauge (1 recording, 0 stopped).

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::sampling::{SamplingParams, TokenLogprob};
@@ -11,14 +12,14 @@ use crate::sampling::{SamplingParams, TokenLogprob};
 /// One sequence to generate (or score): a tokenized prompt and its sampling parameters. A
 /// request of several prompts, or `n` choices, is several of these validated together
 /// ([`crate::EngineHandle::validate`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
 }
 
 /// Why a sequence stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
     /// An end-of-sequence token, a stop token id or a stop string.
     Stop,
@@ -29,7 +30,7 @@ pub enum FinishReason {
 }
 
 /// One generated token.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenEvent {
     pub token: u32,
     /// Text that became safe to emit with this token (possibly empty: a stop string may still
@@ -40,14 +41,14 @@ pub struct TokenEvent {
 }
 
 /// Token counts, as OpenAI's `usage`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
 }
 
 /// What ended a sequence with [`FinishReason::Stop`], when it was not end-of-sequence.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StopReason {
     /// A stop string (`stop`); it is not part of the returned text.
     String(String),
@@ -56,7 +57,7 @@ pub enum StopReason {
 }
 
 /// The last event of a request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FinishEvent {
     pub reason: FinishReason,
     /// Held-back text released at the end (text that turned out not to start a stop string).
@@ -71,7 +72,7 @@ pub struct FinishEvent {
 
 /// Everything the engine tells a request's owner, in order: optional prompt logprobs, tokens,
 /// then exactly one `Finished` or `Error`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     /// Logprobs of the prompt tokens (the first is `None`: nothing precedes it), sent once when
     /// prefill completes, if the request asked for them.

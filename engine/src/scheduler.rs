@@ -122,10 +122,29 @@ impl Scheduler {
     /// Admits waiting sequences, runs one step on the runtime, samples, and releases finished
     /// sequences. Returns `None` when no rank had work.
     pub fn step(&mut self, runtime: &mut EpRuntime) -> Result<Option<StepSummary>> {
+        self.step_ranks(runtime, false)
+    }
+
+    /// [`Self::step`] for a process whose EP group steps now (some process has work): the
+    /// runtime runs even when these ranks have no tokens, so they join every collective of the
+    /// step with zero tokens.
+    pub fn step_with_group(&mut self, runtime: &mut EpRuntime) -> Result<StepSummary> {
+        Ok(self
+            .step_ranks(runtime, true)?
+            .expect("a joined step always runs"))
+    }
+
+    /// Tokens reserved on these ranks, waiting sequences included: what a leader balances new
+    /// sequences over processes by.
+    pub fn reserved_tokens(&self) -> usize {
+        self.kv_reserved.iter().sum::<usize>() + self.waiting.iter().map(|s| s.reserved).sum::<usize>()
+    }
+
+    fn step_ranks(&mut self, runtime: &mut EpRuntime, joined: bool) -> Result<Option<StepSummary>> {
         self.release_finished();
         self.admit();
         let plan = self.plan_step();
-        if plan.iter().all(Vec::is_empty) {
+        if !joined && plan.iter().all(Vec::is_empty) {
             return Ok(None);
         }
         let tokens: Vec<Vec<Vec<u32>>> = plan

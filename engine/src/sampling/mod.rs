@@ -28,7 +28,7 @@ pub use params::{
 
 /// One token with its logprob and the most likely alternatives at the same position, all as
 /// `log_softmax(logits)` at temperature 1.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,

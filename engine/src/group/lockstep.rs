@@ -1,0 +1,377 @@
+//! The loop every process of an EP group runs, one round at a time and all together:
+//!
+//! 1. the leader's control message reaches every process (new sequences handed to ranks,
+//!    cancellations, stop);
+//! 2. one reduction says whether any rank has work;
+//! 3. if so, every process steps its ranks through the model, a rank without tokens included
+//!    (it joins every MoE layer's collectives with zero tokens);
+//! 4. every worker reports its sequences' events and its gauges to the leader, which forwards
+//!    the events to the requests' streams.
+//!
+//! When no rank has work the leader sends an empty control message every half second, which is
+//! also the group's heartbeat.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rackfill_models::Tokenizer;
+use tokio::sync::mpsc as events;
+
+use super::watchdog::Progress;
+use super::wire::{Control, ControlPlane, HandOff, RankGauges, Report, LEADER};
+use crate::engine::{fallback_seed, Command};
+use crate::ep::EpRuntime;
+use crate::error::{EngineError, Result};
+use crate::metrics;
+use crate::request::Event;
+use crate::routing_trace::RoutingRecorder;
+use crate::scheduler::{Scheduler, StepSummary};
+use crate::sequence::{Sequence, SequenceParts};
+
+/// How long an idle leader waits for a request before the next heartbeat round.
+const IDLE_ROUND: Duration = Duration::from_millis(500);
+
+/// One process's side of the group loop.
+pub struct Lockstep {
+    pub runtime: EpRuntime,
+    pub scheduler: Scheduler,
+    pub control: ControlPlane,
+    pub progress: Arc<Progress>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub eos: Arc<[u32]>,
+    /// Workers: the event streams of the sequences they run for the leader, by id.
+    pub outboxes: BTreeMap<u64, events::UnboundedReceiver<Event>>,
+    /// The leader's state; `None` on workers.
+    pub leader: Option<Leader>,
+    /// Joined once the loop ends, before MPI is finalised.
+    pub watchdog: std::thread::JoinHandle<()>,
+}
+
+/// What only the leader keeps.
+pub struct Leader {
+    pub commands: Receiver<Command>,
+    pub queued: Arc<AtomicUsize>,
+    pub alive: Arc<AtomicBool>,
+    pub recorder: Option<RoutingRecorder>,
+    pub step: u64,
+    /// Sequences running on other ranks, by id.
+    pub remote: HashMap<u64, Remote>,
+    /// Per rank: tokens reserved (last report, plus what was handed to it since).
+    pub reserved: Vec<usize>,
+    /// Per rank: sequences running at the last report.
+    pub running: Vec<usize>,
+    pub stopping: bool,
+    /// Whether any rank still had work after the last round.
+    pub busy: bool,
+}
+
+/// A sequence the leader handed to another rank.
+pub struct Remote {
+    rank: usize,
+    events: events::UnboundedSender<Event>,
+    cancelled: bool,
+}
+
+impl Leader {
+    pub fn new(commands: Receiver<Command>, queued: Arc<AtomicUsize>, alive: Arc<AtomicBool>, recorder: Option<RoutingRecorder>, ranks: usize) -> Self {
+        Self {
+            commands,
+            queued,
+            alive,
+            recorder,
+            step: 0,
+            remote: HashMap::new(),
+            reserved: vec![0; ranks],
+            running: vec![0; ranks],
+            stopping: false,
+            busy: false,
+        }
+    }
+}
+
+/// What this process did in one round.
+struct Round {
+    summary: Option<StepSummary>,
+    left_waiting: usize,
+    failed: Option<String>,
+}
+
+impl Lockstep {
+    /// Runs rounds until the leader says stop. An error (a failed step, a broken message)
+    /// stops the whole group: its processes cannot stay in step after it.
+    pub fn run(mut self) {
+        loop {
+            match self.round() {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(err) => {
+                    let alive = self.leader.as_ref().map(|l| Arc::clone(&l.alive));
+                    self.control.abort(&err.to_string(), alive.as_deref());
+                }
+            }
+        }
+        self.progress.finish();
+        let _ = self.watchdog.join();
+        if let Some(leader) = &mut self.leader {
+            leader.queued.store(0, Ordering::Release);
+            for remote in leader.remote.values() {
+                let _ = remote.events.send(Event::Error("the engine stopped".into()));
+            }
+        }
+        self.scheduler.fail_all("the engine stopped");
+    }
+
+    /// One round; false once the group stops.
+    fn round(&mut self) -> Result<bool> {
+        let control = match self.leader.is_some() {
+            true => {
+                let control = self.leader_control();
+                self.progress.tick("broadcasting the control message");
+                self.control.broadcast(Some(&control))?
+            }
+            false => self.control.broadcast(None)?,
+        };
+        self.progress.tick("applying the leader's control message");
+        if control.stop {
+            return Ok(false);
+        }
+        let round = self.apply_and_step(control);
+        self.progress.tick("exchanging reports");
+        match self.leader.is_some() {
+            true => self.gather_reports(round)?,
+            false => {
+                let failed = round.failed.clone();
+                self.control.send_report(&self.report(&round))?;
+                if let Some(why) = failed {
+                    return Err(EngineError::Fabric(format!(
+                        "rank {}: engine step failed: {why}",
+                        self.control.rank()
+                    )));
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The leader takes the handle's commands (waiting a little when the group is idle) and
+    /// turns them into this round's control message.
+    fn leader_control(&mut self) -> Control {
+        let mut control = Control::default();
+        let leader = self.leader.as_mut().expect("leader state");
+        if !leader.busy && !leader.stopping {
+            match leader.commands.recv_timeout(IDLE_ROUND) {
+                Ok(command) => self.command(command, &mut control),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => self.leader_mut().stopping = true,
+            }
+        }
+        while let Ok(command) = self.leader_mut().commands.try_recv() {
+            self.command(command, &mut control);
+        }
+        let leader = self.leader_mut();
+        for (&id, remote) in &mut leader.remote {
+            if remote.events.is_closed() && !remote.cancelled {
+                remote.cancelled = true;
+                control.cancels.push((remote.rank, id));
+            }
+        }
+        control.stop = leader.stopping
+            && !leader.busy
+            && control.handoffs.is_empty()
+            && self.scheduler.is_idle();
+        control
+    }
+
+    fn leader_mut(&mut self) -> &mut Leader {
+        self.leader.as_mut().expect("leader state")
+    }
+
+    /// Applies one of the handle's commands on the leader.
+    fn command(&mut self, command: Command, control: &mut Control) {
+        match command {
+            Command::Submit(sequences) => {
+                for parts in sequences {
+                    let rank = self.least_loaded();
+                    let reserve = parts.request.prompt.len() + parts.request.params.max_tokens as usize;
+                    if rank == LEADER {
+                        let cache = self.runtime.model().new_cache();
+                        self.scheduler.enqueue(Sequence::new(parts, cache));
+                        continue;
+                    }
+                    let leader = self.leader_mut();
+                    leader.reserved[rank] += reserve;
+                    leader.running[rank] += 1;
+                    leader.remote.insert(
+                        parts.id,
+                        Remote {
+                            rank,
+                            events: parts.events,
+                            cancelled: false,
+                        },
+                    );
+                    control.handoffs.push(HandOff {
+                        rank,
+                        id: parts.id,
+                        request: parts.request,
+                        waited: parts.arrived.elapsed(),
+                    });
+                }
+            }
+            Command::Cancel(id) => match self.leader_mut().remote.get_mut(&id) {
+                Some(remote) if !remote.cancelled => {
+                    remote.cancelled = true;
+                    control.cancels.push((remote.rank, id));
+                }
+                Some(_) => {}
+                None => self.scheduler.cancel(id),
+            },
+            Command::Shutdown => self.leader_mut().stopping = true,
+        }
+    }
+
+    /// The rank with the fewest reserved tokens (then the fewest running sequences, then the
+    /// lowest rank), as one process's scheduler admits.
+    fn least_loaded(&self) -> usize {
+        let leader = self.leader.as_ref().expect("leader state");
+        (0..self.control.size())
+            .min_by_key(|&rank| match rank {
+                LEADER => (self.scheduler.reserved_tokens(), self.scheduler.running(), rank),
+                _ => (leader.reserved[rank], leader.running[rank], rank),
+            })
+            .unwrap_or(LEADER)
+    }
+
+    /// Queues this rank's hand-offs, applies its cancellations, and steps with the group if any
+    /// rank has work.
+    fn apply_and_step(&mut self, control: Control) -> Round {
+        let me = self.control.rank();
+        for handoff in control.handoffs.into_iter().filter(|h| h.rank == me) {
+            let (tx, rx) = events::unbounded_channel();
+            let arrived = Instant::now()
+                .checked_sub(handoff.waited)
+                .unwrap_or_else(Instant::now);
+            let parts = SequenceParts {
+                id: handoff.id,
+                request: handoff.request,
+                arrived,
+                fallback_seed: fallback_seed(handoff.id),
+                tokenizer: Arc::clone(&self.tokenizer),
+                eos: Arc::clone(&self.eos),
+                events: tx,
+            };
+            self.outboxes.insert(handoff.id, rx);
+            let cache = self.runtime.model().new_cache();
+            self.scheduler.enqueue(Sequence::new(parts, cache));
+        }
+        for (_, id) in control.cancels.into_iter().filter(|(rank, _)| *rank == me) {
+            self.scheduler.cancel(id);
+        }
+        let waiting = self.scheduler.waiting();
+        let mut round = Round {
+            summary: None,
+            left_waiting: 0,
+            failed: None,
+        };
+        if self.control.any(!self.scheduler.is_idle()) {
+            self.progress.tick("stepping with the group");
+            match self.scheduler.step_with_group(&mut self.runtime) {
+                Ok(summary) => round.summary = Some(summary),
+                Err(err) => round.failed = Some(err.to_string()),
+            }
+        }
+        round.left_waiting = waiting.saturating_sub(self.scheduler.waiting());
+        round
+    }
+
+    fn gauges(&self) -> RankGauges {
+        RankGauges {
+            waiting: self.scheduler.waiting(),
+            running: self.scheduler.running(),
+            kv_usage: self.scheduler.kv_usage(),
+            reserved_tokens: self.scheduler.reserved_tokens(),
+        }
+    }
+
+    /// A worker's report: its sequences' new events (finished ones leave the outbox).
+    fn report(&mut self, round: &Round) -> Report {
+        let mut events = Vec::new();
+        self.outboxes.retain(|&id, rx| {
+            let mut batch = Vec::new();
+            let mut open = true;
+            while let Ok(event) = rx.try_recv() {
+                open &= !matches!(event, Event::Finished(_) | Event::Error(_));
+                batch.push(event);
+            }
+            if !batch.is_empty() {
+                events.push((id, batch));
+            }
+            open
+        });
+        Report {
+            events,
+            gauges: self.gauges(),
+            left_waiting: round.left_waiting,
+            tokens: round.summary.as_ref().map_or(0, |s| s.tokens.iter().sum()),
+            failed: round.failed.clone(),
+        }
+    }
+
+    /// The leader takes every worker's report, in rank order, forwards the events, and
+    /// records the round's metrics; a failed rank stops the group.
+    fn gather_reports(&mut self, round: Round) -> Result<()> {
+        let size = self.control.size();
+        let mut gauges = vec![self.gauges()];
+        let mut tokens = round.summary.as_ref().map_or(0, |s| s.tokens.iter().sum());
+        let mut left = round.left_waiting;
+        let mut failed = round.failed.map(|why| (LEADER, why));
+        for rank in 1..size {
+            self.progress.tick(format!("waiting for rank {rank}'s report"));
+            let report = self.control.receive_report(rank)?;
+            let leader = self.leader_mut();
+            for (id, batch) in report.events {
+                let Some(remote) = leader.remote.get(&id) else { continue };
+                let mut done = false;
+                for event in batch {
+                    done |= matches!(event, Event::Finished(_) | Event::Error(_));
+                    let _ = remote.events.send(event);
+                }
+                if done {
+                    leader.remote.remove(&id);
+                }
+            }
+            leader.reserved[rank] = report.gauges.reserved_tokens;
+            leader.running[rank] = report.gauges.running;
+            tokens += report.tokens;
+            left += report.left_waiting;
+            if failed.is_none() {
+                failed = report.failed.map(|why| (rank, why));
+            }
+            gauges.push(report.gauges);
+        }
+        let idle = self.scheduler.is_idle() && gauges.iter().all(|g| g.waiting + g.running == 0);
+        let leader = self.leader_mut();
+        leader.queued.fetch_sub(left.min(leader.queued.load(Ordering::Acquire)), Ordering::AcqRel);
+        leader.busy = !idle;
+        metrics::record_ranks(&gauges);
+        if let Some(summary) = &round.summary {
+            metrics::record_step(&summary.output, tokens);
+            if let Some(recorder) = &mut leader.recorder {
+                let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
+                if let Err(stopped) = recorder.record(leader.step, layers) {
+                    tracing::warn!("{stopped}");
+                    leader.recorder = None;
+                }
+            }
+            leader.step += 1;
+        }
+        match failed {
+            Some((rank, why)) => Err(EngineError::Fabric(format!(
+                "rank {rank}: engine step failed: {why}"
+            ))),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! One process per EP rank (feature `mpi`): a process launched by `mpirun` or `srun --mpi=pmix`
+//! into a world of `N` processes is EP rank `world rank` of an EP group of size `N`. Every
+//! process runs data-parallel attention for its own sequences and its own KV budget; all run each
+//! step's MoE layers together over a fabric between processes ([`crate::fabric`]): the same
+//! [`EpRuntime`] and [`Scheduler`] as one process, only the fabric differs.
+//!
+//! Rank 0 is the leader: it alone serves HTTP, hands each new sequence to the least-loaded rank,
+//! and forwards the events other ranks report back to the requests' streams ([`lockstep`]). The
+//! other ranks are workers ([`run_worker`]). Every process watches the group ([`watchdog`]): a
+//! rank that dies or stops stepping ends every process with a non-zero status and a message
+//! naming it.
+//!
+//! At start the processes check that they agree on the model, the balancer, the layout and the
+//! scheduler, so a mislaunched group fails at once with one line instead of computing garbage.
+
+mod lockstep;
+mod watchdog;
+mod wire;
+mod world;
+
+use std::collections::BTreeMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+
+use rackfill_models::{MoeModel, Tokenizer};
+
+pub use watchdog::GroupConfig;
+pub(crate) use wire::RankGauges;
+pub use world::MpiWorld;
+
+use crate::engine::{open_recorder, EngineConfig, EngineHandle};
+use crate::ep::EpRuntime;
+use crate::error::{EngineError, Result};
+use crate::fabric::{Fabric, FabricKind};
+use crate::scheduler::Scheduler;
+use lockstep::{Leader, Lockstep};
+use watchdog::Progress;
+use wire::ControlPlane;
+
+/// What a process of the group serves: the same on every process (checked at start).
+pub struct GroupModel {
+    pub model: Arc<MoeModel>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub eos: Vec<u32>,
+    pub config: EngineConfig,
+    pub group: GroupConfig,
+    /// Which fabric carries the MoE layers' data between processes.
+    pub fabric: FabricKind,
+}
+
+/// Joins the group as its leader (world rank 0) and starts the engine thread that steps it; the
+/// returned handle is what the HTTP server talks to, as with one process.
+pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle> {
+    let joined = join(world, &served)?;
+    let recorder = open_recorder(&served.config)?;
+    let model = Arc::clone(&served.model);
+    let (tokenizer, eos) = (Arc::clone(&served.tokenizer), served.eos.clone());
+    EngineHandle::start(&model, tokenizer, eos, &served.config, move |thread| {
+        let leader = Leader::new(
+            thread.commands,
+            thread.queued,
+            Arc::clone(&thread.alive),
+            recorder,
+            joined.control.size(),
+        );
+        let Joined {
+            runtime,
+            scheduler,
+            control,
+            heart,
+            progress,
+        } = joined;
+        let watchdog = match watchdog::spawn(
+            heart,
+            Arc::clone(&progress),
+            Some(thread.alive),
+            served.group,
+        ) {
+            Ok(watchdog) => watchdog,
+            Err(err) => control.abort(&format!("cannot start the watchdog thread: {err}"), None),
+        };
+        Lockstep {
+            runtime,
+            scheduler,
+            control,
+            progress,
+            tokenizer: Arc::clone(&served.tokenizer),
+            eos: served.eos.into(),
+            outboxes: BTreeMap::new(),
+            leader: Some(leader),
+            watchdog,
+        }
+        .run();
+    })
+}
+
+/// Joins the group as a worker (world rank > 0) and steps with it until the leader stops it.
+pub fn run_worker(world: &MpiWorld, served: GroupModel) -> Result<()> {
+    let Joined {
+        runtime,
+        scheduler,
+        control,
+        heart,
+        progress,
+    } = join(world, &served)?;
+    let watchdog = watchdog::spawn(heart, Arc::clone(&progress), None, served.group)
+        .map_err(|e| EngineError::Config(format!("cannot start the watchdog thread: {e}")))?;
+    Lockstep {
+        runtime,
+        scheduler,
+        control,
+        progress,
+        tokenizer: served.tokenizer,
+        eos: served.eos.into(),
+        outboxes: BTreeMap::new(),
+        leader: None,
+        watchdog,
+    }
+    .run();
+    Ok(())
+}
+
+/// A process's part of the group, ready to step.
+struct Joined {
+    runtime: EpRuntime,
+    scheduler: Scheduler,
+    control: ControlPlane,
+    heart: mpi::topology::SimpleCommunicator,
+    progress: Arc<Progress>,
+}
+
+/// The steps every process takes, in the same order (communicator duplication and the
+/// agreement check are collective).
+fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
+    let ep = served.config.ep;
+    if ep.ep_size != world.size() {
+        return Err(EngineError::Config(format!(
+            "EP size {} in a world of {} processes: one process per rank",
+            ep.ep_size,
+            world.size()
+        )));
+    }
+    let control = ControlPlane::new(world.communicator());
+    let heart = world.communicator();
+    let fabric_comm = world.communicator();
+    agree(&control, &fingerprints(served))?;
+    let fabric: Box<dyn Fabric> = crate::fabric::open(served.fabric, fabric_comm, world.local_rank())?;
+    let runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
+    let scheduler = Scheduler::new(runtime.local_ranks().len(), served.config.scheduler)?;
+    Ok(Joined {
+        runtime,
+        scheduler,
+        control,
+        heart,
+        progress: Arc::new(Progress::new()),
+    })
+}
+
+/// What the processes of a group must agree on, each as a name and a hash.
+fn fingerprints(served: &GroupModel) -> Vec<(&'static str, u64)> {
+    let config = &served.config;
+    let ep = &config.ep;
+    vec![
+        (
+            "the model (config.json and vocabulary size)",
+            hash(&(
+                format!("{:?}", served.model.config()),
+                served.tokenizer.vocab_size(),
+            )),
+        ),
+        (
+            "the balancer (--balancer and its settings)",
+            hash(&format!("{:?} {:?} {:?}", ep.balancer, ep.settings, ep.relay)),
+        ),
+        (
+            "the layout (--redundant-slots, --data-plane, --fabric)",
+            hash(&format!(
+                "{} {:?} {:?}",
+                ep.redundant_slots, ep.data_plane, served.fabric
+            )),
+        ),
+        (
+            "the scheduler (--chunk-tokens, --kv-tokens-per-rank, request limits)",
+            hash(&format!(
+                "{:?} {} {}",
+                config.scheduler, config.max_waiting, config.max_request_tokens
+            )),
+        ),
+        ("the rackfill version", hash(&env!("CARGO_PKG_VERSION"))),
+    ]
+}
+
+fn hash(value: &impl Hash) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Fails on every process, naming the first rank and the first thing that differs from the
+/// leader's, unless every process has the same fingerprints.
+fn agree(control: &ControlPlane, mine: &[(&'static str, u64)]) -> Result<()> {
+    let values: Vec<u64> = mine.iter().map(|(_, v)| *v).collect();
+    let all = control.all_gather(&values);
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        if let Some(i) = (0..values.len()).find(|&i| theirs[i] != all[0][i]) {
+            return Err(EngineError::Config(format!(
+                "rank {rank} disagrees with rank 0 on {}: every process of the group must be \
+                 started with the same model and flags",
+                mine[i].0
+            )));
+        }
+    }
+    Ok(())
+}

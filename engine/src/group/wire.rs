@@ -1,0 +1,175 @@
+//! What the processes of an EP group tell each other between steps, and how: the leader's
+//! control message (broadcast), every worker's report (point-to-point to the leader), and the
+//! one-flag reductions. Messages are bincode (exact for floats, compact for token ids).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use mpi::collective::SystemOperation;
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::{CommunicatorCollectives, Root};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+use crate::request::{Event, GenerateRequest};
+
+/// The leader's rank.
+pub const LEADER: usize = 0;
+
+/// A sequence the leader hands to a rank.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct HandOff {
+    pub rank: usize,
+    /// The id the leader gave it (its sampling seed derives from it, as in one process).
+    pub id: u64,
+    pub request: GenerateRequest,
+    /// How long it has waited since it was submitted (its queue time continues on the rank).
+    pub waited: Duration,
+}
+
+/// What every process applies at the start of a round, sent by the leader.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Control {
+    pub handoffs: Vec<HandOff>,
+    /// `(rank, sequence id)`: sequences whose client went away.
+    pub cancels: Vec<(usize, u64)>,
+    /// Every process leaves its loop (sent only when no rank has work left).
+    pub stop: bool,
+}
+
+/// A rank's gauges, as the leader exports them labelled by rank.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct RankGauges {
+    pub waiting: usize,
+    pub running: usize,
+    /// KV reserved by running sequences over the rank's budget.
+    pub kv_usage: f64,
+    /// Tokens reserved, waiting sequences included (what new sequences are balanced by).
+    pub reserved_tokens: usize,
+}
+
+/// What a worker tells the leader at the end of a round.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Report {
+    /// Events of the rank's sequences since the last report, per sequence id, in order.
+    pub events: Vec<(u64, Vec<Event>)>,
+    pub gauges: RankGauges,
+    /// Sequences that left the rank's waiting queue this round (admitted or dropped).
+    pub left_waiting: usize,
+    /// Tokens the rank computed this round.
+    pub tokens: usize,
+    /// Why the rank's step failed, if it did (the group stops after this round).
+    pub failed: Option<String>,
+}
+
+/// The control plane's own communicator (see [`crate::group::MpiWorld::communicator`]).
+pub struct ControlPlane {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: MPI runs at MPI_THREAD_MULTIPLE and only the engine thread uses this communicator.
+unsafe impl Send for ControlPlane {}
+
+/// Tag of report messages.
+const REPORT: i32 = 1;
+
+impl ControlPlane {
+    pub fn new(comm: SimpleCommunicator) -> Self {
+        let rank = usize::try_from(comm.rank()).unwrap_or_default();
+        let size = usize::try_from(comm.size()).unwrap_or(1);
+        Self { comm, rank, size }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The leader's `control` reaches every process (`None` on workers).
+    pub fn broadcast(&self, control: Option<&Control>) -> Result<Control> {
+        let root = self.comm.process_at_rank(LEADER as i32);
+        let mut bytes = match control {
+            Some(control) => encode(control)?,
+            None => Vec::new(),
+        };
+        let mut len = bytes.len() as u64;
+        root.broadcast_into(&mut len);
+        bytes.resize(len as usize, 0);
+        root.broadcast_into(&mut bytes[..]);
+        decode(&bytes, "control message")
+    }
+
+    /// True on every process when `mine` is true on any.
+    pub fn any(&self, mine: bool) -> bool {
+        let mut any = 0u32;
+        self.comm
+            .all_reduce_into(&u32::from(mine), &mut any, SystemOperation::max());
+        any != 0
+    }
+
+    /// Every process's `values` (the same length everywhere), in rank order.
+    pub fn all_gather(&self, values: &[u64]) -> Vec<Vec<u64>> {
+        let mut all = vec![0u64; values.len() * self.size];
+        self.comm.all_gather_into(values, &mut all[..]);
+        all.chunks(values.len().max(1))
+            .map(<[u64]>::to_vec)
+            .collect()
+    }
+
+    /// A worker's report to the leader.
+    pub fn send_report(&self, report: &Report) -> Result<()> {
+        let bytes = encode(report)?;
+        self.comm
+            .process_at_rank(LEADER as i32)
+            .send_with_tag(&bytes[..], REPORT);
+        Ok(())
+    }
+
+    /// The leader receives `rank`'s report of this round.
+    pub fn receive_report(&self, rank: usize) -> Result<Report> {
+        let (bytes, _) = self
+            .comm
+            .process_at_rank(rank as i32)
+            .receive_vec_with_tag::<u8>(REPORT);
+        decode(&bytes, "report")
+    }
+}
+
+impl ControlPlane {
+    /// Reports `why` and ends every process of the group (`MPI_Abort`: the launcher then stops
+    /// them all with a non-zero status). `alive`, the leader's health flag, is cleared two
+    /// seconds before, so a prober sees the 503.
+    pub fn abort(&self, why: &str, alive: Option<&AtomicBool>) -> ! {
+        abort_group(&self.comm, why, alive)
+    }
+}
+
+/// Reports `why`, clears `alive` (the leader's health flag) two seconds before the end so a
+/// prober sees the 503, and ends every process of `comm`'s group with `MPI_Abort`.
+pub fn abort_group(comm: &SimpleCommunicator, why: &str, alive: Option<&AtomicBool>) -> ! {
+    let message = format!("rackfill: {why}; stopping the group");
+    tracing::error!("{message}");
+    eprintln!("{message}");
+    if let Some(alive) = alive {
+        alive.store(false, Ordering::Release);
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    comm.abort(3)
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    bincode::serialize(value)
+        .map_err(|e| EngineError::Fabric(format!("cannot encode a control-plane message: {e}")))
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
+    bincode::deserialize(bytes)
+        .map_err(|e| EngineError::Fabric(format!("a malformed {what} ({} bytes): {e}", bytes.len())))
+}

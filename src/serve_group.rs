@@ -1,0 +1,211 @@
+//! `rackfill serve` as one process of a multi-process EP group: started by `mpirun -np N` or
+//! `srun --mpi=pmix`, each process is EP rank `world rank` of `N`. Rank 0 loads its shard of the
+//! model and serves HTTP; every other rank loads its own shard and steps with the group until
+//! the leader stops it. A binary built without the `mpi` feature refuses such a launch, since
+//! `N` independent servers would otherwise race for one port.
+
+use anyhow::Result;
+#[cfg(feature = "mpi")]
+pub use with_mpi::Launched;
+#[cfg(not(feature = "mpi"))]
+pub use without_mpi::Launched;
+
+/// The world size an MPI launcher announced in the environment, if any.
+fn announced_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
+}
+
+#[cfg(not(feature = "mpi"))]
+mod without_mpi {
+    use anyhow::{bail, Result};
+    use rackfill_engine::EngineConfig;
+    use rackfill_server::ServerConfig;
+
+    use crate::serve_cmd::ServeArgs;
+
+    /// Never constructed: this binary has no MPI support.
+    pub enum Launched {}
+
+    impl Launched {
+        /// Refuses a launch of several processes (see the module documentation).
+        pub fn detect() -> Result<Option<Self>> {
+            match super::announced_world_size() {
+                Some(size) if size > 1 && super::launched_by_mpi() => {
+                    bail!(
+                        "started as one of {size} MPI processes, but this rackfill binary was \
+                         built without MPI support: build it with `--features mpi`"
+                    )
+                }
+                _ => Ok(None),
+            }
+        }
+
+        pub fn run(self, _: &ServeArgs, _: EngineConfig, _: ServerConfig) -> Result<()> {
+            match self {}
+        }
+    }
+}
+
+/// Whether an MPI launcher (not just a Slurm allocation) started this process.
+fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .any(|name| std::env::var_os(name).is_some())
+}
+
+#[cfg(feature = "mpi")]
+mod with_mpi {
+    use std::sync::Arc;
+
+    use anyhow::{bail, Context, Result};
+    use rackfill_engine::group::{self, GroupConfig, GroupModel, MpiWorld};
+    use rackfill_engine::{DataPlane, EngineConfig, EpRuntime};
+    use rackfill_engine::fabric::FabricKind;
+    use rackfill_server::{AppState, ModelMeta, ServerConfig};
+
+    use crate::serve_cmd::{load_bundle, seconds, serve_http, ServeArgs};
+
+    /// This process's place in a group of several.
+    pub struct Launched {
+        world: MpiWorld,
+    }
+
+    impl Launched {
+        /// The MPI world when an MPI launcher started more than one process.
+        pub fn detect() -> Result<Option<Self>> {
+            let world = MpiWorld::from_launcher().context("cannot join the MPI world")?;
+            Ok(world.filter(|w| w.size() > 1).map(|world| Self { world }))
+        }
+
+        /// Serves this process's rank until the group stops.
+        pub fn run(self, args: &ServeArgs, engine: EngineConfig, server: ServerConfig) -> Result<()> {
+            let (rank, size) = (self.world.rank(), self.world.size());
+            let served = group_settings(args, engine, size)?;
+            let shard = EpRuntime::expert_selection(&served.config.ep, rank..rank + 1);
+            if rank != 0 {
+                tracing::info!(
+                    "rank {rank} of {size} (pid {}): a worker, loading its shard",
+                    std::process::id()
+                );
+                ignore_termination_signals(rank);
+                let bundle = load_bundle(args, Some(shard))()?;
+                let served = served.with_bundle(bundle);
+                group::run_worker(&self.world, served)
+                    .with_context(|| format!("rank {rank} of {size}"))?;
+                tracing::info!("rank {rank} of {size}: the group stopped");
+                return Ok(());
+            }
+            tracing::info!(
+                "rank 0 of {size} (pid {}): the leader, serving HTTP",
+                std::process::id()
+            );
+            serve_http(args, load_bundle(args, Some(shard)), |bundle| {
+                let meta = ModelMeta {
+                    name: bundle.name.clone(),
+                    chat_template: bundle.chat_template.clone(),
+                    generation: bundle.generation.clone(),
+                };
+                let served = served.with_bundle(bundle);
+                let ep = served.config.ep;
+                let handle = group::start_leader(&self.world, served)
+                    .context("cannot start the group's engine")?;
+                Ok((AppState::from_engine(handle, meta, server), ep))
+            })
+        }
+    }
+
+    /// The group's settings from the flags, before the model is known.
+    struct Settings {
+        config: EngineConfig,
+        group: GroupConfig,
+        fabric: FabricKind,
+    }
+
+    impl Settings {
+        fn with_bundle(self, bundle: rackfill_models::ModelBundle) -> GroupModel {
+            GroupModel {
+                model: Arc::new(bundle.model),
+                tokenizer: Arc::new(bundle.tokenizer),
+                eos: bundle.stop_token_ids,
+                config: self.config,
+                group: self.group,
+                fabric: self.fabric,
+            }
+        }
+    }
+
+    fn group_settings(args: &ServeArgs, mut config: EngineConfig, size: usize) -> Result<Settings> {
+        if let Some(ep) = args.ep_size.filter(|&ep| ep != size) {
+            bail!(
+                "--ep-size {ep} but the MPI world has {size} processes (one per EP rank): leave \
+                 --ep-size out or launch {ep} processes"
+            );
+        }
+        config.ep.ep_size = size;
+        if let DataPlane::Gpu { .. } = config.ep.data_plane {
+            if args.data_plane != "auto" {
+                bail!(
+                    "--data-plane {} runs every rank on one GPU in one process; with one process \
+                     per rank the MoE data plane runs on the CPU (use --data-plane cpu)",
+                    args.data_plane
+                );
+            }
+            config.ep.data_plane = DataPlane::Cpu;
+        }
+        let fabric: FabricKind = args
+            .fabric
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--fabric: {e}"))?;
+        let watchdog_timeout = seconds("--watchdog-timeout", args.watchdog_timeout)?;
+        if watchdog_timeout.is_zero() {
+            bail!("--watchdog-timeout must be more than 0 seconds");
+        }
+        Ok(Settings {
+            config,
+            group: GroupConfig {
+                watchdog_timeout,
+                heartbeat_file: args.heartbeat_file.clone(),
+            },
+            fabric,
+        })
+    }
+
+    /// A worker outlives SIGINT / SIGTERM (an orchestrator may signal every process at once):
+    /// the leader drains its requests and then stops the group, and the watchdog bounds the
+    /// wait if it never does.
+    fn ignore_termination_signals(rank: usize) {
+        let spawned = std::thread::Builder::new()
+            .name("rackfill-signals".into())
+            .spawn(move || {
+                let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                runtime.block_on(async move {
+                    use tokio::signal::unix::{signal, SignalKind};
+                    let (Ok(mut term), Ok(mut int)) =
+                        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+                    else {
+                        return;
+                    };
+                    loop {
+                        tokio::select! {
+                            _ = term.recv() => {}
+                            _ = int.recv() => {}
+                        }
+                        tracing::info!(
+                            "rank {rank}: termination signal ignored; the leader (rank 0) drains \
+                             and stops the group"
+                        );
+                    }
+                });
+            });
+        if let Err(err) = spawned {
+            tracing::warn!(%err, "cannot watch termination signals");
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! Starting `rackfill serve` under `mpirun` (or as one process) for the multi-process tests, and
+//! talking to it over real HTTP.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// Prompt and token logprobs of the group and of one process agree this closely (f32 sums in a
+/// different order on different ranks never differ by more).
+pub const EQUAL_LOGPROBS: f64 = 1e-4;
+
+/// How long a server may take to start, or to drain and exit.
+pub const SERVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+const BIN: &str = env!("CARGO_BIN_EXE_rackfill");
+
+/// Whether `mpirun` is installed; says why a test is skipped when it is not.
+pub fn mpirun_available() -> bool {
+    let found = Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        eprintln!("skipped: mpirun not found (install openmpi-bin to run the multi-process tests)");
+    }
+    found
+}
+
+/// `mpirun` as root on one host, ranks oversubscribing its cores.
+fn mpirun() -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]);
+    cmd
+}
+
+/// Sends `signal` (`KILL`, `STOP`, `TERM`) to `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status();
+}
+
+fn log_path(tag: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("rackfill-mpi-{}-{tag}-{n}.log", std::process::id()))
+}
+
+/// A running server: `mpirun` with one process per rank ([`Group`]) or one process ([`Served`]).
+pub struct Served {
+    child: Mutex<Child>,
+    log: PathBuf,
+    port: u16,
+    leader_pid: u32,
+    runtime: tokio::runtime::Runtime,
+}
+
+/// A group's server: the same type, started under `mpirun`.
+pub type Group = Served;
+
+/// How a process run to its end finished.
+pub struct Finished {
+    pub status: ExitStatus,
+    pub stderr: String,
+}
+
+impl Served {
+    /// `mpirun -np N rackfill serve --port 0 FLAGS GROUP_FLAGS`, once the leader listens.
+    pub fn start(np: usize, flags: &[&str], group_flags: &[&str]) -> Self {
+        let log = log_path("group");
+        let mut cmd = mpirun();
+        cmd.args(["-np", &np.to_string(), BIN, "serve", "--port", "0"])
+            .args(flags)
+            .args(group_flags);
+        Self::spawn(cmd, log, true)
+    }
+
+    /// `rackfill serve --port 0 FLAGS` as one process, once it listens.
+    pub fn single(flags: &[&str]) -> Self {
+        let log = log_path("single");
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "--port", "0"]).args(flags);
+        Self::spawn(cmd, log, false)
+    }
+
+    fn spawn(mut cmd: Command, log: PathBuf, group: bool) -> Self {
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = cmd
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(file.try_clone().expect("log file"))
+            .stderr(file)
+            .spawn()
+            .expect("the server starts");
+        let child_pid = child.id();
+        let mut served = Self {
+            child: Mutex::new(child),
+            log,
+            port: 0,
+            leader_pid: child_pid,
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime"),
+        };
+        let started = Instant::now();
+        loop {
+            let text = served.log();
+            if let Some(port) = listening_port(&text) {
+                served.port = port;
+                break;
+            }
+            if served.exited() || started.elapsed() > SERVE_TIMEOUT {
+                served.kill();
+                panic!("the server did not start:\n{text}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if group {
+            served.leader_pid = served.rank_pid(0);
+        }
+        served
+    }
+
+    /// Runs `mpirun -np N rackfill serve --port 0 FLAGS` to its end (it must fail at start).
+    pub fn run_to_end(np: usize, flags: &[&str]) -> Finished {
+        let mut cmd = mpirun();
+        cmd.args(["-np", &np.to_string(), BIN, "serve", "--port", "0"])
+            .args(flags);
+        finish(cmd)
+    }
+
+    /// An MPMD launch: one process per entry, each `rackfill serve --port 0` with its flags.
+    pub fn run_mpmd(ranks: &[&[&str]]) -> Finished {
+        let mut cmd = mpirun();
+        for (i, flags) in ranks.iter().enumerate() {
+            if i > 0 {
+                cmd.arg(":");
+            }
+            cmd.args(["-np", "1", BIN, "serve", "--port", "0"]).args(*flags);
+        }
+        finish(cmd)
+    }
+
+    /// Everything the processes printed so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The pid rank `rank` logged at start.
+    pub fn rank_pid(&self, rank: usize) -> u32 {
+        let started = Instant::now();
+        loop {
+            if let Some(pid) = logged_pid(&self.log(), rank) {
+                return pid;
+            }
+            assert!(
+                started.elapsed() < SERVE_TIMEOUT,
+                "rank {rank} never logged its pid:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Whether the launched process (`mpirun`, or the one server) has exited.
+    pub fn exited(&self) -> bool {
+        self.child
+            .lock()
+            .unwrap()
+            .try_wait()
+            .ok()
+            .flatten()
+            .is_some()
+    }
+
+    /// Waits up to `limit` for the launched process to exit; how it ended and how long it took.
+    pub fn wait_exit(&self, limit: Duration) -> (ExitStatus, Duration) {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.lock().unwrap().try_wait().expect("wait") {
+                return (status, started.elapsed());
+            }
+            if started.elapsed() > limit {
+                self.kill();
+                panic!("still running after {limit:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&self) {
+        let mut child = self.child.lock().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Whether every rank that logged a pid is gone.
+    pub fn all_ranks_gone(&self) -> bool {
+        let log = self.log();
+        (0..)
+            .map_while(|rank| logged_pid(&log, rank))
+            .all(|pid| !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid))
+    }
+
+    /// SIGTERM to the leader: it drains, every process exits 0.
+    pub fn stop_with_sigterm(self) {
+        signal(self.leader_pid, "TERM");
+        let (status, _) = self.wait_exit(SERVE_TIMEOUT);
+        assert!(status.success(), "exit {status:?} after SIGTERM:\n{}", self.log());
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// `/health`'s status, `None` when nothing answers.
+    pub fn health(&self) -> Option<u16> {
+        let url = self.url("/health");
+        self.runtime.block_on(async move {
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(2))
+                .build()
+                .ok()?;
+            client.get(url).send().await.ok().map(|r| r.status().as_u16())
+        })
+    }
+
+    /// `/metrics` as text.
+    pub fn metrics(&self) -> String {
+        let url = self.url("/metrics");
+        self.runtime.block_on(async move {
+            reqwest::get(url).await.expect("metrics").text().await.expect("metrics text")
+        })
+    }
+
+    /// The value of `name{rank="R"}` in a `/metrics` text.
+    pub fn metric(text: &str, name: &str, rank: usize) -> Option<f64> {
+        let key = format!("{name}{{rank=\"{rank}\"}} ");
+        text.lines()
+            .find_map(|line| line.strip_prefix(&key))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    /// Posts every completion request at once; the JSON answers, in order (each must be 200).
+    pub fn complete_all(&self, requests: &[Value]) -> Vec<Value> {
+        let url = self.url("/v1/completions");
+        let requests = requests.to_vec();
+        self.runtime.block_on(async move {
+            let client = reqwest::Client::new();
+            let sends = requests.into_iter().map(|body| {
+                let (client, url) = (client.clone(), url.clone());
+                async move {
+                    let r = client.post(url).json(&body).send().await.expect("send");
+                    let status = r.status();
+                    let body: Value = r.json().await.expect("json answer");
+                    assert_eq!(status, 200, "{body}");
+                    body
+                }
+            });
+            futures_join_all(sends).await
+        })
+    }
+
+    /// `n` streamed completions sent at once on another thread; each ends as `finished`
+    /// (its stream reached `[DONE]` after a finish reason), `refused <status>`, or `lost: why`.
+    pub fn background_load(&self, n: usize) -> JoinHandle<Vec<String>> {
+        let url = self.url("/v1/completions");
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let client = reqwest::Client::new();
+                let sends = (0..n).map(|i| {
+                    let (client, url) = (client.clone(), url.clone());
+                    async move {
+                        let body = json!({
+                            "prompt": format!("request {i}: the quick brown fox"),
+                            "max_tokens": 48, "ignore_eos": true, "stream": true,
+                        });
+                        let r = match client.post(url).json(&body).send().await {
+                            Ok(r) => r,
+                            Err(e) => return format!("lost: {e}"),
+                        };
+                        if r.status() != 200 {
+                            return format!("refused {}", r.status());
+                        }
+                        match r.text().await {
+                            Ok(text)
+                                if text.contains("\"finish_reason\":\"length\"")
+                                    && text.trim_end().ends_with("data: [DONE]") =>
+                            {
+                                "finished".into()
+                            }
+                            Ok(text) => format!("lost: {text}"),
+                            Err(e) => format!("lost: {e}"),
+                        }
+                    }
+                });
+                futures_join_all(sends).await
+            })
+        })
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if !self.exited() {
+            self.kill();
+        }
+    }
+}
+
+/// Awaits every future, in order.
+async fn futures_join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for handle in handles {
+        out.push(handle.await.expect("request task"));
+    }
+    out
+}
+
+fn finish(mut cmd: Command) -> Finished {
+    let log = log_path("finish");
+    let file = std::fs::File::create(&log).expect("log file");
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(file)
+        .spawn()
+        .expect("mpirun starts");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > SERVE_TIMEOUT {
+            let _ = child.kill();
+            panic!("still running:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Finished {
+        status,
+        stderr: std::fs::read_to_string(&log).unwrap_or_default(),
+    }
+}
+
+/// The port of the `rackfill listening on http://HOST:PORT` log line.
+fn listening_port(log: &str) -> Option<u16> {
+    let rest = log.split("rackfill listening on http://").nth(1)?;
+    let addr = rest.split_whitespace().next()?;
+    addr.rsplit(':').next()?.parse().ok()
+}
+
+/// The pid of the `rank R of N (pid P)` log line.
+fn logged_pid(log: &str, rank: usize) -> Option<u32> {
+    let marker = format!("rank {rank} of ");
+    log.lines().find_map(|line| {
+        let rest = &line[line.find(&marker)?..];
+        let pid = rest.split("(pid ").nth(1)?;
+        pid.split(')').next()?.parse().ok()
+    })
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains(") Z "))
+        .unwrap_or(true)
+}
+
+/// A copy of a conformance checkpoint (`models/tests/fixtures/FAMILY`) with a word-level
+/// tokenizer over its vocabulary, so `rackfill serve` can load it; and the vocabulary size.
+pub fn tokenizer_fixture(family: &str) -> (PathBuf, u32) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("models/tests/fixtures")
+        .join(family);
+    let dir = std::env::temp_dir().join(format!("rackfill-mpi-{}-{family}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("fixture dir");
+    for entry in std::fs::read_dir(&src).expect("fixture") {
+        let entry = entry.expect("fixture entry");
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).expect("copy fixture");
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().expect("vocab_size") as u32;
+    let words: serde_json::Map<String, Value> = (0..vocab)
+        .map(|i| (format!("w{i}"), json!(i)))
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("tokenizer");
+    (dir, vocab)
+}

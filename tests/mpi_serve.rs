@@ -1,0 +1,193 @@
+//! `rackfill serve` as one process per EP rank under a real `mpirun` (feature `mpi`): the served
+//! numbers equal one process's, a mislaunched group fails at start with one line, a dead or
+//! stalled rank stops the whole group within a bound, and SIGTERM to the leader drains and ends
+//! every process with status 0. Skips, saying why, where `mpirun` is not installed.
+#![cfg(feature = "mpi")]
+
+mod mpi_common;
+
+use std::time::{Duration, Instant};
+
+use mpi_common::{
+    mpirun_available, signal, tokenizer_fixture, Group, Served, EQUAL_LOGPROBS, SERVE_TIMEOUT,
+};
+use serde_json::{json, Value};
+
+/// Prompts spread over the ranks (sent at once, so the leader hands them to different ranks):
+/// echo scores every prompt position, greedy decoding adds four tokens.
+fn scoring_requests(vocab: u32) -> Vec<Value> {
+    (0..6u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..9 + 5 * i).map(|j| (7 + j * 13 + i * 31) % vocab).collect();
+            json!({
+                "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true,
+                "logprobs": 1, "ignore_eos": true,
+            })
+        })
+        .collect()
+}
+
+/// `a` and `b` give the same tokens and logprobs within [`EQUAL_LOGPROBS`].
+fn assert_same_completions(what: &str, a: &[Value], b: &[Value]) {
+    assert_eq!(a.len(), b.len());
+    for (i, (a, b)) in a.iter().zip(b).enumerate() {
+        let (la, lb) = (&a["choices"][0]["logprobs"], &b["choices"][0]["logprobs"]);
+        assert_eq!(la["tokens"], lb["tokens"], "{what}: request {i}: tokens differ");
+        let (pa, pb) = (
+            la["token_logprobs"].as_array().unwrap(),
+            lb["token_logprobs"].as_array().unwrap(),
+        );
+        assert_eq!(pa.len(), pb.len(), "{what}: request {i}");
+        for (j, (x, y)) in pa.iter().zip(pb).enumerate() {
+            match (x.as_f64(), y.as_f64()) {
+                (Some(x), Some(y)) => assert!(
+                    (x - y).abs() <= EQUAL_LOGPROBS,
+                    "{what}: request {i} position {j}: {x} vs {y}"
+                ),
+                _ => assert_eq!(x, y, "{what}: request {i} position {j}"),
+            }
+        }
+    }
+}
+
+/// Serves `model` with `np` processes and in one process (EP `np`, and EP 1, the dense
+/// reference), and compares the scored prompts and greedy tokens under `balancer`.
+fn group_equals_one_process(model: &str, vocab: u32, np: usize, balancer: &str) {
+    let flags = ["--model", model, "--balancer", balancer, "--redundant-slots", "2"];
+    let requests = scoring_requests(vocab);
+    let group = Group::start(np, &flags, &[]);
+    let spread = group.complete_all(&requests);
+    let served = group.metrics();
+    group.stop_with_sigterm();
+    // Every rank got work: the leader spread the sequences.
+    for rank in 0..np {
+        let running = Served::metric(&served, "rackfill:rank_num_requests_running", rank);
+        assert!(running.is_some(), "no gauge for rank {rank}:\n{served}");
+    }
+    let np_flag = np.to_string();
+    for ep in [np_flag.as_str(), "1"] {
+        let mut single = flags.to_vec();
+        single.extend(["--ep-size", ep]);
+        let one = Served::single(&single);
+        let reference = one.complete_all(&requests);
+        one.stop_with_sigterm();
+        assert_same_completions(
+            &format!("{model} -np {np} {balancer} vs one process EP {ep}"),
+            &spread,
+            &reference,
+        );
+    }
+}
+
+#[test]
+fn four_and_three_processes_equal_one_on_the_builtin_model_for_every_balancer() {
+    if !mpirun_available() {
+        return;
+    }
+    for balancer in ["quota", "eplb-exact", "eplb-history", "greedy-move", "none"] {
+        group_equals_one_process("rackfill-tiny-moe", 512, 4, balancer);
+    }
+    // 32 experts over 3 ranks: homes of 11, 11 and 10.
+    group_equals_one_process("rackfill-tiny-moe", 512, 3, "quota");
+}
+
+#[test]
+fn four_processes_equal_one_on_every_family() {
+    if !mpirun_available() {
+        return;
+    }
+    for family in ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"] {
+        let (dir, vocab) = tokenizer_fixture(family);
+        group_equals_one_process(dir.to_str().unwrap(), vocab, 4, "quota");
+    }
+}
+
+#[test]
+fn a_mislaunched_group_fails_at_start_with_one_line() {
+    if !mpirun_available() {
+        return;
+    }
+    let out = Group::run_to_end(2, &["--ep-size", "4"]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("--ep-size 4 but the MPI world has 2 processes"),
+        "{}",
+        out.stderr
+    );
+    // Ranks that disagree on the balancer (an MPMD launch).
+    let out = Group::run_mpmd(&[&[], &["--balancer", "none"]]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr
+            .contains("rank 1 disagrees with rank 0 on the balancer"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn a_killed_worker_stops_the_group_within_the_bound() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::start(4, &[], &["--watchdog-timeout", "5"]);
+    let load = group.background_load(8);
+    std::thread::sleep(Duration::from_millis(300));
+    let victim = group.rank_pid(2);
+    let killed = Instant::now();
+    signal(victim, "KILL");
+    let (status, took) = group.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "mpirun exited 0 after a rank was killed");
+    assert!(took <= Duration::from_secs(60), "took {took:?}");
+    assert!(group.all_ranks_gone(), "a rank outlived the group");
+    let _ = load.join();
+    eprintln!("killed rank 2: the group ended {:?} later", killed.elapsed());
+}
+
+#[test]
+fn a_stalled_worker_turns_health_503_and_is_named() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::start(4, &[], &["--watchdog-timeout", "4"]);
+    assert_eq!(group.health(), Some(200));
+    let victim = group.rank_pid(3);
+    signal(victim, "STOP");
+    let stopped = Instant::now();
+    let mut saw_503 = false;
+    while stopped.elapsed() < Duration::from_secs(30) && !group.exited() {
+        saw_503 |= group.health() == Some(503);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, took) = group.wait_exit(Duration::from_secs(60));
+    signal(victim, "KILL");
+    assert!(!status.success());
+    assert!(saw_503, "the leader's /health never answered 503");
+    let log = group.log();
+    assert!(
+        log.contains("rank 3 stopped: no heartbeat"),
+        "the stalled rank is not named:\n{log}"
+    );
+    eprintln!("stalled rank 3: the group ended {:?} after SIGSTOP", took + stopped.elapsed());
+}
+
+#[test]
+fn sigterm_to_the_leader_drains_and_every_process_exits_zero() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::start(4, &[], &[]);
+    let load = group.background_load(8);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(group.rank_pid(0), "TERM");
+    let (status, _) = group.wait_exit(SERVE_TIMEOUT);
+    let outcomes = load.join().expect("load thread");
+    assert!(status.success(), "mpirun exit {status:?}:\n{}", group.log());
+    // Nothing in flight was lost: every request finished (or was refused before it started).
+    for outcome in outcomes {
+        assert!(
+            outcome == "finished" || outcome.starts_with("refused"),
+            "{outcome}"
+        );
+    }
+}
