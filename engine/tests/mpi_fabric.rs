@@ -143,6 +143,13 @@ fn child(name: &str) -> Option<(Universe, SimpleCommunicator)> {
         Threading::Multiple,
         "the MPI library does not provide MPI_THREAD_MULTIPLE"
     );
+    // A failing child stops the whole job at once: unwinding would finalise MPI while the other
+    // ranks still wait in a collective for this one.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |panic| {
+        report(panic);
+        SimpleCommunicator::world().abort(101);
+    }));
     let world = universe.world();
     Some((universe, world))
 }

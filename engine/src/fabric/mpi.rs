@@ -39,8 +39,12 @@ const TAG_SPAN: usize = 32_768;
 /// The most elements one MPI call counts or displaces (a C `int`).
 const COUNT_LIMIT: u64 = i32::MAX as u64;
 
+/// Bytes of a rank's reason for refusing a call that the other ranks get (the rest is cut).
+const REASON_LIMIT: u64 = 4096;
+
 /// The fabric of one process holding one rank of an MPI communicator: world size is the
-/// communicator's size, the local rank its rank in it.
+/// communicator's size, the local rank its rank in it. Drop it before MPI is finalised (before
+/// the `Universe`): dropping it frees its communicator.
 pub struct MpiFabric {
     /// Every call takes the lock for its whole duration: one collective at a time, in the order
     /// the runtime issues them.
@@ -191,7 +195,8 @@ fn chunk_of<'a>(segments: &[&'a [u8]], offset: usize, len: usize) -> Cow<'a, [u8
 /// What every rank must hold identical for a replica stream to match up: the plan's slots and
 /// homes, the transfers and the buffer geometry.
 fn stream_digest(plan: &Plan, schedule: &TransferSchedule, buffers: &ReplicaBuffers<'_>) -> u64 {
-    // SipHash with fixed keys: the same value in every process of one build.
+    // SipHash with fixed keys: the same value in every process of one build (a group whose
+    // processes run different builds may see a false mismatch: a clean failure, never a hang).
     let mut hasher = DefaultHasher::new();
     (buffers.slot_bytes, buffers.expert_bytes).hash(&mut hasher);
     for rank in 0..plan.ranks() {
@@ -222,7 +227,7 @@ fn agree<T>(
     comm.all_gather_into(&[why.len() as u64, digest][..], &mut heads[..]);
     let lens: Vec<Count> = heads
         .chunks_exact(2)
-        .map(|head| head[0].min(COUNT_LIMIT) as Count)
+        .map(|head| head[0].min(REASON_LIMIT) as Count)
         .collect();
     if let Some(first) = lens.iter().position(|&len| len > 0) {
         let displs = offsets(&lens);
