@@ -10,7 +10,8 @@ use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;
 use rackfill_kernels::distribute_replicas;
 
-use super::{check_schedule, Fabric, Message, ReplicaBuffers};
+use super::contract::{Fabric, Message, ReplicaBuffers};
+use super::schedule::check_schedule;
 use crate::error::{EngineError, Result};
 
 /// The in-process fabric: ranks in host memory, real copies between their buffers. One handle
