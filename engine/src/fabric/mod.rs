@@ -34,9 +34,19 @@ use rackfill_balancer::Plan;
 
 use crate::error::Result;
 
+mod kind;
 mod local;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_probe;
 
+pub use kind::{FabricKind, UnknownFabric};
 pub use local::LocalFabric;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+pub use nccl::NcclFabric;
+#[cfg(feature = "cuda")]
+pub use nccl_probe::{probe_nccl, NcclInfo};
 
 /// One rank-to-rank message of the all-to-all: `rows` of f32 activations and per-row integer
 /// metadata (`ids`, a fixed number per row chosen by the caller).
