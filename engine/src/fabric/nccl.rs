@@ -23,7 +23,7 @@ use rackfill_balancer::Plan;
 use rackfill_kernels::cuda::nccl::{Comm, PeerOp, UniqueId};
 
 use super::nccl_probe::probe_nccl;
-use super::{check_schedule, Fabric, Message, ReplicaBuffers};
+use super::{check_schedule, Fabric, Message, Place, ReplicaBuffers};
 use crate::error::{EngineError, Result};
 
 /// One EP rank's NCCL fabric: world rank = EP rank = NCCL rank, one local rank.
@@ -214,6 +214,104 @@ fn stop(state: &mut State, why: String) -> EngineError {
     EngineError::Fabric(why)
 }
 
+/// The home experts `me` seeds (stage-1 sources), each read once and concatenated: where each
+/// starts in the result, and the bytes.
+#[allow(clippy::type_complexity)]
+fn stage_homes<'a>(
+    schedule: &TransferSchedule,
+    source: &'a dyn Fn(u32) -> Vec<&'a [u8]>,
+    expert_bytes: usize,
+    me: usize,
+) -> std::result::Result<(HashMap<u32, usize>, Vec<u8>), String> {
+    let mut homes: HashMap<u32, usize> = HashMap::new();
+    let mut staged = Vec::new();
+    for t in &schedule.transfers {
+        if t.stage != 1 || t.src as usize != me || homes.contains_key(&t.expert) {
+            continue;
+        }
+        let home = source(t.expert).concat();
+        if home.len() != expert_bytes {
+            return Err(format!(
+                "replica stream: expert {} has {} bytes, expected {expert_bytes}",
+                t.expert,
+                home.len()
+            ));
+        }
+        homes.insert(t.expert, staged.len());
+        staged.extend_from_slice(&home);
+    }
+    Ok((homes, staged))
+}
+
+/// Each transfer's chunk wave: a stage-1 copy of chunk `c` goes in wave `c`, a stage-2 copy at
+/// least one wave after the copy that delivered its bytes to the relay. Relays thus forward
+/// chunk `c` while `c + 1` arrives, and only what has landed. Every rank computes the same
+/// waves from the same (checked) schedule.
+fn chunk_waves(schedule: &TransferSchedule) -> Vec<u64> {
+    let mut delivered_in: HashMap<(u32, u32, u64, u64), u64> = HashMap::new();
+    let mut waves = Vec::with_capacity(schedule.transfers.len());
+    for t in &schedule.transfers {
+        let chunk = u64::from(t.chunk);
+        let wave = match delivered_in.get(&(t.src, t.expert, t.offset, t.len)) {
+            Some(&producer) if t.stage == 2 => chunk.max(producer + 1),
+            _ => chunk,
+        };
+        delivered_in.insert((t.dst, t.expert, t.offset, t.len), wave);
+        waves.push(wave);
+    }
+    waves
+}
+
+/// One rank's side of a replica stream as NCCL operations on one host buffer: the staged home
+/// experts, then the rank's slots from `slots_at`.
+#[derive(Debug)]
+struct ReplicaOps {
+    /// Operations per chunk wave, keyed by the wave (the same numbering on every rank), each in
+    /// schedule order, so two ranks list the copies between them in the same order.
+    waves: BTreeMap<u64, Vec<PeerOp>>,
+    /// Slot bytes this rank receives.
+    landed: Vec<Range<usize>>,
+    received: u64,
+}
+
+fn replica_ops(
+    schedule: &TransferSchedule,
+    places: &[Place],
+    homes: &HashMap<u32, usize>,
+    slots_at: usize,
+    me: usize,
+) -> ReplicaOps {
+    let mut ops = ReplicaOps {
+        waves: BTreeMap::new(),
+        landed: Vec::new(),
+        received: 0,
+    };
+    let transfers = schedule.transfers.iter().zip(places);
+    for ((t, place), wave) in transfers.zip(chunk_waves(schedule)) {
+        let (src, dst, len) = (t.src as usize, t.dst as usize, t.len as usize);
+        if src == me {
+            let from = match place.from_slot {
+                None => homes[&t.expert] + t.offset as usize,
+                Some(at) => slots_at + at,
+            };
+            ops.waves.entry(wave).or_default().push(PeerOp::Send {
+                peer: dst,
+                range: from..from + len,
+            });
+        }
+        if dst == me {
+            let to = slots_at + place.to_slot;
+            ops.waves.entry(wave).or_default().push(PeerOp::Recv {
+                peer: src,
+                range: to..to + len,
+            });
+            ops.landed.push(place.to_slot..place.to_slot + len);
+            ops.received += len as u64;
+        }
+    }
+    ops
+}
+
 /// Native-endian values from bytes that may not be aligned for them.
 fn words<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
     bytes
@@ -355,23 +453,7 @@ impl Fabric for NcclFabric {
                 check_schedule(plan, schedule, &buffers, &self.local_ranks(), self.world)
             })
             .and_then(|places| {
-                let mut homes: HashMap<u32, usize> = HashMap::new();
-                let mut staged = Vec::new();
-                for t in &schedule.transfers {
-                    if t.stage != 1 || t.src as usize != me || homes.contains_key(&t.expert) {
-                        continue;
-                    }
-                    let home = (buffers.source)(t.expert).concat();
-                    if home.len() != expert_bytes {
-                        return Err(format!(
-                            "replica stream: expert {} has {} bytes, expected {expert_bytes}",
-                            t.expert,
-                            home.len()
-                        ));
-                    }
-                    homes.insert(t.expert, staged.len());
-                    staged.extend_from_slice(&home);
-                }
+                let (homes, staged) = stage_homes(schedule, buffers.source, expert_bytes, me)?;
                 Ok((places, homes, staged))
             });
         let verdict = mine.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
@@ -381,45 +463,11 @@ impl Fabric for NcclFabric {
         let slots_at = buffer.len();
         let slot_len = buffers.slots[0].len();
         buffer.resize(slots_at + slot_len, 0);
-        // Chunk waves: a chunk's stage-1 copies go in the wave of its chunk index, a stage-2
-        // copy at least one wave after the copy that delivered its bytes to the relay, so
-        // relays forward chunk `c` while `c + 1` arrives, and only what has landed.
-        let mut wave_of: Vec<u64> = Vec::with_capacity(schedule.transfers.len());
-        let mut delivered_in: HashMap<(u32, u32, u64, u64), u64> = HashMap::new();
-        for t in &schedule.transfers {
-            let chunk = u64::from(t.chunk);
-            let wave = match delivered_in.get(&(t.src, t.expert, t.offset, t.len)) {
-                Some(&producer) if t.stage == 2 => chunk.max(producer + 1),
-                _ => chunk,
-            };
-            delivered_in.insert((t.dst, t.expert, t.offset, t.len), wave);
-            wave_of.push(wave);
-        }
-        let mut waves: BTreeMap<u64, Vec<PeerOp>> = BTreeMap::new();
-        let mut received = 0u64;
-        let mut landed = Vec::new();
-        for ((t, place), wave) in schedule.transfers.iter().zip(&places).zip(wave_of) {
-            let (src, dst, len) = (t.src as usize, t.dst as usize, t.len as usize);
-            if src == me {
-                let from = match place.from_slot {
-                    None => homes[&t.expert] + t.offset as usize,
-                    Some(at) => slots_at + at,
-                };
-                waves.entry(wave).or_default().push(PeerOp::Send {
-                    peer: dst,
-                    range: from..from + len,
-                });
-            }
-            if dst == me {
-                let to = slots_at + place.to_slot;
-                waves.entry(wave).or_default().push(PeerOp::Recv {
-                    peer: src,
-                    range: to..to + len,
-                });
-                landed.push(place.to_slot..place.to_slot + len);
-                received += len as u64;
-            }
-        }
+        let ReplicaOps {
+            waves,
+            landed,
+            received,
+        } = replica_ops(schedule, &places, &homes, slots_at, me);
         let waves: Vec<Vec<PeerOp>> = waves.into_values().collect();
         nccl(&mut state, |c| c.send_recv_host(&mut buffer, &waves))?;
         // Only the received bytes are written into the slots.
@@ -434,5 +482,145 @@ impl Fabric for NcclFabric {
 
     fn bytes_moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::LocalFabric;
+    use rackfill_balancer::relay::{plan_transfers, RelayConfig};
+    use rackfill_balancer::{Algo, Layout, LoadMatrix, Settings};
+
+    const RANKS: usize = 4;
+    const EXPERT_BYTES: usize = 200;
+
+    /// Expert 0 hot enough to be replicated on the 3 other ranks, over a relay tree
+    /// (threshold 1), in 64-byte chunks.
+    fn relayed() -> (Plan, TransferSchedule, Vec<Vec<u8>>) {
+        let layout = Layout::contiguous(RANKS, RANKS, 1).unwrap();
+        let load = LoadMatrix::from_rows(&vec![vec![60u64, 2, 2, 2]; RANKS]).unwrap();
+        let plan = Algo::Quota
+            .build(&Settings::default())
+            .plan(&layout, &load)
+            .unwrap();
+        let relay = RelayConfig {
+            threshold: 1,
+            chunk_bytes: 64,
+        };
+        let schedule = plan_transfers(&plan, EXPERT_BYTES as u64, &relay);
+        assert!(schedule.transfers.iter().any(|t| t.stage == 2));
+        let experts = (0..RANKS)
+            .map(|e| (0..EXPERT_BYTES).map(|b| (b ^ (e * 37)) as u8).collect())
+            .collect();
+        (plan, schedule, experts)
+    }
+
+    #[test]
+    fn relays_forward_a_chunk_only_in_a_later_wave_than_it_landed() {
+        let (_, schedule, _) = relayed();
+        let waves = chunk_waves(&schedule);
+        for (t, &wave) in schedule.transfers.iter().zip(&waves) {
+            if t.stage == 1 {
+                assert_eq!(wave, u64::from(t.chunk));
+                continue;
+            }
+            let producer = schedule
+                .transfers
+                .iter()
+                .position(|p| (p.dst, p.expert, p.offset) == (t.src, t.expert, t.offset))
+                .unwrap();
+            assert!(wave > waves[producer], "{t:?} in wave {wave}");
+        }
+    }
+
+    /// Every rank's operations, run the way NCCL matches them (per wave, in order, the sends of
+    /// `a` to `b` with the receives of `b` from `a` in the order both listed them), give every
+    /// slot the bytes the in-process fabric gives it.
+    #[test]
+    fn every_ranks_operations_deliver_what_the_local_fabric_delivers() {
+        let (plan, schedule, experts) = relayed();
+        let slot_len = plan.slots_per_rank() * EXPERT_BYTES;
+        let source = |e: u32| -> Vec<&[u8]> { vec![&experts[e as usize][..]] };
+        let mut buffers = Vec::new();
+        let mut sides = Vec::new();
+        for me in 0..RANKS {
+            let mut slot = vec![0u8; slot_len];
+            let source = |e: u32| -> Vec<&[u8]> { vec![&experts[e as usize][..]] };
+            let mine = ReplicaBuffers {
+                source: &source,
+                slots: vec![&mut slot[..]],
+                slot_bytes: EXPERT_BYTES,
+                expert_bytes: EXPERT_BYTES,
+            };
+            let places = check_schedule(&plan, &schedule, &mine, &(me..me + 1), RANKS).unwrap();
+            let (homes, mut buffer) = stage_homes(&schedule, &source, EXPERT_BYTES, me).unwrap();
+            let slots_at = buffer.len();
+            buffer.resize(slots_at + slot_len, 0);
+            sides.push((
+                slots_at,
+                replica_ops(&schedule, &places, &homes, slots_at, me),
+            ));
+            buffers.push(buffer);
+        }
+        let all_waves: std::collections::BTreeSet<u64> = sides
+            .iter()
+            .flat_map(|(_, ops)| ops.waves.keys().copied())
+            .collect();
+        assert!(all_waves.len() > 2, "chunks pipeline over several waves");
+        let mut landing = Vec::new();
+        for wave in all_waves {
+            for (a, b) in (0..RANKS).flat_map(|a| (0..RANKS).map(move |b| (a, b))) {
+                let listed = |rank: usize, send: bool, peer: usize| -> Vec<Range<usize>> {
+                    let ops = sides[rank].1.waves.get(&wave).map_or(&[][..], |v| &v[..]);
+                    ops.iter()
+                        .filter_map(|op| match op {
+                            PeerOp::Send { peer: p, range } if send && *p == peer => {
+                                Some(range.clone())
+                            }
+                            PeerOp::Recv { peer: p, range } if !send && *p == peer => {
+                                Some(range.clone())
+                            }
+                            _ => None,
+                        })
+                        .collect()
+                };
+                let (sends, recvs) = (listed(a, true, b), listed(b, false, a));
+                assert_eq!(sends.len(), recvs.len(), "wave {wave}: {a} -> {b}");
+                for (from, to) in sends.into_iter().zip(recvs) {
+                    assert_eq!(from.len(), to.len());
+                    landing.push((b, to, buffers[a][from].to_vec()));
+                }
+            }
+            // A group's operations run concurrently: what a wave sends is read before anything
+            // it receives lands.
+            for (b, to, bytes) in landing.drain(..) {
+                buffers[b][to].copy_from_slice(&bytes);
+            }
+        }
+        let mut want: Vec<Vec<u8>> = vec![vec![0u8; slot_len]; RANKS];
+        let local = LocalFabric::new(RANKS).unwrap();
+        let want_received = local
+            .stream_replicas(
+                &plan,
+                &schedule,
+                ReplicaBuffers {
+                    source: &source,
+                    slots: want.iter_mut().map(|s| s.as_mut_slice()).collect(),
+                    slot_bytes: EXPERT_BYTES,
+                    expert_bytes: EXPERT_BYTES,
+                },
+            )
+            .unwrap();
+        for (me, (slots_at, ops)) in sides.iter().enumerate() {
+            let mut slots = vec![0u8; slot_len];
+            for range in &ops.landed {
+                slots[range.clone()]
+                    .copy_from_slice(&buffers[me][slots_at + range.start..slots_at + range.end]);
+            }
+            assert_eq!(slots, want[me], "rank {me}'s slots");
+            assert_eq!(ops.received, want_received[me], "rank {me}'s bytes");
+        }
+        assert_eq!(want[1][..EXPERT_BYTES], experts[0][..]);
     }
 }
