@@ -2,7 +2,9 @@
 //!
 //! - `check [--arch sm_90,sm_100]` compiles every CUDA kernel with NVRTC for each architecture;
 //!   no GPU is needed, so CI runs it and a kernel that does not compile fails the build;
-//! - `probe` says which GPU the data plane would use, or why it would run on the CPU;
+//! - `probe` says which GPU the data plane would use, or why it would run on the CPU, and whether
+//!   NCCL (the GPU fabric of `--fabric nccl`) can load, or why not; both are optional, so neither
+//!   changes the exit status;
 //! - `bench` measures the GPU figures of docs/gpu.md (GPU host only).
 //!
 //! All of it needs the GPU data plane of the default build; a binary built with
@@ -15,7 +17,8 @@ use anyhow::Result;
 pub enum KernelsCommand {
     /// Compile every CUDA kernel with NVRTC for each architecture (no GPU needed).
     Check(CheckArgs),
-    /// Show the GPU the data plane would use, or why it runs on the CPU.
+    /// Show the GPU the data plane would use, or why it runs on the CPU, and NCCL's version or
+    /// why it is unavailable.
     Probe,
     /// Measure solver latency, replica-distribution bandwidth and relay fan-out (GPU host).
     Bench(BenchArgs),
@@ -65,6 +68,7 @@ mod imp {
 mod imp {
     use super::{BenchArgs, CheckArgs, KernelsCommand};
     use anyhow::{bail, Result};
+    use rackfill_engine::fabric::probe_nccl;
     use rackfill_kernels::cuda::nvrtc::{self, CompileFailure};
     use rackfill_kernels::cuda::{bench, probe};
 
@@ -75,6 +79,10 @@ mod imp {
                 match probe() {
                     Ok(info) => outln!("gpu {info}"),
                     Err(why) => outln!("no usable GPU ({why}); the data plane runs on the CPU"),
+                }
+                match probe_nccl() {
+                    Ok(info) => outln!("nccl {info}"),
+                    Err(why) => outln!("{why}"),
                 }
                 Ok(())
             }

@@ -9,6 +9,8 @@
 //! - [`validation`]: the checks every request passes once, before it is queued;
 //! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
 //! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
+//! - `group` (feature `mpi`): one process per EP rank under `mpirun` / `srun`, the leader
+//!   serving HTTP and every process stepping the MoE layers together;
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
 
 pub mod cost;
@@ -16,6 +18,8 @@ pub mod engine;
 pub mod ep;
 pub mod error;
 pub mod fabric;
+#[cfg(feature = "mpi")]
+pub mod group;
 pub mod metrics;
 pub mod penalties;
 mod plane;

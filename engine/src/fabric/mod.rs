@@ -28,12 +28,26 @@
 //! is the fabric of one process per rank over MPI point-to-point and collective operations.
 
 mod contract;
+mod kind;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+mod nccl;
+#[cfg(feature = "mpi")]
+mod open;
+#[cfg(feature = "cuda")]
+mod nccl_probe;
 mod schedule;
 
+pub use contract::{Fabric, Message, ReplicaBuffers};
+pub use kind::{FabricKind, UnknownFabric};
+pub use local::LocalFabric;
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiFabric;
-pub use contract::{Fabric, Message, ReplicaBuffers};
-pub use local::LocalFabric;
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+pub use nccl::NcclFabric;
+#[cfg(feature = "cuda")]
+pub use nccl_probe::{probe_nccl, NcclInfo};
+#[cfg(feature = "mpi")]
+pub use open::{open, resolve_for_process};

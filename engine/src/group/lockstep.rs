@@ -144,7 +144,8 @@ impl Lockstep {
             true => self.gather_reports(round)?,
             false => {
                 let failed = round.failed.clone();
-                self.control.send_report(&self.report(&round))?;
+                let report = self.report(&round);
+                self.control.send_report(&report)?;
                 if let Some(why) = failed {
                     return Err(EngineError::Fabric(format!(
                         "rank {}: engine step failed: {why}",

@@ -31,7 +31,7 @@ pub use world::MpiWorld;
 use crate::engine::{open_recorder, EngineConfig, EngineHandle};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
-use crate::fabric::{Fabric, FabricKind};
+use crate::fabric::{self, Fabric, FabricKind};
 use crate::scheduler::Scheduler;
 use lockstep::{Leader, Lockstep};
 use watchdog::Progress;
@@ -56,6 +56,8 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
     let model = Arc::clone(&served.model);
     let (tokenizer, eos) = (Arc::clone(&served.tokenizer), served.eos.clone());
     EngineHandle::start(&model, tokenizer, eos, &served.config, move |thread| {
+        // Moved whole (not field by field): `Joined` is what is Send.
+        let joined = joined;
         let leader = Leader::new(
             thread.commands,
             thread.queued,
@@ -129,6 +131,10 @@ struct Joined {
     progress: Arc<Progress>,
 }
 
+// SAFETY: MPI runs at MPI_THREAD_MULTIPLE (checked when the world is joined), and `heart` moves
+// to the one thread that uses it (the watchdog).
+unsafe impl Send for Joined {}
+
 /// The steps every process takes, in the same order (communicator duplication and the
 /// agreement check are collective).
 fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
@@ -143,8 +149,13 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let control = ControlPlane::new(world.communicator());
     let heart = world.communicator();
     let fabric_comm = world.communicator();
-    agree(&control, &fingerprints(served))?;
-    let fabric: Box<dyn Fabric> = crate::fabric::open(served.fabric, fabric_comm, world.local_rank())?;
+    let device = world.local_rank();
+    let kind = fabric::resolve_for_process(served.fabric, device);
+    // Agree before failing: a process that cannot run the fabric must not leave the others
+    // waiting in the next collective.
+    let resolved = kind.as_ref().map_or(u64::MAX, |k| hash(&k.to_string()));
+    agree(&control, &fingerprints(served, resolved))?;
+    let fabric: Box<dyn Fabric> = fabric::open(kind?, fabric_comm, device)?;
     let runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
     let scheduler = Scheduler::new(runtime.local_ranks().len(), served.config.scheduler)?;
     Ok(Joined {
@@ -157,7 +168,7 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
 }
 
 /// What the processes of a group must agree on, each as a name and a hash.
-fn fingerprints(served: &GroupModel) -> Vec<(&'static str, u64)> {
+fn fingerprints(served: &GroupModel, fabric: u64) -> Vec<(&'static str, u64)> {
     let config = &served.config;
     let ep = &config.ep;
     vec![
@@ -173,12 +184,10 @@ fn fingerprints(served: &GroupModel) -> Vec<(&'static str, u64)> {
             hash(&format!("{:?} {:?} {:?}", ep.balancer, ep.settings, ep.relay)),
         ),
         (
-            "the layout (--redundant-slots, --data-plane, --fabric)",
-            hash(&format!(
-                "{} {:?} {:?}",
-                ep.redundant_slots, ep.data_plane, served.fabric
-            )),
+            "the layout (--redundant-slots, --data-plane)",
+            hash(&format!("{} {:?}", ep.redundant_slots, ep.data_plane)),
         ),
+        ("the fabric it can run (--fabric)", fabric),
         (
             "the scheduler (--chunk-tokens, --kv-tokens-per-rank, request limits)",
             hash(&format!(

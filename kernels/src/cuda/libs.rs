@@ -2,7 +2,10 @@
 //!
 //! cudarc (feature `dynamic-loading`) opens `libcuda`, `libnvrtc` and `libcublas` by bare file
 //! name on first use and panics when none is found. rackfill looks first and reports a typed error
-//! instead. It also finds libraries that are not on the loader path, such as NVRTC from the PyPI
+//! instead. NCCL is found the same way but never opened through cudarc: cudarc's candidate names
+//! lack `libnccl.so.2`, the only name a runtime-only install (`libnccl2`, the `nvidia-nccl-cu*`
+//! wheels) provides, so [`nccl`] keeps the library handle and `super::nccl` resolves its entry
+//! points from it. It also finds libraries that are not on the loader path, such as NVRTC from the PyPI
 //! wheel `nvidia-cuda-nvrtc` (`site-packages/nvidia/cu13/lib`): it opens the file by its full path
 //! and keeps it open, and cudarc's later open by bare name (`libnvrtc.so.13`) resolves to the
 //! already-loaded library, because the dynamic loader matches loaded libraries by their soname.
@@ -12,7 +15,7 @@
 //! 2. the loader's own search (`LD_LIBRARY_PATH`, `ld.so.cache`, system directories);
 //! 3. `$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda` (`lib64`, `lib`);
 //! 4. the NVIDIA PyPI wheels' directories (`nvidia/cu13/lib`, `nvidia/cu12/lib`,
-//!    `nvidia/cuda_nvrtc/lib`, `nvidia/cublas/lib`) under the usual Python prefixes: `$VIRTUAL_ENV`,
+//!    `nvidia/cuda_nvrtc/lib`, `nvidia/cublas/lib`, `nvidia/nccl/lib`) under the usual Python prefixes: `$VIRTUAL_ENV`,
 //!    `$CONDA_PREFIX`, `~/.local`, `/usr/local`, `/usr`, and every `~/.pyenv/versions/*`.
 
 use std::path::{Path, PathBuf};
@@ -47,6 +50,15 @@ impl Lib {
 /// Where a library was found, or the one-line description of everything that was searched.
 pub(crate) type Found = Result<String, String>;
 
+/// NCCL's file names in preference order (its soname first).
+const NCCL_NAMES: &[&str] = &["libnccl.so.2", "libnccl.so"];
+
+/// An opened library and where it was found.
+pub(crate) struct Opened {
+    pub(crate) library: libloading::Library,
+    pub(crate) found_at: String,
+}
+
 /// Libraries opened by full path, kept open for the life of the process so that cudarc's
 /// bare-name opens resolve to them.
 static KEPT: Mutex<Vec<libloading::Library>> = Mutex::new(Vec::new());
@@ -54,11 +66,25 @@ static KEPT: Mutex<Vec<libloading::Library>> = Mutex::new(Vec::new());
 /// Finds and opens `lib` once per process; later calls return the first answer.
 pub(crate) fn ensure(lib: Lib) -> Found {
     static CACHE: [OnceLock<Found>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    CACHE[lib.index()].get_or_init(|| locate(lib)).clone()
+    CACHE[lib.index()]
+        .get_or_init(|| {
+            locate(lib.file_names()).map(|opened| {
+                keep(opened.library);
+                opened.found_at
+            })
+        })
+        .clone()
 }
 
-fn locate(lib: Lib) -> Found {
-    let names = lib.file_names();
+/// NCCL, found and opened once per process and kept open for its life.
+pub(crate) fn nccl() -> Result<&'static Opened, String> {
+    static NCCL: OnceLock<Result<Opened, String>> = OnceLock::new();
+    NCCL.get_or_init(|| locate(NCCL_NAMES))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn locate(names: &[&str]) -> Result<Opened, String> {
     let env_dirs = env_dirs();
     let well_known = well_known_dirs();
     for dir in &env_dirs {
@@ -69,8 +95,10 @@ fn locate(lib: Lib) -> Found {
     for name in names {
         // SAFETY: loading a CUDA library runs its initialisers, which have no preconditions.
         if let Ok(library) = unsafe { libloading::Library::new(*name) } {
-            keep(library);
-            return Ok(format!("{name} (loader path)"));
+            return Ok(Opened {
+                library,
+                found_at: format!("{name} (loader path)"),
+            });
         }
     }
     for dir in &well_known {
@@ -85,7 +113,7 @@ fn locate(lib: Lib) -> Found {
 }
 
 /// Opens the first of `names` that exists in `dir`.
-fn open_in(dir: &Path, names: &[&str]) -> Option<String> {
+fn open_in(dir: &Path, names: &[&str]) -> Option<Opened> {
     for name in names {
         let path = dir.join(name);
         if !path.is_file() {
@@ -93,8 +121,10 @@ fn open_in(dir: &Path, names: &[&str]) -> Option<String> {
         }
         // SAFETY: as in `locate`.
         if let Ok(library) = unsafe { libloading::Library::new(&path) } {
-            keep(library);
-            return Some(path.display().to_string());
+            return Some(Opened {
+                library,
+                found_at: path.display().to_string(),
+            });
         }
     }
     None
@@ -146,7 +176,7 @@ fn well_known_dirs() -> Vec<PathBuf> {
         }) {
             for packages in ["site-packages", "dist-packages"] {
                 let nvidia = python.join(packages).join("nvidia");
-                for wheel in ["cu13", "cu12", "cuda_nvrtc", "cublas"] {
+                for wheel in ["cu13", "cu12", "cuda_nvrtc", "cublas", "nccl"] {
                     let dir = nvidia.join(wheel).join("lib");
                     if dir.is_dir() {
                         dirs.push(dir);

@@ -12,6 +12,8 @@
 //! - [`gemm`]: grouped expert GEMM over main and replica experts with cuBLAS;
 //! - [`moe`]: all of the above as one MoE layer's data plane for ranks sharing a GPU (what the
 //!   engine runs on a GPU host);
+//! - [`nccl`]: NCCL loaded at run time (probe, communicator, all-gather and grouped send/recv),
+//!   what the engine's NCCL fabric moves bytes between GPUs with;
 //! - [`bench`]: the GPU measurements of `rackfill kernels bench`;
 //! - `device_plan`: a plan in the flat form the device reads ([`PlanArrays`], [`DevicePlan`]),
 //!   written by the solver and read by the permute and the relay planner; `error`: every error
@@ -28,6 +30,7 @@ mod exchange;
 pub mod gemm;
 mod libs;
 pub mod moe;
+pub mod nccl;
 pub mod nvrtc;
 pub mod permute;
 mod probe;

@@ -62,7 +62,7 @@ pub fn probe() -> Result<DeviceInfo, CudaUnavailable> {
     probe_device(0)
 }
 
-fn probe_device(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
+pub(crate) fn probe_device(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
     libs::ensure(Lib::Driver).map_err(|searched| CudaUnavailable::NoDriver { searched })?;
     guard(|| query(ordinal)).map_err(CudaUnavailable::Broken)?
 }
