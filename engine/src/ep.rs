@@ -12,8 +12,11 @@
 //!
 //! A runtime computes for the ranks its [`Fabric`] holds ([`Fabric::local_ranks`]: every rank
 //! with the default in-process fabric, one with a process per GPU) and reaches the others only
-//! through the fabric's collectives; the data plane (`plane`) does the per-layer work.
+//! through the fabric's collectives; the data plane (`plane`) does the per-layer work. Its model
+//! needs only the routed experts homed on those ranks ([`EpRuntime::expert_selection`] says which
+//! to load); replicas of the others arrive over the fabric.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +27,10 @@ use rackfill_balancer::metrics::{evaluate, PlanMetrics};
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
-use rackfill_models::{FeedForward, LogitsFor, MoeModel, Routing, SeqChunk, SequenceInput};
+use rackfill_models::{
+    ExpertSelection, FeedForward, LogitsFor, ModelConfig, MoeModel, Routing, SeqChunk,
+    SequenceInput,
+};
 
 use crate::cost::{MoeCost, MoeDims, SimulatedMakespan};
 use crate::error::{EngineError, Result};
@@ -125,7 +131,8 @@ impl EpRuntime {
     }
 
     /// Lays `model` out over the `config.ep_size` ranks of `fabric`'s group, computing for the
-    /// ranks this process holds.
+    /// ranks this process holds. The model must hold every routed expert homed on those ranks
+    /// (all of them, or the [`Self::expert_selection`] for them).
     pub fn with_fabric(
         model: Arc<MoeModel>,
         config: EpConfig,
@@ -143,9 +150,8 @@ impl EpRuntime {
                 fabric.world_size()
             )));
         }
-        let mc = model.config();
-        let layout =
-            Layout::contiguous(config.ep_size, mc.moe.num_experts, config.redundant_slots)?;
+        let layout = home_layout(model.config(), &config)?;
+        check_home_experts(&model, &layout, local.clone())?;
         let per_layer = if config.verify_plans { local.len() } else { 1 };
         let planners = model
             .layers()
@@ -174,6 +180,31 @@ impl EpRuntime {
             plane,
             fabric,
             rack: Rack::nvl72(),
+        })
+    }
+
+    /// The routed experts a process holding EP ranks `local` of `config.ep_size` must load for a
+    /// model of `model` (in every MoE layer): those homed on its ranks in the layout the runtime
+    /// builds, [`ExpertSelection::All`] when its ranks home every expert. The rest reach its ranks
+    /// as replicas streamed from their home ranks, so a process never reads them.
+    pub fn expert_selection(
+        model: &ModelConfig,
+        config: &EpConfig,
+        local: Range<usize>,
+    ) -> Result<ExpertSelection> {
+        if local.is_empty() || local.end > config.ep_size {
+            return Err(EngineError::Config(format!(
+                "local ranks {local:?} of EP size {}",
+                config.ep_size
+            )));
+        }
+        let layout = home_layout(model, config)?;
+        let homed = local.flat_map(|rank| layout.main_experts(rank).iter().copied());
+        let selection = ExpertSelection::only(homed);
+        Ok(if selection.is_complete(layout.experts()) {
+            ExpertSelection::All
+        } else {
+            selection
         })
     }
 
@@ -482,6 +513,43 @@ impl EpRuntime {
         }
         first.ok_or_else(|| EngineError::Config(format!("layer {layer} has no planner")))
     }
+}
+
+/// The expert layout of an EP group: `ep_size` ranks, each homing a contiguous run of the model's
+/// routed experts, with `redundant_slots` slots (the one rule for the runtime and for what a
+/// process loads).
+fn home_layout(model: &ModelConfig, config: &EpConfig) -> Result<Layout> {
+    Ok(Layout::contiguous(
+        config.ep_size,
+        model.moe.num_experts,
+        config.redundant_slots,
+    )?)
+}
+
+/// Fails unless `model` holds, in every MoE layer, every routed expert homed on the `local`
+/// ranks: what the data plane computes main instances with and streams replicas from.
+fn check_home_experts(model: &MoeModel, layout: &Layout, local: Range<usize>) -> Result<()> {
+    for (index, layer) in model.layers().iter().enumerate() {
+        let FeedForward::Moe(block) = layer.ffn() else {
+            continue;
+        };
+        for rank in local.clone() {
+            if let Some(missing) = layout
+                .main_experts(rank)
+                .iter()
+                .find(|&&e| !block.experts.is_loaded(e))
+            {
+                return Err(EngineError::Config(format!(
+                    "rank {rank} homes expert {missing} of layer {index}, but the model holds \
+                     {} of {} there: load the experts of ranks {local:?} \
+                     (EpRuntime::expert_selection)",
+                    block.experts.selection(),
+                    block.experts.num_experts()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The router on every local rank: each rank's FFN input rows and their top-k routing (empty

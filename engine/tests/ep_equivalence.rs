@@ -158,7 +158,7 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
         }
         for (slot, expert) in slots.iter().enumerate() {
             let Some(expert) = expert else { continue };
-            let [gate_up, down] = block.experts[*expert as usize].weights();
+            let [gate_up, down] = block.experts.get(*expert).unwrap().weights();
             let held = runtime.slot_contents(rank, slot).unwrap();
             let (held_gate_up, held_down) = held.split_at(gate_up.len());
             assert!(
@@ -330,6 +330,145 @@ fn ranks_split_over_processes_match_dense() {
         }
         let diff = max_abs_diff(&got, &want);
         assert!(diff <= TOLERANCE, "{balancer} over three processes: {diff}");
+    }
+}
+
+/// A model of `source` (the built-in model when `None`, else a fixture family) holding only the
+/// routed experts the EP ranks `local` home, as a process serving them loads it.
+fn sharded(
+    source: Option<&str>,
+    config: &EpConfig,
+    local: std::ops::Range<usize>,
+) -> Arc<MoeModel> {
+    let selection = |model: &rackfill_models::ModelConfig| {
+        EpRuntime::expert_selection(model, config, local.clone()).unwrap()
+    };
+    Arc::new(match source {
+        None => {
+            let full = builtin();
+            ModelBundle::builtin_with(&selection(full.config()))
+                .unwrap()
+                .model
+        }
+        Some(family) => {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/tests/fixtures")
+                .join(family);
+            let model_config = rackfill_models::ModelConfig::load(&dir).unwrap();
+            MoeModel::load_with(&dir, &selection(&model_config)).unwrap()
+        }
+    })
+}
+
+/// One process per group of ranks, each loading only its ranks' home experts: EP 4 over
+/// handles holding ranks {0}, {1, 2} and {3}, every thread with its own sharded model, matches
+/// the dense path of the full model within [`TOLERANCE`], with replicas (quota) and without
+/// (none); the built-in model and a fixture with shared experts and dense layers.
+#[test]
+fn processes_loading_only_their_home_experts_match_dense() {
+    for source in [None, Some("deepseek_v3")] {
+        let full = match source {
+            None => builtin(),
+            Some(family) => fixture(family),
+        };
+        let prompts = prompts(full.config().vocab_size, &[40, 5, 33, 21, 1, 48, 17]);
+        let want = dense_logits(&full, &prompts);
+        for balancer in [Algo::Quota, Algo::None] {
+            let config = EpConfig {
+                ep_size: 4,
+                redundant_slots: 2,
+                balancer,
+                verify_plans: true,
+                ..EpConfig::default()
+            };
+            let handles = LocalFabric::group(4, &[0..1, 1..3, 3..4]).unwrap();
+            let runs: Vec<EpRun> = std::thread::scope(|scope| {
+                let spawned: Vec<_> = handles
+                    .into_iter()
+                    .map(|fabric| {
+                        let (full, prompts) = (&full, &prompts);
+                        scope.spawn(move || {
+                            let local = rackfill_engine::fabric::Fabric::local_ranks(&fabric);
+                            let mine = sharded(source, &config, local.clone());
+                            let homed: Vec<u32> = local
+                                .clone()
+                                .flat_map(|r| {
+                                    let experts = full.config().moe.num_experts as u32;
+                                    let per = experts / 4;
+                                    r as u32 * per..(r as u32 + 1) * per
+                                })
+                                .collect();
+                            assert_eq!(
+                                mine.expert_selection(),
+                                &rackfill_models::ExpertSelection::Only(homed),
+                                "ranks {local:?}"
+                            );
+                            let mut runtime =
+                                EpRuntime::with_fabric(mine, config, Box::new(fabric)).unwrap();
+                            // The full model only makes the caches and checks the replica slots.
+                            ep_logits(&mut runtime, full, prompts, 16)
+                        })
+                    })
+                    .collect();
+                spawned.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let mut got: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| Vec::new()).collect();
+            for run in &runs {
+                for (i, logits) in run.logits.iter().enumerate() {
+                    if !logits.is_empty() {
+                        got[i] = logits.clone();
+                    }
+                }
+            }
+            if balancer == Algo::Quota {
+                assert!(
+                    runs.iter().any(|r| r.replicas > 0),
+                    "quota made no replicas"
+                );
+            }
+            let diff = max_abs_diff(&got, &want);
+            assert!(
+                diff <= TOLERANCE,
+                "{source:?} {balancer} over sharded processes: {diff}"
+            );
+        }
+    }
+}
+
+/// A runtime whose model lacks an expert homed on one of its ranks is refused when it is built,
+/// naming the rank, the expert and what the model holds; every rank of the group loading the
+/// whole model is the [`rackfill_models::ExpertSelection::All`] case.
+#[test]
+fn a_runtime_without_its_home_experts_is_refused_at_construction() {
+    let config = EpConfig {
+        ep_size: 4,
+        ..EpConfig::default()
+    };
+    let model = builtin();
+    let everything = EpRuntime::expert_selection(model.config(), &config, 0..4).unwrap();
+    assert_eq!(everything, rackfill_models::ExpertSelection::All);
+    let rank0 = sharded(None, &config, 0..1);
+    let handles = LocalFabric::group(4, &[0..1, 1..4]).unwrap();
+    let err = EpRuntime::with_fabric(rank0, config, Box::new(handles.into_iter().nth(1).unwrap()))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("rank 1 homes expert 8 of layer 0") && err.contains("experts 0-7 of 32"),
+        "{err}"
+    );
+    // The same model on all ranks of one process is refused too.
+    let err = EpRuntime::new(sharded(None, &config, 0..1), config)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("rank 1 homes expert 8"), "{err}");
+    // Local ranks outside the group have no selection.
+    for bad in [0..0, 3..5] {
+        let err = EpRuntime::expert_selection(model.config(), &config, bad.clone())
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("EP size 4"), "{bad:?}: {err}");
     }
 }
 

@@ -1,12 +1,15 @@
 //! Everything the server needs to serve one model: the weights, the tokenizer, the chat template,
 //! the generation defaults and the name clients address it by. [`ModelBundle::load`] takes what a
-//! user passes to `--model` (a directory or a hub id), or nothing for the built-in model.
+//! user passes to `--model` (a directory or a hub id), or nothing for the built-in model;
+//! [`ModelBundle::load_with`] loads only some routed experts (one EP rank's, in a process per
+//! rank).
 
 use std::path::{Path, PathBuf};
 
 use crate::chat_template::{load_chat_template, ChatTemplate};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+use crate::expert_selection::ExpertSelection;
 use crate::generation_config::GenerationConfig;
 use crate::model::MoeModel;
 use crate::source;
@@ -56,22 +59,33 @@ impl ModelBundle {
     /// Loads `spec` (a checkpoint directory, `org/name` or `org/name@revision`), or the built-in
     /// model when `spec` is `None` or its name, [`BUILTIN_MODEL_NAME`].
     pub fn load(spec: Option<&str>) -> Result<Self> {
+        Self::load_with(spec, &ExpertSelection::All)
+    }
+
+    /// [`Self::load`] with only the `selection` of routed experts read (what a process serving
+    /// some EP ranks runs: their home experts, `EpRuntime::expert_selection`).
+    pub fn load_with(spec: Option<&str>, selection: &ExpertSelection) -> Result<Self> {
         match spec {
-            None | Some(BUILTIN_MODEL_NAME) => Self::builtin(),
+            None | Some(BUILTIN_MODEL_NAME) => Self::builtin_with(selection),
             Some(spec) => {
                 let dir = source::resolve(spec)?;
-                Self::from_dir(&dir, spec.trim_end_matches('/').to_string())
+                Self::from_dir_with(&dir, spec.trim_end_matches('/').to_string(), selection)
             }
         }
     }
 
     /// The built-in tiny Qwen3-MoE (see `models/builtin/README.md`).
     pub fn builtin() -> Result<Self> {
+        Self::builtin_with(&ExpertSelection::All)
+    }
+
+    /// [`Self::builtin`] with only the `selection` of routed experts.
+    pub fn builtin_with(selection: &ExpertSelection) -> Result<Self> {
         let origin = Path::new("<builtin>/config.json");
         let config = ModelConfig::from_json_str(builtin_files::CONFIG, origin)?;
         let checkpoint =
             Checkpoint::from_static("<builtin>/model.safetensors", builtin_files::WEIGHTS)?;
-        let model = MoeModel::from_checkpoint(config, &checkpoint)?;
+        let model = MoeModel::from_checkpoint_with(config, &checkpoint, selection)?;
         let tokenizer =
             Tokenizer::from_bytes(builtin_files::TOKENIZER, "<builtin>/tokenizer.json")?;
         let chat_template = ChatTemplate::from_tokenizer_config_json(
@@ -95,7 +109,12 @@ impl ModelBundle {
     /// Loads a checkpoint directory: `config.json`, the safetensors, `tokenizer.json` (required),
     /// the chat template and `generation_config.json` (both optional).
     pub fn from_dir(dir: &Path, name: String) -> Result<Self> {
-        let model = MoeModel::load(dir)?;
+        Self::from_dir_with(dir, name, &ExpertSelection::All)
+    }
+
+    /// [`Self::from_dir`] with only the `selection` of routed experts read.
+    pub fn from_dir_with(dir: &Path, name: String, selection: &ExpertSelection) -> Result<Self> {
+        let model = MoeModel::load_with(dir, selection)?;
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
         let chat_template = load_chat_template(dir)?;
         let generation = GenerationConfig::load(dir)?.unwrap_or_default();

@@ -3,10 +3,13 @@
 //!
 //! Headers are validated when the checkpoint opens, so a truncated file is reported with its
 //! path before any layer is built; tensor lookups report the tensor name and expected shape.
-//! Every lookup marks its tensor loaded, so once a model is built the tensors its config left
-//! unused can be counted and warned about, as transformers does.
+//! Every lookup marks its tensor used, so once a model is built the tensors its config left
+//! unused can be counted and warned about, as transformers does. Tensors are read one by one from
+//! the map, so a process that loads part of a checkpoint (one EP rank's experts,
+//! [`Checkpoint::skip`] for the rest) touches only those pages.
 
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -38,15 +41,15 @@ struct Shard {
     bytes: ShardBytes,
 }
 
-/// Where one tensor lives: its shard, dtype, shape and byte range in the shard, and whether a
-/// module has loaded it.
+/// Where one tensor lives: its shard, dtype, shape and byte range in the shard, and whether the
+/// model has used it (loaded it, or skipped it as another rank's expert).
 struct Entry {
     shard: usize,
     dtype: Dtype,
     shape: Vec<usize>,
     start: usize,
     end: usize,
-    loaded: AtomicBool,
+    used: AtomicBool,
 }
 
 /// All tensors of a checkpoint, addressable by name.
@@ -129,7 +132,7 @@ impl Checkpoint {
                     shape: view.shape().to_vec(),
                     start,
                     end: start + view.data().len(),
-                    loaded: AtomicBool::new(false),
+                    used: AtomicBool::new(false),
                 };
                 entries.insert(name, entry);
             }
@@ -149,8 +152,42 @@ impl Checkpoint {
 
     /// Loads a tensor as f32 and checks its shape.
     pub fn tensor(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let entry = self.checked_entry(name, expected)?;
+        let values = self.values(name, entry, entry.start..entry.end)?;
+        Ok(Tensor::from_vec(values, expected, &Device::Cpu)?)
+    }
+
+    /// Loads `index` along the first dimension of a tensor of shape `expected` (one expert of a
+    /// fused `[E, ...]` expert tensor), reading only that slice's bytes.
+    pub fn tensor_index(&self, name: &str, expected: &[usize], index: usize) -> Result<Tensor> {
+        let entry = self.checked_entry(name, expected)?;
+        let Some((&outer, inner)) = expected.split_first() else {
+            return Err(ModelError::Input(format!(
+                "tensor {name:?} is a scalar: it has no index {index}"
+            )));
+        };
+        if index >= outer {
+            return Err(ModelError::Input(format!(
+                "index {index} of tensor {name:?}, whose first dimension is {outer}"
+            )));
+        }
+        let stride = (entry.end - entry.start) / outer;
+        let start = entry.start + index * stride;
+        let values = self.values(name, entry, start..start + stride)?;
+        Ok(Tensor::from_vec(values, inner, &Device::Cpu)?)
+    }
+
+    /// Accounts for a tensor a sharded load leaves to other processes (another rank's routed
+    /// expert): checks it exists with the expected shape, so every process agrees on the
+    /// checkpoint, but reads none of its bytes, and keeps it out of [`Self::unused_tensors`].
+    pub fn skip(&self, name: &str, expected: &[usize]) -> Result<()> {
+        self.checked_entry(name, expected).map(|_| ())
+    }
+
+    /// The entry of `name`, marked used, once its stored shape is `expected`.
+    fn checked_entry(&self, name: &str, expected: &[usize]) -> Result<&Entry> {
         let entry = self.entry(name)?;
-        entry.loaded.store(true, Ordering::Relaxed);
+        entry.used.store(true, Ordering::Relaxed);
         if entry.shape != expected {
             return Err(ModelError::TensorShape {
                 path: self.shards[entry.shard].path.clone(),
@@ -159,8 +196,7 @@ impl Checkpoint {
                 expected: expected.to_vec(),
             });
         }
-        let values = self.values(name, entry)?;
-        Ok(Tensor::from_vec(values, expected, &Device::Cpu)?)
+        Ok(entry)
     }
 
     fn entry(&self, name: &str) -> Result<&Entry> {
@@ -172,9 +208,11 @@ impl Checkpoint {
             })
     }
 
-    fn values(&self, name: &str, entry: &Entry) -> Result<Vec<f32>> {
+    /// The f32 values of `bytes` (a range of `entry`'s data): only those pages of a mapped file
+    /// are touched.
+    fn values(&self, name: &str, entry: &Entry, bytes: Range<usize>) -> Result<Vec<f32>> {
         let shard = &self.shards[entry.shard];
-        let bytes = &shard.bytes.as_slice()[entry.start..entry.end];
+        let bytes = &shard.bytes.as_slice()[bytes];
         Ok(match entry.dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
@@ -212,13 +250,13 @@ impl Checkpoint {
         }
     }
 
-    /// The tensors no module has loaded, sorted by name: once a model is built, those its
-    /// config leaves out.
+    /// The tensors no module has loaded or skipped, sorted by name: once a model is built, those
+    /// its config leaves out (a sharded load's other experts are skipped, not unused).
     pub fn unused_tensors(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self
             .entries
             .iter()
-            .filter(|(_, entry)| !entry.loaded.load(Ordering::Relaxed))
+            .filter(|(_, entry)| !entry.used.load(Ordering::Relaxed))
             .map(|(name, _)| name.as_str())
             .collect();
         names.sort_unstable();
@@ -346,6 +384,21 @@ impl<'a> Weights<'a> {
     /// Loads `prefix.name` with the expected shape.
     pub fn get(&self, shape: &[usize], name: &str) -> Result<Tensor> {
         self.checkpoint.tensor(&self.full(name), shape)
+    }
+
+    /// Loads `index` along the first dimension of `prefix.name` (of shape `shape`).
+    pub fn get_index(&self, shape: &[usize], name: &str, index: usize) -> Result<Tensor> {
+        self.checkpoint.tensor_index(&self.full(name), shape, index)
+    }
+
+    /// Checks `prefix.name` exists with shape `shape` without reading it ([`Checkpoint::skip`]).
+    pub fn skip(&self, shape: &[usize], name: &str) -> Result<()> {
+        self.checkpoint.skip(&self.full(name), shape)
+    }
+
+    /// The prefix this view names its tensors under (`model.layers.3.mlp.experts`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// Whether `prefix.name` exists.

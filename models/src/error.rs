@@ -76,6 +76,20 @@ pub enum ModelError {
     #[error("model {id:?}: {message}")]
     NotFound { id: String, message: String },
 
+    /// A routed expert this process did not load (a sharded load holds only its EP ranks' home
+    /// experts) was asked for: by the dense path, which runs every expert, or by an EP runtime
+    /// whose ranks home experts outside the loaded set.
+    #[error(
+        "routed expert {expert} is not loaded in this process, which holds {loaded} of \
+         {num_experts} (a sharded load for its EP ranks: the dense path needs every expert, \
+         an EP runtime its local ranks' home experts)"
+    )]
+    ExpertNotLoaded {
+        expert: String,
+        loaded: String,
+        num_experts: usize,
+    },
+
     /// Inputs handed to the model are inconsistent (wrong lengths, token id beyond the vocabulary).
     #[error("invalid model input: {0}")]
     Input(String),

@@ -1,7 +1,8 @@
 //! A loaded MoE model split into the pieces the engine schedules separately: embedding, per
 //! layer attention (on a rank's own tokens, with KV cache), router, per-expert FFNs, shared
 //! experts, final norm and LM head. [`MoeModel::forward`] is the dense single-device reference
-//! path: all experts local.
+//! path: all experts local. A model loaded for some EP ranks
+//! ([`MoeModel::from_checkpoint_with`]) holds every weight but the other ranks' routed experts.
 
 use std::path::Path;
 
@@ -10,6 +11,7 @@ use candle_core::{Device, Module, Tensor};
 use crate::checkpoint::{Checkpoint, Weights};
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::expert_selection::ExpertSelection;
 use crate::families;
 use crate::layers::attention::{Attention, KvCache, SeqChunk};
 use crate::layers::moe::MoeBlock;
@@ -106,25 +108,45 @@ pub struct MoeModel {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
+    /// The routed experts loaded in every MoE layer.
+    experts: ExpertSelection,
 }
 
 /// The per-family constructors of a layer's parts; each family file provides one.
 pub(crate) struct FamilyLoader {
     pub attention: fn(&Weights, &ModelConfig) -> Result<Box<dyn Attention>>,
-    pub moe: fn(&Weights, &ModelConfig) -> Result<MoeBlock>,
+    pub moe: fn(&Weights, &ModelConfig, &ExpertSelection) -> Result<MoeBlock>,
     pub dense: fn(&Weights, &ModelConfig) -> Result<Mlp>,
 }
 
 impl MoeModel {
     /// Loads `config.json` and the safetensors of a local checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, &ExpertSelection::All)
+    }
+
+    /// [`Self::load`] with only the `selection` of routed experts read from the checkpoint.
+    pub fn load_with(dir: &Path, selection: &ExpertSelection) -> Result<Self> {
         let config = ModelConfig::load(dir)?;
         let checkpoint = Checkpoint::open(dir)?;
-        Self::from_checkpoint(config, &checkpoint)
+        Self::from_checkpoint_with(config, &checkpoint, selection)
     }
 
     /// Builds the model from a parsed config and an opened checkpoint.
     pub fn from_checkpoint(config: ModelConfig, checkpoint: &Checkpoint) -> Result<Self> {
+        Self::from_checkpoint_with(config, checkpoint, &ExpertSelection::All)
+    }
+
+    /// Builds the model with only the `selection` of routed experts in every MoE layer (one EP
+    /// rank's home experts): the other experts' tensors are checked in the checkpoint's header
+    /// but never read, so a process holds only what it runs. Everything else (embeddings,
+    /// attention, norms, routers, shared experts, dense layers, LM head) is loaded in full.
+    pub fn from_checkpoint_with(
+        config: ModelConfig,
+        checkpoint: &Checkpoint,
+        selection: &ExpertSelection,
+    ) -> Result<Self> {
+        selection.check(config.moe.num_experts)?;
         let loader = match config.family {
             Family::Qwen3Moe => families::qwen3_moe::LOADER,
             Family::Qwen2Moe => families::qwen2_moe::LOADER,
@@ -139,7 +161,7 @@ impl MoeModel {
             .map(|i| {
                 let w = model.pp("layers").pp(i);
                 let ffn = if config.sparse_layers[i] {
-                    FeedForward::Moe((loader.moe)(&w, &config)?)
+                    FeedForward::Moe((loader.moe)(&w, &config, selection)?)
                 } else {
                     FeedForward::Dense((loader.dense)(&w, &config)?)
                 };
@@ -168,12 +190,19 @@ impl MoeModel {
             layers,
             norm,
             lm_head,
+            experts: selection.clone(),
         })
     }
 
     /// The normalised architecture.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The routed experts loaded in every MoE layer ([`ExpertSelection::All`] unless the model
+    /// was loaded for some EP ranks).
+    pub fn expert_selection(&self) -> &ExpertSelection {
+        &self.experts
     }
 
     /// The decoder layers, for the engine's layer-by-layer EP execution.
@@ -202,6 +231,8 @@ impl MoeModel {
 
     /// Dense reference forward of a batch of sequences, each continuing from its cache.
     /// Returns logits for every new token (rows in batch order) or for each sequence's last one.
+    /// Runs every routed expert here, so a model loaded for some EP ranks only refuses it
+    /// ([`ModelError::ExpertNotLoaded`]) before any work.
     pub fn forward(&self, batch: &mut [SequenceInput<'_>], which: LogitsFor) -> Result<Tensor> {
         let tokens: Vec<u32> = batch
             .iter()
@@ -214,6 +245,11 @@ impl MoeModel {
             return Err(ModelError::Input(
                 "KV cache was made for a different model".into(),
             ));
+        }
+        for layer in &self.layers {
+            if let FeedForward::Moe(block) = &layer.ffn {
+                block.experts.require_all()?;
+            }
         }
         let mut x = self.embed(&tokens)?;
         for (index, layer) in self.layers.iter().enumerate() {

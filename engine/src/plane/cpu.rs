@@ -144,12 +144,25 @@ impl CpuPlane {
         }
         let expert_bytes = (self.expert_floats * 4) as u64;
         let schedule = plan_transfers(plan, expert_bytes, &self.relay);
+        // The fabric reads only the local ranks' home experts; each one replicated is resolved
+        // here first, so one this process did not load is an error, not an empty source.
+        for expert in 0..plan.experts() {
+            if let [main, _, ..] = plan.instances(expert) {
+                if self.local.contains(&(main.rank as usize)) {
+                    block.experts.get(expert as u32)?;
+                }
+            }
+        }
         let source = |e: u32| -> Vec<&[u8]> {
-            block.experts[e as usize]
-                .weights()
-                .iter()
-                .map(|w| bytemuck::cast_slice(w))
-                .collect()
+            block.experts.get(e).map_or_else(
+                |_| Vec::new(),
+                |mlp| {
+                    mlp.weights()
+                        .iter()
+                        .map(|w| bytemuck::cast_slice(w))
+                        .collect()
+                },
+            )
         };
         let slot_bytes = self.expert_floats * 4;
         fabric.stream_replicas(
@@ -278,7 +291,7 @@ impl CpuPlane {
         instance: u32,
     ) -> Result<[&'b [f32]; 2]> {
         match weight_source(&self.layout, plan, rank, expert, instance) {
-            Some(WeightSource::Home { .. }) => Ok(block.experts[expert as usize].weights()),
+            Some(WeightSource::Home { .. }) => Ok(block.experts.get(expert)?.weights()),
             Some(WeightSource::Slot { slot }) => {
                 let slots = &self.slots[rank - self.local.start];
                 let floats = &slots[slot * self.expert_floats..(slot + 1) * self.expert_floats];

@@ -42,7 +42,11 @@ impl GpuPlane {
             match layer.ffn() {
                 FeedForward::Moe(block) => {
                     moe_ordinal.push(Some(layers.len()));
-                    layers.push(block.experts.iter().map(|e| e.weights()).collect());
+                    // Every rank is on this device, so every expert is someone's home.
+                    let experts = (0..block.experts.num_experts() as u32)
+                        .map(|e| block.experts.get(e).map(|mlp| mlp.weights()))
+                        .collect::<Result<_, _>>()?;
+                    layers.push(experts);
                 }
                 FeedForward::Dense(_) => moe_ordinal.push(None),
             }

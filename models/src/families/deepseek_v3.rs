@@ -8,6 +8,7 @@ use candle_core::{Module, Tensor, D};
 use crate::checkpoint::Weights;
 use crate::config::{MlaConfig, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
+use crate::expert_selection::ExpertSelection;
 use crate::layers::attention::{causal_attention, check_chunks, Attention, SeqChunk};
 use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::rope::{yarn_mscale, Rope};
@@ -152,11 +153,11 @@ impl Attention for MlaAttention {
 }
 
 /// `mlp.gate` (with `e_score_correction_bias`), `mlp.experts.*`, `mlp.shared_experts`.
-fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
     let names = MoeNames {
         experts: MlpNames::HF,
         shared: "shared_experts",
         shared_gate: "shared_experts_gate",
     };
-    MoeBlock::load(&w.pp("mlp"), config, names)
+    MoeBlock::load(&w.pp("mlp"), config, names, selection)
 }

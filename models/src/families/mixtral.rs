@@ -5,7 +5,9 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::moe::{load_experts, MoeBlock};
+use crate::expert_selection::ExpertSelection;
+use crate::layers::experts::load_experts;
+use crate::layers::moe::MoeBlock;
 use crate::layers::router::Router;
 use crate::layers::{Mlp, MlpNames};
 use crate::model::FamilyLoader;
@@ -19,14 +21,14 @@ pub(crate) const LOADER: FamilyLoader = FamilyLoader {
 };
 
 /// The MoE block under whichever prefix the checkpoint uses.
-fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
     let block = if w.contains("block_sparse_moe.gate.weight") {
         w.pp("block_sparse_moe")
     } else {
         w.pp("mlp")
     };
     let router = Router::load(&block.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&block.pp("experts"), config, MlpNames::MIXTRAL)?;
+    let experts = load_experts(&block.pp("experts"), config, MlpNames::MIXTRAL, selection)?;
     Ok(MoeBlock::new(router, experts, None))
 }
 

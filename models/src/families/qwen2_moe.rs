@@ -4,6 +4,7 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::expert_selection::ExpertSelection;
 use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::MlpNames;
 use crate::model::FamilyLoader;
@@ -17,11 +18,11 @@ pub(crate) const LOADER: FamilyLoader = FamilyLoader {
 };
 
 /// `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`.
-fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
     let names = MoeNames {
         experts: MlpNames::HF,
         shared: "shared_expert",
         shared_gate: "shared_expert_gate",
     };
-    MoeBlock::load(&w.pp("mlp"), config, names)
+    MoeBlock::load(&w.pp("mlp"), config, names, selection)
 }

@@ -5,8 +5,10 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::expert_selection::ExpertSelection;
 use crate::layers::attention::{Attention, GqaAttention};
-use crate::layers::moe::{load_experts, MoeBlock};
+use crate::layers::experts::load_experts;
+use crate::layers::moe::MoeBlock;
 use crate::layers::router::Router;
 use crate::layers::{Mlp, MlpNames};
 use crate::model::FamilyLoader;
@@ -22,11 +24,11 @@ pub(crate) fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Att
     Ok(Box::new(GqaAttention::load(&w.pp("self_attn"), config)?))
 }
 
-/// `mlp.gate` and `mlp.experts.*`.
-fn moe(w: &Weights, config: &ModelConfig) -> Result<MoeBlock> {
+/// `mlp.gate` and the selected `mlp.experts.*`.
+fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
     let w = w.pp("mlp");
     let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF)?;
+    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF, selection)?;
     Ok(MoeBlock::new(router, experts, None))
 }
 

@@ -3,6 +3,7 @@
 //! routers and the MoE block.
 
 pub mod attention;
+pub mod experts;
 pub mod fastmath;
 pub mod gemm;
 pub mod moe;

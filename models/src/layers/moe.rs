@@ -1,5 +1,6 @@
 //! The MoE block: router, routed experts (each its own [`Mlp`], addressable by id so the engine
-//! can copy it to replica slots and run it on any rank), and optional shared experts.
+//! can copy it to replica slots and run it on any rank; a process may hold only its EP ranks'
+//! home experts, [`RoutedExperts`]), and optional shared experts.
 //!
 //! The dense path here runs every expert locally and is the reference the EP engine must match.
 //! It groups tokens by expert and runs one GEMM per expert over its token block, never one per
@@ -12,6 +13,8 @@ use rayon::prelude::*;
 use crate::checkpoint::Weights;
 use crate::config::{ModelConfig, SharedExpertConfig};
 use crate::error::{ModelError, Result};
+use crate::expert_selection::ExpertSelection;
+use crate::layers::experts::{load_experts, RoutedExperts};
 use crate::layers::router::{Router, Routing};
 use crate::layers::{Mlp, MlpNames};
 
@@ -88,7 +91,7 @@ pub fn rows_of(x: &Tensor) -> Result<Vec<f32>> {
 #[derive(Debug, Clone)]
 pub struct MoeBlock {
     pub router: Router,
-    pub experts: Vec<Mlp>,
+    pub experts: RoutedExperts,
     pub shared: Option<SharedExpert>,
 }
 
@@ -104,11 +107,16 @@ pub struct MoeNames {
 }
 
 impl MoeBlock {
-    /// Loads `gate` (the router), `experts.*` and, when the config has shared experts, the shared
-    /// MLP and its gate, all below `w`.
-    pub fn load(w: &Weights, config: &ModelConfig, names: MoeNames) -> Result<Self> {
+    /// Loads `gate` (the router), the selected `experts.*` and, when the config has shared
+    /// experts, the shared MLP and its gate, all below `w`.
+    pub fn load(
+        w: &Weights,
+        config: &ModelConfig,
+        names: MoeNames,
+        selection: &ExpertSelection,
+    ) -> Result<Self> {
         let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
-        let experts = load_experts(&w.pp("experts"), config, names.experts)?;
+        let experts = load_experts(&w.pp("experts"), config, names.experts, selection)?;
         let shared = config
             .moe
             .shared
@@ -126,7 +134,7 @@ impl MoeBlock {
     }
 
     /// Assembles a block from its loaded parts.
-    pub fn new(router: Router, experts: Vec<Mlp>, shared: Option<SharedExpert>) -> Self {
+    pub fn new(router: Router, experts: RoutedExperts, shared: Option<SharedExpert>) -> Self {
         Self {
             router,
             experts,
@@ -142,12 +150,14 @@ impl MoeBlock {
         self.add_shared(x, routed)
     }
 
-    /// The routed experts' weighted sum for a given routing, all experts local.
+    /// The routed experts' weighted sum for a given routing, all experts local (an error naming
+    /// a missing expert on a block loaded for some EP ranks only).
     pub fn forward_routed(&self, x: &Tensor, routing: &Routing) -> Result<Tensor> {
+        self.experts.require_all()?;
         let (tokens, hidden) = x.dims2()?;
         let xs = rows_of(x)?;
         let k = routing.top_k;
-        let groups = group_by_expert(routing, self.experts.len());
+        let groups = group_by_expert(routing, self.experts.num_experts());
         // One task per expert (largest groups first so the tail is short), each product on one
         // core: per-expert blocks are too small to split well across threads.
         let mut order: Vec<usize> = (0..groups.len())
@@ -159,9 +169,10 @@ impl MoeBlock {
             .map(|&e| {
                 let pairs = &groups[e].pairs;
                 let input = gather_pair_rows(&xs, hidden, k, pairs);
-                (e, self.experts[e].forward_rows(&input, pairs.len()))
+                let expert = self.experts.get(e as u32)?;
+                Ok((e, expert.forward_rows(&input, pairs.len())))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let mut pair_outputs = vec![0f32; tokens * k * hidden];
         for (e, y) in outputs {
             for (&p, row) in groups[e].pairs.iter().zip(y.chunks_exact(hidden)) {
@@ -183,32 +194,4 @@ impl MoeBlock {
             None => Ok(routed),
         }
     }
-}
-
-/// Loads the routed experts of a block: per-expert tensors (`experts.{e}.gate_proj.weight`, the
-/// classic hub layout) or fused ones (`experts.gate_up_proj` `[E, 2I, H]` and
-/// `experts.down_proj` `[E, H, I]`, what newer transformers versions may write).
-pub fn load_experts(w: &Weights, config: &ModelConfig, names: MlpNames) -> Result<Vec<Mlp>> {
-    let (e, h, i) = (
-        config.moe.num_experts,
-        config.hidden_size,
-        config.moe.intermediate_size,
-    );
-    if w.contains("gate_up_proj") {
-        let gate_up = w.get(&[e, 2 * i, h], "gate_up_proj")?;
-        let down = w.get(&[e, h, i], "down_proj")?;
-        return (0..e)
-            .map(|expert| {
-                let fused = gate_up.get(expert)?;
-                Mlp::from_parts(
-                    &fused.narrow(0, 0, i)?,
-                    &fused.narrow(0, i, i)?,
-                    &down.get(expert)?,
-                )
-            })
-            .collect();
-    }
-    (0..e)
-        .map(|expert| Mlp::load(&w.pp(expert), h, i, names))
-        .collect()
 }
