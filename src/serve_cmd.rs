@@ -21,7 +21,7 @@ pub struct ServeArgs {
     /// Checkpoint directory or hub id (`org/name[@revision]`, from the local hub cache); the
     /// built-in tiny MoE model when omitted.
     #[arg(long)]
-    model: Option<String>,
+    pub(crate) model: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -249,8 +249,13 @@ pub(crate) fn load_bundle(
     let served_name = args.served_model_name.clone();
     move || {
         let selection = shard.unwrap_or(ExpertSelection::All);
-        let mut bundle = ModelBundle::load_with(spec.as_deref(), &selection)
-            .with_context(|| format!("cannot load model {}", spec.as_deref().unwrap_or("<built-in>")))?;
+        let mut bundle =
+            ModelBundle::load_with(spec.as_deref(), &selection).with_context(|| {
+                format!(
+                    "cannot load model {}",
+                    spec.as_deref().unwrap_or("<built-in>")
+                )
+            })?;
         if let Some(name) = served_name {
             bundle.name = name;
         }

@@ -4,18 +4,10 @@
 //! the leader stops it. A binary built without the `mpi` feature refuses such a launch, since
 //! `N` independent servers would otherwise race for one port.
 
-use anyhow::Result;
 #[cfg(feature = "mpi")]
 pub use with_mpi::Launched;
 #[cfg(not(feature = "mpi"))]
 pub use without_mpi::Launched;
-
-/// The world size an MPI launcher announced in the environment, if any.
-fn announced_world_size() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]
-        .iter()
-        .find_map(|name| std::env::var(name).ok()?.parse().ok())
-}
 
 #[cfg(not(feature = "mpi"))]
 mod without_mpi {
@@ -31,8 +23,8 @@ mod without_mpi {
     impl Launched {
         /// Refuses a launch of several processes (see the module documentation).
         pub fn detect() -> Result<Option<Self>> {
-            match super::announced_world_size() {
-                Some(size) if size > 1 && super::launched_by_mpi() => {
+            match announced_world_size() {
+                Some(size) if size > 1 && launched_by_mpi() => {
                     bail!(
                         "started as one of {size} MPI processes, but this rackfill binary was \
                          built without MPI support: build it with `--features mpi`"
@@ -46,13 +38,20 @@ mod without_mpi {
             match self {}
         }
     }
-}
 
-/// Whether an MPI launcher (not just a Slurm allocation) started this process.
-fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"]
-        .iter()
-        .any(|name| std::env::var_os(name).is_some())
+    /// The world size an MPI launcher announced in the environment, if any.
+    fn announced_world_size() -> Option<usize> {
+        ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]
+            .iter()
+            .find_map(|name| std::env::var(name).ok()?.parse().ok())
+    }
+
+    /// Whether an MPI launcher (not just a Slurm allocation) started this process.
+    fn launched_by_mpi() -> bool {
+        ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"]
+            .iter()
+            .any(|name| std::env::var_os(name).is_some())
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -60,9 +59,9 @@ mod with_mpi {
     use std::sync::Arc;
 
     use anyhow::{bail, Context, Result};
+    use rackfill_engine::fabric::FabricKind;
     use rackfill_engine::group::{self, GroupConfig, GroupModel, MpiWorld};
     use rackfill_engine::{DataPlane, EngineConfig, EpRuntime};
-    use rackfill_engine::fabric::FabricKind;
     use rackfill_server::{AppState, ModelMeta, ServerConfig};
 
     use crate::serve_cmd::{load_bundle, seconds, serve_http, ServeArgs};
@@ -80,10 +79,17 @@ mod with_mpi {
         }
 
         /// Serves this process's rank until the group stops.
-        pub fn run(self, args: &ServeArgs, engine: EngineConfig, server: ServerConfig) -> Result<()> {
+        pub fn run(
+            self,
+            args: &ServeArgs,
+            engine: EngineConfig,
+            server: ServerConfig,
+        ) -> Result<()> {
             let (rank, size) = (self.world.rank(), self.world.size());
             let served = group_settings(args, engine, size)?;
-            let shard = EpRuntime::expert_selection(&served.config.ep, rank..rank + 1);
+            let model = rackfill_models::ModelBundle::config_of(args.model.as_deref())
+                .with_context(|| format!("cannot load model {}", model_name(args)))?;
+            let shard = EpRuntime::expert_selection(&model, &served.config.ep, rank..rank + 1)?;
             if rank != 0 {
                 tracing::info!(
                     "rank {rank} of {size} (pid {}): a worker, loading its shard",
@@ -114,6 +120,10 @@ mod with_mpi {
                 Ok((AppState::from_engine(handle, meta, server), ep))
             })
         }
+    }
+
+    fn model_name(args: &ServeArgs) -> &str {
+        args.model.as_deref().unwrap_or("<built-in>")
     }
 
     /// The group's settings from the flags, before the model is known.
@@ -187,9 +197,10 @@ mod with_mpi {
                 };
                 runtime.block_on(async move {
                     use tokio::signal::unix::{signal, SignalKind};
-                    let (Ok(mut term), Ok(mut int)) =
-                        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-                    else {
+                    let (Ok(mut term), Ok(mut int)) = (
+                        signal(SignalKind::terminate()),
+                        signal(SignalKind::interrupt()),
+                    ) else {
                         return;
                     };
                     loop {

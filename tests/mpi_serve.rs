@@ -18,7 +18,9 @@ use serde_json::{json, Value};
 fn scoring_requests(vocab: u32) -> Vec<Value> {
     (0..6u32)
         .map(|i| {
-            let prompt: Vec<u32> = (0..9 + 5 * i).map(|j| (7 + j * 13 + i * 31) % vocab).collect();
+            let prompt: Vec<u32> = (0..9 + 5 * i)
+                .map(|j| (7 + j * 13 + i * 31) % vocab)
+                .collect();
             json!({
                 "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true,
                 "logprobs": 1, "ignore_eos": true,
@@ -32,12 +34,17 @@ fn assert_same_completions(what: &str, a: &[Value], b: &[Value]) {
     assert_eq!(a.len(), b.len());
     for (i, (a, b)) in a.iter().zip(b).enumerate() {
         let (la, lb) = (&a["choices"][0]["logprobs"], &b["choices"][0]["logprobs"]);
-        assert_eq!(la["tokens"], lb["tokens"], "{what}: request {i}: tokens differ");
+        assert_eq!(
+            la["tokens"], lb["tokens"],
+            "{what}: request {i}: tokens differ"
+        );
         let (pa, pb) = (
             la["token_logprobs"].as_array().unwrap(),
             lb["token_logprobs"].as_array().unwrap(),
         );
         assert_eq!(pa.len(), pb.len(), "{what}: request {i}");
+        // Echo scored every prompt position, then four generated tokens.
+        assert!(pa.len() >= 9 + 4, "{what}: request {i}: {} logprobs", pa.len());
         for (j, (x, y)) in pa.iter().zip(pb).enumerate() {
             match (x.as_f64(), y.as_f64()) {
                 (Some(x), Some(y)) => assert!(
@@ -53,7 +60,14 @@ fn assert_same_completions(what: &str, a: &[Value], b: &[Value]) {
 /// Serves `model` with `np` processes and in one process (EP `np`, and EP 1, the dense
 /// reference), and compares the scored prompts and greedy tokens under `balancer`.
 fn group_equals_one_process(model: &str, vocab: u32, np: usize, balancer: &str) {
-    let flags = ["--model", model, "--balancer", balancer, "--redundant-slots", "2"];
+    let flags = [
+        "--model",
+        model,
+        "--balancer",
+        balancer,
+        "--redundant-slots",
+        "2",
+    ];
     let requests = scoring_requests(vocab);
     let group = Group::start(np, &flags, &[]);
     let spread = group.complete_all(&requests);
@@ -110,7 +124,8 @@ fn a_mislaunched_group_fails_at_start_with_one_line() {
     let out = Group::run_to_end(2, &["--ep-size", "4"]);
     assert!(!out.status.success());
     assert!(
-        out.stderr.contains("--ep-size 4 but the MPI world has 2 processes"),
+        out.stderr
+            .contains("--ep-size 4 but the MPI world has 2 processes"),
         "{}",
         out.stderr
     );
@@ -141,7 +156,10 @@ fn a_killed_worker_stops_the_group_within_the_bound() {
     assert!(took <= Duration::from_secs(60), "took {took:?}");
     assert!(group.all_ranks_gone(), "a rank outlived the group");
     let _ = load.join();
-    eprintln!("killed rank 2: the group ended {:?} later", killed.elapsed());
+    eprintln!(
+        "killed rank 2: the group ended {:?} later",
+        killed.elapsed()
+    );
 }
 
 #[test]
@@ -168,7 +186,10 @@ fn a_stalled_worker_turns_health_503_and_is_named() {
         log.contains("rank 3 stopped: no heartbeat"),
         "the stalled rank is not named:\n{log}"
     );
-    eprintln!("stalled rank 3: the group ended {:?} after SIGSTOP", took + stopped.elapsed());
+    eprintln!(
+        "stalled rank 3: the group ended {:?} after SIGSTOP",
+        took + stopped.elapsed()
+    );
 }
 
 #[test]

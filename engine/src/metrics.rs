@@ -83,10 +83,19 @@ pub fn describe() {
         ROUTING_TRACE_BYTES,
         "Bytes of whole steps written to the --record-routing trace."
     );
-    describe_gauge!(GROUP_RANKS, "Processes (EP ranks) in the multi-process group.");
+    describe_gauge!(
+        GROUP_RANKS,
+        "Processes (EP ranks) in the multi-process group."
+    );
     describe_gauge!(RANK_WAITING, "Sequences waiting for admission on one rank.");
-    describe_gauge!(RANK_RUNNING, "Sequences admitted and not finished on one rank.");
-    describe_gauge!(RANK_KV_USAGE, "One rank's reserved KV cache over its budget, 0 to 1.");
+    describe_gauge!(
+        RANK_RUNNING,
+        "Sequences admitted and not finished on one rank."
+    );
+    describe_gauge!(
+        RANK_KV_USAGE,
+        "One rank's reserved KV cache over its budget, 0 to 1."
+    );
     describe_gauge!(
         RANK_HEARTBEAT_AGE,
         "Seconds since the leader last heard the rank's heartbeat."

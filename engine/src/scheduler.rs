@@ -137,7 +137,8 @@ impl Scheduler {
     /// Tokens reserved on these ranks, waiting sequences included: what a leader balances new
     /// sequences over processes by.
     pub fn reserved_tokens(&self) -> usize {
-        self.kv_reserved.iter().sum::<usize>() + self.waiting.iter().map(|s| s.reserved).sum::<usize>()
+        self.kv_reserved.iter().sum::<usize>()
+            + self.waiting.iter().map(|s| s.reserved).sum::<usize>()
     }
 
     fn step_ranks(&mut self, runtime: &mut EpRuntime, joined: bool) -> Result<Option<StepSummary>> {

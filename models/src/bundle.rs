@@ -74,6 +74,18 @@ impl ModelBundle {
         }
     }
 
+    /// The configuration of the model `spec` names (as [`Self::load`] resolves it), without
+    /// reading its weights: what decides which experts a process loads.
+    pub fn config_of(spec: Option<&str>) -> Result<ModelConfig> {
+        match spec {
+            None | Some(BUILTIN_MODEL_NAME) => ModelConfig::from_json_str(
+                builtin_files::CONFIG,
+                Path::new("<builtin>/config.json"),
+            ),
+            Some(spec) => ModelConfig::load(&source::resolve(spec)?),
+        }
+    }
+
     /// The built-in tiny Qwen3-MoE (see `models/builtin/README.md`).
     pub fn builtin() -> Result<Self> {
         Self::builtin_with(&ExpertSelection::All)

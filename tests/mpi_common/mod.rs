@@ -35,7 +35,12 @@ pub fn mpirun_available() -> bool {
 /// `mpirun` as root on one host, ranks oversubscribing its cores.
 fn mpirun() -> Command {
     let mut cmd = Command::new("mpirun");
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]);
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ]);
     cmd
 }
 
@@ -143,7 +148,8 @@ impl Served {
             if i > 0 {
                 cmd.arg(":");
             }
-            cmd.args(["-np", "1", BIN, "serve", "--port", "0"]).args(*flags);
+            cmd.args(["-np", "1", BIN, "serve", "--port", "0"])
+                .args(*flags);
         }
         finish(cmd)
     }
@@ -213,7 +219,11 @@ impl Served {
     pub fn stop_with_sigterm(self) {
         signal(self.leader_pid, "TERM");
         let (status, _) = self.wait_exit(SERVE_TIMEOUT);
-        assert!(status.success(), "exit {status:?} after SIGTERM:\n{}", self.log());
+        assert!(
+            status.success(),
+            "exit {status:?} after SIGTERM:\n{}",
+            self.log()
+        );
     }
 
     fn url(&self, path: &str) -> String {
@@ -228,7 +238,12 @@ impl Served {
                 .timeout(Duration::from_secs(2))
                 .build()
                 .ok()?;
-            client.get(url).send().await.ok().map(|r| r.status().as_u16())
+            client
+                .get(url)
+                .send()
+                .await
+                .ok()
+                .map(|r| r.status().as_u16())
         })
     }
 
@@ -236,7 +251,12 @@ impl Served {
     pub fn metrics(&self) -> String {
         let url = self.url("/metrics");
         self.runtime.block_on(async move {
-            reqwest::get(url).await.expect("metrics").text().await.expect("metrics text")
+            reqwest::get(url)
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("metrics text")
         })
     }
 
@@ -320,7 +340,9 @@ impl Drop for Served {
 }
 
 /// Awaits every future, in order.
-async fn futures_join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F: Send + 'static,
     F::Output: Send + 'static,
@@ -348,7 +370,10 @@ fn finish(mut cmd: Command) -> Finished {
         }
         if started.elapsed() > SERVE_TIMEOUT {
             let _ = child.kill();
-            panic!("still running:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+            panic!(
+                "still running:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     };
@@ -397,9 +422,8 @@ pub fn tokenizer_fixture(family: &str) -> (PathBuf, u32) {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let vocab = config["vocab_size"].as_u64().expect("vocab_size") as u32;
-    let words: serde_json::Map<String, Value> = (0..vocab)
-        .map(|i| (format!("w{i}"), json!(i)))
-        .collect();
+    let words: serde_json::Map<String, Value> =
+        (0..vocab).map(|i| (format!("w{i}"), json!(i))).collect();
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null, "padding": null, "added_tokens": [],

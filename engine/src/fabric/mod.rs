@@ -34,17 +34,17 @@ mod local;
 mod mpi;
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 mod nccl;
-#[cfg(feature = "mpi")]
-mod open;
 #[cfg(feature = "cuda")]
 mod nccl_probe;
+#[cfg(feature = "mpi")]
+mod open;
 mod schedule;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiFabric;
 pub use contract::{Fabric, Message, ReplicaBuffers};
 pub use kind::{FabricKind, UnknownFabric};
 pub use local::LocalFabric;
-#[cfg(feature = "mpi")]
-pub use self::mpi::MpiFabric;
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 pub use nccl::NcclFabric;
 #[cfg(feature = "cuda")]

@@ -22,8 +22,8 @@ use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;
 use rackfill_kernels::cuda::nccl::{Comm, PeerOp, UniqueId};
 
-use super::nccl_probe::probe_nccl;
 use super::contract::{Fabric, Message, ReplicaBuffers};
+use super::nccl_probe::probe_nccl;
 use super::schedule::{check_schedule, Place};
 use crate::error::{EngineError, Result};
 

@@ -76,7 +76,13 @@ pub struct Remote {
 }
 
 impl Leader {
-    pub fn new(commands: Receiver<Command>, queued: Arc<AtomicUsize>, alive: Arc<AtomicBool>, recorder: Option<RoutingRecorder>, ranks: usize) -> Self {
+    pub fn new(
+        commands: Receiver<Command>,
+        queued: Arc<AtomicUsize>,
+        alive: Arc<AtomicBool>,
+        recorder: Option<RoutingRecorder>,
+        ranks: usize,
+    ) -> Self {
         Self {
             commands,
             queued,
@@ -118,7 +124,9 @@ impl Lockstep {
         if let Some(leader) = &mut self.leader {
             leader.queued.store(0, Ordering::Release);
             for remote in leader.remote.values() {
-                let _ = remote.events.send(Event::Error("the engine stopped".into()));
+                let _ = remote
+                    .events
+                    .send(Event::Error("the engine stopped".into()));
             }
         }
         self.scheduler.fail_all("the engine stopped");
@@ -196,7 +204,8 @@ impl Lockstep {
             Command::Submit(sequences) => {
                 for parts in sequences {
                     let rank = self.least_loaded();
-                    let reserve = parts.request.prompt.len() + parts.request.params.max_tokens as usize;
+                    let reserve =
+                        parts.request.prompt.len() + parts.request.params.max_tokens as usize;
                     if rank == LEADER {
                         let cache = self.runtime.model().new_cache();
                         self.scheduler.enqueue(Sequence::new(parts, cache));
@@ -239,7 +248,11 @@ impl Lockstep {
         let leader = self.leader.as_ref().expect("leader state");
         (0..self.control.size())
             .min_by_key(|&rank| match rank {
-                LEADER => (self.scheduler.reserved_tokens(), self.scheduler.running(), rank),
+                LEADER => (
+                    self.scheduler.reserved_tokens(),
+                    self.scheduler.running(),
+                    rank,
+                ),
                 _ => (leader.reserved[rank], leader.running[rank], rank),
             })
             .unwrap_or(LEADER)
@@ -329,11 +342,14 @@ impl Lockstep {
         let mut left = round.left_waiting;
         let mut failed = round.failed.map(|why| (LEADER, why));
         for rank in 1..size {
-            self.progress.tick(format!("waiting for rank {rank}'s report"));
+            self.progress
+                .tick(format!("waiting for rank {rank}'s report"));
             let report = self.control.receive_report(rank)?;
             let leader = self.leader_mut();
             for (id, batch) in report.events {
-                let Some(remote) = leader.remote.get(&id) else { continue };
+                let Some(remote) = leader.remote.get(&id) else {
+                    continue;
+                };
                 let mut done = false;
                 for event in batch {
                     done |= matches!(event, Event::Finished(_) | Event::Error(_));
@@ -354,7 +370,10 @@ impl Lockstep {
         }
         let idle = self.scheduler.is_idle() && gauges.iter().all(|g| g.waiting + g.running == 0);
         let leader = self.leader_mut();
-        leader.queued.fetch_sub(left.min(leader.queued.load(Ordering::Acquire)), Ordering::AcqRel);
+        leader.queued.fetch_sub(
+            left.min(leader.queued.load(Ordering::Acquire)),
+            Ordering::AcqRel,
+        );
         leader.busy = !idle;
         metrics::record_ranks(&gauges);
         if let Some(summary) = &round.summary {

@@ -181,7 +181,10 @@ fn fingerprints(served: &GroupModel, fabric: u64) -> Vec<(&'static str, u64)> {
         ),
         (
             "the balancer (--balancer and its settings)",
-            hash(&format!("{:?} {:?} {:?}", ep.balancer, ep.settings, ep.relay)),
+            hash(&format!(
+                "{:?} {:?} {:?}",
+                ep.balancer, ep.settings, ep.relay
+            )),
         ),
         (
             "the layout (--redundant-slots, --data-plane)",

@@ -16,7 +16,6 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 
 use super::wire::{abort_group, LEADER};
 
-
 /// How the group watches itself.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupConfig {
@@ -150,7 +149,8 @@ impl Watch {
                 self.receive_heartbeats(&mut last_seen);
                 for (rank, seen) in last_seen.iter().enumerate().skip(1) {
                     let age = seen.elapsed();
-                    gauge!(crate::metrics::RANK_HEARTBEAT_AGE, "rank" => rank.to_string()).set(age.as_secs_f64());
+                    gauge!(crate::metrics::RANK_HEARTBEAT_AGE, "rank" => rank.to_string())
+                        .set(age.as_secs_f64());
                     if age > timeout {
                         self.stop_group(&format!(
                             "rank {rank} stopped: no heartbeat for {:.0} s (killed, stopped, \

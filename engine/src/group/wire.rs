@@ -170,6 +170,7 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
 }
 
 fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T> {
-    bincode::deserialize(bytes)
-        .map_err(|e| EngineError::Fabric(format!("a malformed {what} ({} bytes): {e}", bytes.len())))
+    bincode::deserialize(bytes).map_err(|e| {
+        EngineError::Fabric(format!("a malformed {what} ({} bytes): {e}", bytes.len()))
+    })
 }
