@@ -44,7 +44,11 @@ fn assert_same_completions(what: &str, a: &[Value], b: &[Value]) {
         );
         assert_eq!(pa.len(), pb.len(), "{what}: request {i}");
         // Echo scored every prompt position, then four generated tokens.
-        assert!(pa.len() >= 9 + 4, "{what}: request {i}: {} logprobs", pa.len());
+        assert!(
+            pa.len() >= 9 + 4,
+            "{what}: request {i}: {} logprobs",
+            pa.len()
+        );
         for (j, (x, y)) in pa.iter().zip(pb).enumerate() {
             match (x.as_f64(), y.as_f64()) {
                 (Some(x), Some(y)) => assert!(

@@ -6,7 +6,7 @@ use serde::Serialize;
 
 /// One physical instance of a logical expert: the rank that computes it and the token-expert pairs
 /// it takes after reroute (`quota[e][t]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct Instance {
     pub rank: u32,
     pub quota: u64,

@@ -31,7 +31,7 @@ pub(crate) enum SplitPolicy {
 /// the replicas in ascending rank. For experts with replicas the split `Q` is stored densely as an
 /// `R x |H(e)|` block; experts without replicas send every token to their main instance, so they
 /// cost nothing to plan.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Plan {
     ranks: usize,
     slots_per_rank: usize,

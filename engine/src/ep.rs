@@ -402,6 +402,7 @@ impl EpRuntime {
             .collect();
         let gathered = self.fabric.all_gather(&counts)?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
+        self.check_plans_agree(layer, &plan)?;
         let solve_time = started.elapsed();
 
         // 4-7. Replicas, token assignment and dispatch, expert compute, combine.
@@ -477,6 +478,29 @@ impl EpRuntime {
             return Ok(Solved { plan, load, took });
         }
         self.solve_on_host(layer, &load)
+    }
+
+    /// With ranks in several processes, fails on every process unless all solved the same
+    /// `plan` (one all-gather of a 64-bit digest per layer): the plan decides where every token
+    /// and replica goes, so processes that disagree would exchange garbage. A process holding
+    /// every rank has nobody to disagree with (`verify_plans` checks its own planners).
+    fn check_plans_agree(&self, layer: usize, plan: &Plan) -> Result<()> {
+        let local = self.fabric.local_ranks();
+        if local.len() == self.fabric.world_size() {
+            return Ok(());
+        }
+        let mut hasher = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(plan, &mut hasher);
+        let digest = std::hash::Hasher::finish(&hasher);
+        let digests = self.fabric.all_gather(&vec![vec![digest]; local.len()])?;
+        match digests.iter().position(|d| d != &digests[0]) {
+            None => Ok(()),
+            Some(rank) => Err(EngineError::Fabric(format!(
+                "layer {layer}: rank {rank} solved a different plan than rank 0 (digest \
+                 {:016x}, not {:016x}): the ranks no longer agree",
+                digests[rank][0], digests[0][0]
+            ))),
+        }
     }
 
     /// [`Self::solve`] with the host planners.

@@ -523,3 +523,61 @@ fn gpu_data_plane_needs_the_cuda_feature() {
     let err = EpRuntime::new(builtin(), config).err().expect("refused");
     assert!(err.to_string().contains("feature `cuda`"), "{err}");
 }
+
+/// Processes that solve different plans for a layer (here: launched with different balancers)
+/// all fail that step, naming the rank whose plan differs, instead of exchanging tokens by
+/// plans that disagree.
+#[test]
+fn processes_whose_plans_differ_all_fail_the_step() {
+    let model = builtin();
+    let prompts = prompts(model.config().vocab_size, &[70, 5, 33, 64]);
+    let handles = LocalFabric::group(4, &[0..1, 1..4]).unwrap();
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let spawned: Vec<_> = handles
+            .into_iter()
+            .zip([Algo::Quota, Algo::None])
+            .map(|(fabric, balancer)| {
+                let (model, prompts) = (&model, &prompts);
+                scope.spawn(move || {
+                    let config = EpConfig {
+                        ep_size: 4,
+                        redundant_slots: 2,
+                        balancer,
+                        ..EpConfig::default()
+                    };
+                    let mut runtime =
+                        EpRuntime::with_fabric(Arc::clone(model), config, Box::new(fabric))
+                            .unwrap();
+                    let mut caches: Vec<KvCache> =
+                        prompts.iter().map(|_| model.new_cache()).collect();
+                    let local = runtime.local_ranks();
+                    let mut batches: Vec<Vec<SequenceInput<'_>>> =
+                        (0..local.len()).map(|_| Vec::new()).collect();
+                    for (i, cache) in caches.iter_mut().enumerate() {
+                        if local.contains(&i) {
+                            batches[i - local.start].push(SequenceInput {
+                                tokens: &prompts[i],
+                                cache,
+                            });
+                        }
+                    }
+                    let which: Vec<Vec<LogitsFor>> = batches
+                        .iter()
+                        .map(|b| vec![LogitsFor::LastPosition; b.len()])
+                        .collect();
+                    match runtime.forward(&mut batches, &which) {
+                        Ok(_) => "the step succeeded".to_string(),
+                        Err(err) => err.to_string(),
+                    }
+                })
+            })
+            .collect();
+        spawned.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for error in errors {
+        assert!(
+            error.contains("rank 1 solved a different plan than rank 0"),
+            "{error}"
+        );
+    }
+}
