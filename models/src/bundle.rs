@@ -74,6 +74,19 @@ impl ModelBundle {
         }
     }
 
+    /// The normalised `config.json` of `spec` (as [`Self::load`] takes it) without loading any
+    /// weight: what a process needs to work out its [`ExpertSelection`] before
+    /// [`Self::load_with`].
+    pub fn config(spec: Option<&str>) -> Result<ModelConfig> {
+        match spec {
+            None | Some(BUILTIN_MODEL_NAME) => ModelConfig::from_json_str(
+                builtin_files::CONFIG,
+                Path::new("<builtin>/config.json"),
+            ),
+            Some(spec) => ModelConfig::load(&source::resolve(spec)?),
+        }
+    }
+
     /// The built-in tiny Qwen3-MoE (see `models/builtin/README.md`).
     pub fn builtin() -> Result<Self> {
         Self::builtin_with(&ExpertSelection::All)
