@@ -87,7 +87,7 @@ mod with_mpi {
         ) -> Result<()> {
             let (rank, size) = (self.world.rank(), self.world.size());
             let served = group_settings(args, engine, size)?;
-            let model = rackfill_models::ModelBundle::config_of(args.model.as_deref())
+            let model = rackfill_models::ModelBundle::config(args.model.as_deref())
                 .with_context(|| format!("cannot load model {}", model_name(args)))?;
             let shard = EpRuntime::expert_selection(&model, &served.config.ep, rank..rank + 1)?;
             if rank != 0 {

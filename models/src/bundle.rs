@@ -74,9 +74,10 @@ impl ModelBundle {
         }
     }
 
-    /// The configuration of the model `spec` names (as [`Self::load`] resolves it), without
-    /// reading its weights: what decides which experts a process loads.
-    pub fn config_of(spec: Option<&str>) -> Result<ModelConfig> {
+    /// The normalised `config.json` of `spec` (as [`Self::load`] takes it) without loading any
+    /// weight: what a process needs to work out its [`ExpertSelection`] before
+    /// [`Self::load_with`].
+    pub fn config(spec: Option<&str>) -> Result<ModelConfig> {
         match spec {
             None | Some(BUILTIN_MODEL_NAME) => ModelConfig::from_json_str(
                 builtin_files::CONFIG,

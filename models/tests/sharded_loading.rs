@@ -130,6 +130,9 @@ fn load_counting_unused(dir: &Path, selection: &ExpertSelection) -> (MoeModel, u
 #[test]
 fn builtin_shard_holds_exactly_its_experts_and_every_other_weight() {
     let full = ModelBundle::builtin().unwrap();
+    let config = ModelBundle::config(None).unwrap();
+    assert_eq!(config.moe.num_experts, full.model.config().moe.num_experts);
+    assert_eq!(config.num_layers, full.model.config().num_layers);
     // EP 4 over 32 experts: rank 1 homes experts 8-15.
     let selection = ExpertSelection::only(8..16);
     let sharded = ModelBundle::builtin_with(&selection).unwrap();
@@ -158,6 +161,8 @@ fn conformance_checkpoint_shards_hold_exactly_their_experts() {
         assert_same_but_experts(&full, &sharded, &selection);
         let via_dir = MoeModel::load_with(&dir, &selection).unwrap();
         assert_eq!(via_dir.expert_selection(), &selection);
+        let config = ModelBundle::config(dir.to_str()).unwrap();
+        assert_eq!(config.moe.num_experts, full.config().moe.num_experts);
     }
 }
 
