@@ -127,7 +127,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
-        Command::Serve(args) => serve_cmd::run(args),
+        Command::Serve(args) => serve_group::run(args),
         Command::Kernels(cmd) => kernels_cmd::run(cmd),
         Command::Simulate(args) => simulate_cmd::run(args),
     };

@@ -110,7 +110,7 @@ pub struct ServeArgs {
 }
 
 /// Engine and server settings from the flags, checked before anything is loaded.
-fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
+pub(crate) fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
     if args.ep_size == Some(0) {
         bail!("--ep-size must be at least 1");
     }
@@ -191,7 +191,7 @@ pub(crate) fn seconds(flag: &str, value: f64) -> Result<Duration> {
         .map_err(|_| anyhow::anyhow!("{flag} must be a finite number of seconds, got {value}"))
 }
 
-fn init_logging() {
+pub(crate) fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -223,16 +223,14 @@ async fn shutdown_signal() {
     }
 }
 
-/// Runs the server until SIGINT / SIGTERM; under an MPI launcher, this process's rank of the
-/// group (the HTTP server on rank 0 only).
-pub fn run(args: ServeArgs) -> Result<()> {
-    let (engine_config, server_config) = configs(&args)?;
-    init_logging();
-    if let Some(group) = crate::serve_group::Launched::detect()? {
-        return group.run(&args, engine_config, server_config);
-    }
+/// Runs the server, every EP rank in this process, until SIGINT / SIGTERM.
+pub(crate) fn serve_one_process(
+    args: &ServeArgs,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+) -> Result<()> {
     let ep = engine_config.ep;
-    serve_http(&args, load_bundle(&args, None), |bundle| {
+    serve_http(args, load_bundle(args, None), |bundle| {
         let state = AppState::launch(bundle, engine_config, server_config)
             .context("cannot start the engine")?;
         Ok((state, ep))

@@ -4,10 +4,24 @@
 //! the leader stops it. A binary built without the `mpi` feature refuses such a launch, since
 //! `N` independent servers would otherwise race for one port.
 
+use anyhow::Result;
 #[cfg(feature = "mpi")]
-pub use with_mpi::Launched;
+use with_mpi::Launched;
 #[cfg(not(feature = "mpi"))]
-pub use without_mpi::Launched;
+use without_mpi::Launched;
+
+use crate::serve_cmd::{configs, init_logging, serve_one_process, ServeArgs};
+
+/// `rackfill serve`: every rank in this process, or, under an MPI launcher of several
+/// processes, this process's rank of the group.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let (engine, server) = configs(&args)?;
+    init_logging();
+    match Launched::detect()? {
+        Some(group) => group.run(&args, engine, server),
+        None => serve_one_process(&args, engine, server),
+    }
+}
 
 #[cfg(not(feature = "mpi"))]
 mod without_mpi {

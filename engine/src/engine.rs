@@ -346,7 +346,9 @@ impl EngineLoop {
                 stopping |= self.handle(command);
             }
             let before = self.scheduler.waiting();
+            let started = Instant::now();
             let stepped = self.scheduler.step(&mut self.runtime);
+            let took = started.elapsed();
             // Admitted (or dropped) sequences leave the queue.
             self.queued.fetch_sub(
                 before.saturating_sub(self.scheduler.waiting()),
@@ -354,7 +356,8 @@ impl EngineLoop {
             );
             match stepped {
                 Ok(Some(summary)) => {
-                    metrics::record_step(&summary.output, summary.tokens.iter().sum());
+                    metrics::record_step(&summary.output, summary.tokens.iter().sum(), took);
+                    metrics::record_fabric(self.runtime.bytes_moved());
                     if let Some(recorder) = &mut self.recorder {
                         let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
                         if let Err(stopped) = recorder.record(self.step, layers) {

@@ -3,6 +3,8 @@
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 
+use std::time::Duration;
+
 use crate::ep::StepOutput;
 
 /// Per-layer rank-load imbalance before balancing (`max L0 / mean L0`).
@@ -21,6 +23,10 @@ pub const PHASE_SECONDS: &str = "rackfill:moe_phase_seconds";
 pub const STEP_TOKENS: &str = "rackfill:step_tokens";
 /// Steps run.
 pub const STEPS: &str = "rackfill:steps_total";
+/// Wall time of one engine step (all its layers, all ranks together).
+pub const STEP_SECONDS: &str = "rackfill:step_seconds";
+/// Bytes the fabric delivered to ranks from other ranks (tokens, outputs, replicas), all ranks.
+pub const FABRIC_BYTES: &str = "rackfill:fabric_received_bytes";
 /// Sequences waiting for admission.
 pub const WAITING: &str = "rackfill:num_requests_waiting";
 /// Sequences admitted and not finished.
@@ -39,6 +45,8 @@ pub const RANK_WAITING: &str = "rackfill:rank_num_requests_waiting";
 pub const RANK_RUNNING: &str = "rackfill:rank_num_requests_running";
 /// One rank's reserved KV over its budget (`rank` label).
 pub const RANK_KV_USAGE: &str = "rackfill:rank_kv_cache_usage_perc";
+/// Bytes one rank received over the fabric (`rank` label).
+pub const RANK_FABRIC_BYTES: &str = "rackfill:rank_fabric_received_bytes";
 /// Seconds since the leader last heard a rank's heartbeat (`rank` label).
 pub const RANK_HEARTBEAT_AGE: &str = "rackfill:rank_heartbeat_age_seconds";
 
@@ -71,6 +79,18 @@ pub fn describe() {
     );
     describe_histogram!(STEP_TOKENS, "Tokens computed per engine step, all ranks.");
     describe_counter!(STEPS, "Engine steps run.");
+    describe_histogram!(
+        STEP_SECONDS,
+        "Wall time of one engine step, all layers and ranks."
+    );
+    describe_gauge!(
+        FABRIC_BYTES,
+        "Bytes delivered to EP ranks from other ranks over the fabric since start."
+    );
+    describe_gauge!(
+        RANK_FABRIC_BYTES,
+        "Bytes one rank received from other ranks over the fabric since start."
+    );
     describe_gauge!(WAITING, "Sequences waiting for admission.");
     describe_gauge!(RUNNING, "Sequences admitted and not finished.");
     describe_gauge!(KV_USAGE, "Reserved KV cache over the KV budget, 0 to 1.");
@@ -102,9 +122,11 @@ pub fn describe() {
     );
 }
 
-/// Records one step's balancing figures and phase times; `tokens` were computed over all ranks.
-pub fn record_step(output: &StepOutput, tokens: usize) {
+/// Records one step's balancing figures and phase times; `tokens` were computed over all ranks
+/// in `took`.
+pub fn record_step(output: &StepOutput, tokens: usize, took: Duration) {
     counter!(STEPS).increment(1);
+    histogram!(STEP_SECONDS).record(took.as_secs_f64());
     histogram!(STEP_TOKENS).record(tokens as f64);
     for layer in &output.layers {
         histogram!(IMBALANCE_BEFORE).record(layer.metrics.imbalance_before);
@@ -126,6 +148,11 @@ pub fn record_step(output: &StepOutput, tokens: usize) {
     }
 }
 
+/// Sets the bytes the fabric delivered to every rank since start.
+pub fn record_fabric(bytes: u64) {
+    gauge!(FABRIC_BYTES).set(bytes as f64);
+}
+
 /// Records the scheduler's queue and KV gauges.
 pub fn record_queue(waiting: usize, running: usize, kv_usage: f64) {
     gauge!(WAITING).set(waiting as f64);
@@ -142,8 +169,10 @@ pub(crate) fn record_ranks(ranks: &[crate::group::RankGauges]) {
     let kv = ranks.iter().map(|g| g.kv_usage).sum::<f64>() / ranks.len().max(1) as f64;
     record_queue(waiting, running, kv);
     gauge!(GROUP_RANKS).set(ranks.len() as f64);
+    record_fabric(ranks.iter().map(|g| g.fabric_bytes).sum());
     for (rank, g) in ranks.iter().enumerate() {
         let rank = rank.to_string();
+        gauge!(RANK_FABRIC_BYTES, "rank" => rank.clone()).set(g.fabric_bytes as f64);
         gauge!(RANK_WAITING, "rank" => rank.clone()).set(g.waiting as f64);
         gauge!(RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
         gauge!(RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);

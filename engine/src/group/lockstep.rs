@@ -100,7 +100,8 @@ impl Leader {
 
 /// What this process did in one round.
 struct Round {
-    summary: Option<StepSummary>,
+    /// The step, and how long it took.
+    summary: Option<(StepSummary, Duration)>,
     left_waiting: usize,
     failed: Option<String>,
 }
@@ -291,8 +292,9 @@ impl Lockstep {
         };
         if self.control.any(!self.scheduler.is_idle()) {
             self.progress.tick("stepping with the group");
+            let started = Instant::now();
             match self.scheduler.step_with_group(&mut self.runtime) {
-                Ok(summary) => round.summary = Some(summary),
+                Ok(summary) => round.summary = Some((summary, started.elapsed())),
                 Err(err) => round.failed = Some(err.to_string()),
             }
         }
@@ -306,6 +308,7 @@ impl Lockstep {
             running: self.scheduler.running(),
             kv_usage: self.scheduler.kv_usage(),
             reserved_tokens: self.scheduler.reserved_tokens(),
+            fabric_bytes: self.runtime.bytes_moved(),
         }
     }
 
@@ -328,7 +331,10 @@ impl Lockstep {
             events,
             gauges: self.gauges(),
             left_waiting: round.left_waiting,
-            tokens: round.summary.as_ref().map_or(0, |s| s.tokens.iter().sum()),
+            tokens: round
+                .summary
+                .as_ref()
+                .map_or(0, |(s, _)| s.tokens.iter().sum()),
             failed: round.failed.clone(),
         }
     }
@@ -338,7 +344,10 @@ impl Lockstep {
     fn gather_reports(&mut self, round: Round) -> Result<()> {
         let size = self.control.size();
         let mut gauges = vec![self.gauges()];
-        let mut tokens = round.summary.as_ref().map_or(0, |s| s.tokens.iter().sum());
+        let mut tokens = round
+            .summary
+            .as_ref()
+            .map_or(0, |(s, _)| s.tokens.iter().sum());
         let mut left = round.left_waiting;
         let mut failed = round.failed.map(|why| (LEADER, why));
         for rank in 1..size {
@@ -376,8 +385,8 @@ impl Lockstep {
         );
         leader.busy = !idle;
         metrics::record_ranks(&gauges);
-        if let Some(summary) = &round.summary {
-            metrics::record_step(&summary.output, tokens);
+        if let Some((summary, took)) = &round.summary {
+            metrics::record_step(&summary.output, tokens, *took);
             if let Some(recorder) = &mut leader.recorder {
                 let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
                 if let Err(stopped) = recorder.record(leader.step, layers) {

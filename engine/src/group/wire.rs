@@ -48,6 +48,8 @@ pub struct RankGauges {
     pub kv_usage: f64,
     /// Tokens reserved, waiting sequences included (what new sequences are balanced by).
     pub reserved_tokens: usize,
+    /// Bytes the rank received over the fabric since start.
+    pub fabric_bytes: u64,
 }
 
 /// What a worker tells the leader at the end of a round.
