@@ -340,11 +340,9 @@ impl Drop for Served {
 }
 
 /// Awaits every future, in order.
-async fn futures_join_all<F: std::future::Future>(
-    futures: impl Iterator<Item = F>,
-) -> Vec<F::Output>
+async fn futures_join_all<F>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = futures.map(tokio::spawn).collect();
