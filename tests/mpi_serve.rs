@@ -61,36 +61,49 @@ fn assert_same_completions(what: &str, a: &[Value], b: &[Value]) {
     }
 }
 
-/// Serves `model` with `np` processes and in one process (EP `np`, and EP 1, the dense
-/// reference), and compares the scored prompts and greedy tokens under `balancer`.
-fn group_equals_one_process(model: &str, vocab: u32, np: usize, balancer: &str) {
-    let flags = [
-        "--model",
-        model,
-        "--balancer",
-        balancer,
-        "--redundant-slots",
-        "2",
-    ];
+/// Every balancer the engine offers.
+const BALANCERS: [&str; 5] = ["quota", "eplb-exact", "eplb-history", "greedy-move", "none"];
+
+/// Serves `model` with `np` processes under each of `balancers`, and in one process at EP `np`
+/// under the same balancer and at EP 1 (the dense reference, once): the scored prompts and
+/// greedy tokens must agree.
+fn group_equals_one_process(model: &str, vocab: u32, np: usize, balancers: &[&str]) {
     let requests = scoring_requests(vocab);
-    let group = Group::start(np, &flags, &[]);
-    let spread = group.complete_all(&requests);
-    let served = group.metrics();
-    group.stop_with_sigterm();
-    // Every rank got work: the leader spread the sequences.
-    for rank in 0..np {
-        let running = Served::metric(&served, "rackfill:rank_num_requests_running", rank);
-        assert!(running.is_some(), "no gauge for rank {rank}:\n{served}");
-    }
+    let dense = Served::single(&["--model", model, "--ep-size", "1"]);
+    let reference = dense.complete_all(&requests);
+    dense.stop_with_sigterm();
     let np_flag = np.to_string();
-    for ep in [np_flag.as_str(), "1"] {
+    for balancer in balancers {
+        let flags = [
+            "--model",
+            model,
+            "--balancer",
+            balancer,
+            "--redundant-slots",
+            "2",
+        ];
+        let group = Group::start(np, &flags, &[]);
+        let spread = group.complete_all(&requests);
+        let served = group.metrics();
+        group.stop_with_sigterm();
+        // Every rank reported its gauges to the leader.
+        for rank in 0..np {
+            let running = Served::metric(&served, "rackfill:rank_num_requests_running", rank);
+            assert!(running.is_some(), "no gauge for rank {rank}:\n{served}");
+        }
         let mut single = flags.to_vec();
-        single.extend(["--ep-size", ep]);
+        single.extend(["--ep-size", np_flag.as_str()]);
         let one = Served::single(&single);
-        let reference = one.complete_all(&requests);
+        let same_ep = one.complete_all(&requests);
         one.stop_with_sigterm();
+        let what = format!("{model} -np {np} {balancer}");
         assert_same_completions(
-            &format!("{model} -np {np} {balancer} vs one process EP {ep}"),
+            &format!("{what} vs one process at EP {np}"),
+            &spread,
+            &same_ep,
+        );
+        assert_same_completions(
+            &format!("{what} vs one process at EP 1"),
             &spread,
             &reference,
         );
@@ -102,21 +115,19 @@ fn four_and_three_processes_equal_one_on_the_builtin_model_for_every_balancer() 
     if !mpirun_available() {
         return;
     }
-    for balancer in ["quota", "eplb-exact", "eplb-history", "greedy-move", "none"] {
-        group_equals_one_process("rackfill-tiny-moe", 512, 4, balancer);
-    }
+    group_equals_one_process("rackfill-tiny-moe", 512, 4, &BALANCERS);
     // 32 experts over 3 ranks: homes of 11, 11 and 10.
-    group_equals_one_process("rackfill-tiny-moe", 512, 3, "quota");
+    group_equals_one_process("rackfill-tiny-moe", 512, 3, &BALANCERS);
 }
 
 #[test]
-fn four_processes_equal_one_on_every_family() {
+fn four_processes_equal_one_on_every_family_for_every_balancer() {
     if !mpirun_available() {
         return;
     }
     for family in ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"] {
         let (dir, vocab) = tokenizer_fixture(family);
-        group_equals_one_process(dir.to_str().unwrap(), vocab, 4, "quota");
+        group_equals_one_process(dir.to_str().unwrap(), vocab, 4, &BALANCERS);
     }
 }
 

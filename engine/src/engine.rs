@@ -15,7 +15,7 @@ use std::time::Instant;
 use rackfill_models::{MoeModel, Tokenizer};
 use tokio::sync::mpsc as events;
 
-use crate::ep::{EpConfig, EpRuntime};
+use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::metrics;
 use crate::request::{GenerateRequest, RequestStream};
@@ -320,6 +320,22 @@ pub(crate) fn open_recorder(config: &EngineConfig) -> Result<Option<RoutingRecor
         .transpose()
 }
 
+/// Appends step `step`'s per-layer loads to the routing trace, if one records; a recorder that
+/// stops (its byte cap, a failed write) says why once and is dropped.
+pub(crate) fn record_routing(
+    recorder: &mut Option<RoutingRecorder>,
+    step: u64,
+    output: &StepOutput,
+) {
+    if let Some(active) = recorder {
+        let layers = output.layers.iter().map(|l| (l.layer, &l.load));
+        if let Err(stopped) = active.record(step, layers) {
+            tracing::warn!("{stopped}");
+            *recorder = None;
+        }
+    }
+}
+
 /// The engine thread's state.
 struct EngineLoop {
     runtime: EpRuntime,
@@ -358,13 +374,7 @@ impl EngineLoop {
                 Ok(Some(summary)) => {
                     metrics::record_step(&summary.output, summary.tokens.iter().sum(), took);
                     metrics::record_fabric(self.runtime.bytes_moved());
-                    if let Some(recorder) = &mut self.recorder {
-                        let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
-                        if let Err(stopped) = recorder.record(self.step, layers) {
-                            tracing::warn!("{stopped}");
-                            self.recorder = None;
-                        }
-                    }
+                    record_routing(&mut self.recorder, self.step, &summary.output);
                     self.step += 1;
                 }
                 Ok(None) => {}

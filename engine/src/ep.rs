@@ -480,15 +480,13 @@ impl EpRuntime {
         self.solve_on_host(layer, &load)
     }
 
-    /// With ranks in several processes, fails on every process unless all solved the same
-    /// `plan` (one all-gather of a 64-bit digest per layer): the plan decides where every token
-    /// and replica goes, so processes that disagree would exchange garbage. A process holding
-    /// every rank has nobody to disagree with (`verify_plans` checks its own planners).
+    /// Fails on every process unless all solved the same `plan` (one all-gather of a 64-bit
+    /// digest per layer): the plan decides where every token and replica goes, so processes that
+    /// disagree would exchange garbage. Run whatever the layout, so one process holding every
+    /// rank moves the same bytes as one process per rank (`verify_plans` also checks a
+    /// process's own planners against each other).
     fn check_plans_agree(&self, layer: usize, plan: &Plan) -> Result<()> {
         let local = self.fabric.local_ranks();
-        if local.len() == self.fabric.world_size() {
-            return Ok(());
-        }
         let mut hasher = std::hash::DefaultHasher::new();
         std::hash::Hash::hash(plan, &mut hasher);
         let digest = std::hash::Hasher::finish(&hasher);

@@ -22,7 +22,7 @@ use tokio::sync::mpsc as events;
 
 use super::watchdog::Progress;
 use super::wire::{Control, ControlPlane, HandOff, RankGauges, Report, LEADER};
-use crate::engine::{fallback_seed, Command};
+use crate::engine::{fallback_seed, record_routing, Command};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::metrics;
@@ -36,18 +36,27 @@ const IDLE_ROUND: Duration = Duration::from_millis(500);
 
 /// One process's side of the group loop.
 pub struct Lockstep {
+    runtime: EpRuntime,
+    scheduler: Scheduler,
+    control: ControlPlane,
+    progress: Arc<Progress>,
+    tokenizer: Arc<Tokenizer>,
+    eos: Arc<[u32]>,
+    /// Workers: the event streams of the sequences they run for the leader, by id.
+    outboxes: BTreeMap<u64, events::UnboundedReceiver<Event>>,
+    /// The leader's state; `None` on workers.
+    leader: Option<Leader>,
+    /// Joined once the loop ends, before MPI is finalised.
+    watchdog: std::thread::JoinHandle<()>,
+}
+
+/// What a process steps with: its ranks' runtime and scheduler, the control plane, and the
+/// progress its watchdog watches.
+pub struct Stepper {
     pub runtime: EpRuntime,
     pub scheduler: Scheduler,
     pub control: ControlPlane,
     pub progress: Arc<Progress>,
-    pub tokenizer: Arc<Tokenizer>,
-    pub eos: Arc<[u32]>,
-    /// Workers: the event streams of the sequences they run for the leader, by id.
-    pub outboxes: BTreeMap<u64, events::UnboundedReceiver<Event>>,
-    /// The leader's state; `None` on workers.
-    pub leader: Option<Leader>,
-    /// Joined once the loop ends, before MPI is finalised.
-    pub watchdog: std::thread::JoinHandle<()>,
 }
 
 /// What only the leader keeps.
@@ -107,6 +116,34 @@ struct Round {
 }
 
 impl Lockstep {
+    /// The loop of a leader (`leader` given) or a worker, serving the model of `tokenizer` and
+    /// end-of-sequence ids `eos`.
+    pub fn new(
+        stepper: Stepper,
+        tokenizer: Arc<Tokenizer>,
+        eos: Vec<u32>,
+        leader: Option<Leader>,
+        watchdog: std::thread::JoinHandle<()>,
+    ) -> Self {
+        let Stepper {
+            runtime,
+            scheduler,
+            control,
+            progress,
+        } = stepper;
+        Self {
+            runtime,
+            scheduler,
+            control,
+            progress,
+            tokenizer,
+            eos: eos.into(),
+            outboxes: BTreeMap::new(),
+            leader,
+            watchdog,
+        }
+    }
+
     /// Runs rounds until the leader says stop. An error (a failed step, a broken message)
     /// stops the whole group: its processes cannot stay in step after it.
     pub fn run(mut self) {
@@ -387,13 +424,7 @@ impl Lockstep {
         metrics::record_ranks(&gauges);
         if let Some((summary, took)) = &round.summary {
             metrics::record_step(&summary.output, tokens, *took);
-            if let Some(recorder) = &mut leader.recorder {
-                let layers = summary.output.layers.iter().map(|l| (l.layer, &l.load));
-                if let Err(stopped) = recorder.record(leader.step, layers) {
-                    tracing::warn!("{stopped}");
-                    leader.recorder = None;
-                }
-            }
+            record_routing(&mut leader.recorder, leader.step, &summary.output);
             leader.step += 1;
         }
         match failed {

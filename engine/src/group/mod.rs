@@ -18,7 +18,6 @@ mod watchdog;
 mod wire;
 mod world;
 
-use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
@@ -33,7 +32,7 @@ use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
 use crate::scheduler::Scheduler;
-use lockstep::{Leader, Lockstep};
+use lockstep::{Leader, Lockstep, Stepper};
 use watchdog::Progress;
 use wire::ControlPlane;
 
@@ -58,77 +57,46 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
     EngineHandle::start(&model, tokenizer, eos, &served.config, move |thread| {
         // Moved whole (not field by field): `Joined` is what is Send.
         let joined = joined;
+        let Joined { stepper, heart } = joined;
         let leader = Leader::new(
             thread.commands,
             thread.queued,
             Arc::clone(&thread.alive),
             recorder,
-            joined.control.size(),
+            stepper.control.size(),
         );
-        let Joined {
-            runtime,
-            scheduler,
-            control,
-            heart,
-            progress,
-        } = joined;
-        let watchdog = match watchdog::spawn(
-            heart,
-            Arc::clone(&progress),
-            Some(thread.alive),
-            served.group,
-        ) {
+        let progress = Arc::clone(&stepper.progress);
+        let watchdog = match watchdog::spawn(heart, progress, Some(thread.alive), served.group) {
             Ok(watchdog) => watchdog,
-            Err(err) => control.abort(&format!("cannot start the watchdog thread: {err}"), None),
+            Err(err) => stepper
+                .control
+                .abort(&format!("cannot start the watchdog thread: {err}"), None),
         };
-        Lockstep {
-            runtime,
-            scheduler,
-            control,
-            progress,
-            tokenizer: Arc::clone(&served.tokenizer),
-            eos: served.eos.into(),
-            outboxes: BTreeMap::new(),
-            leader: Some(leader),
+        Lockstep::new(
+            stepper,
+            served.tokenizer,
+            served.eos,
+            Some(leader),
             watchdog,
-        }
+        )
         .run();
     })
 }
 
 /// Joins the group as a worker (world rank > 0) and steps with it until the leader stops it.
 pub fn run_worker(world: &MpiWorld, served: GroupModel) -> Result<()> {
-    let Joined {
-        runtime,
-        scheduler,
-        control,
-        heart,
-        progress,
-    } = join(world, &served)?;
-    let watchdog = watchdog::spawn(heart, Arc::clone(&progress), None, served.group)
+    let Joined { stepper, heart } = join(world, &served)?;
+    let progress = Arc::clone(&stepper.progress);
+    let watchdog = watchdog::spawn(heart, progress, None, served.group)
         .map_err(|e| EngineError::Config(format!("cannot start the watchdog thread: {e}")))?;
-    Lockstep {
-        runtime,
-        scheduler,
-        control,
-        progress,
-        tokenizer: served.tokenizer,
-        eos: served.eos.into(),
-        outboxes: BTreeMap::new(),
-        leader: None,
-        watchdog,
-    }
-    .run();
+    Lockstep::new(stepper, served.tokenizer, served.eos, None, watchdog).run();
     Ok(())
 }
 
-/// A process's part of the group, ready to step.
+/// A process's part of the group, ready to step, and the communicator of its heartbeats.
 struct Joined {
-    runtime: EpRuntime,
-    scheduler: Scheduler,
-    control: ControlPlane,
+    stepper: Stepper,
     heart: mpi::topology::SimpleCommunicator,
-    progress: Arc<Progress>,
 }
 
 // SAFETY: MPI runs at MPI_THREAD_MULTIPLE (checked when the world is joined), and `heart` moves
@@ -159,11 +127,13 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
     let scheduler = Scheduler::new(runtime.local_ranks().len(), served.config.scheduler)?;
     Ok(Joined {
-        runtime,
-        scheduler,
-        control,
+        stepper: Stepper {
+            runtime,
+            scheduler,
+            control,
+            progress: Arc::new(Progress::new()),
+        },
         heart,
-        progress: Arc::new(Progress::new()),
     })
 }
 
