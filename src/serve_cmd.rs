@@ -109,8 +109,9 @@ pub struct ServeArgs {
     pub(crate) heartbeat_file: Option<PathBuf>,
 }
 
-/// Engine and server settings from the flags, checked before anything is loaded.
-pub(crate) fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> {
+/// Engine and server settings from the flags, checked before anything is loaded (the GPU probe
+/// for `--data-plane auto` runs here, once).
+pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
     if args.ep_size == Some(0) {
         bail!("--ep-size must be at least 1");
     }
@@ -149,7 +150,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> 
         .clone()
         .or_else(|| std::env::var("RACKFILL_API_KEY").ok())
         .filter(|k| !k.is_empty());
-    let (data_plane, _) = data_plane(&args.data_plane)?;
+    let (data_plane, data_plane_note) = data_plane(&args.data_plane)?;
     let engine = EngineConfig {
         ep: EpConfig {
             ep_size: args.ep_size.unwrap_or(EpConfig::default().ep_size),
@@ -178,7 +179,19 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<(EngineConfig, ServerConfig)> 
         write_timeout,
         shutdown_timeout,
     };
-    Ok((engine, server))
+    Ok(ServeConfig {
+        engine,
+        server,
+        data_plane_note,
+    })
+}
+
+/// `rackfill serve`'s settings, checked.
+pub(crate) struct ServeConfig {
+    pub engine: EngineConfig,
+    pub server: ServerConfig,
+    /// Where the MoE data plane runs and why, for the startup log.
+    pub data_plane_note: String,
 }
 
 /// `value` seconds of the flag `flag` as a duration: a non-negative number no larger than a
@@ -224,13 +237,14 @@ async fn shutdown_signal() {
 }
 
 /// Runs the server, every EP rank in this process, until SIGINT / SIGTERM.
-pub(crate) fn serve_one_process(
-    args: &ServeArgs,
-    engine_config: EngineConfig,
-    server_config: ServerConfig,
-) -> Result<()> {
+pub(crate) fn serve_one_process(args: &ServeArgs, config: ServeConfig) -> Result<()> {
+    let ServeConfig {
+        engine: engine_config,
+        server: server_config,
+        data_plane_note,
+    } = config;
     let ep = engine_config.ep;
-    serve_http(args, load_bundle(args, None), |bundle| {
+    serve_http(args, &data_plane_note, load_bundle(args, None), |bundle| {
         let state = AppState::launch(bundle, engine_config, server_config)
             .context("cannot start the engine")?;
         Ok((state, ep))
@@ -265,6 +279,7 @@ pub(crate) fn load_bundle(
 /// HTTP until SIGINT / SIGTERM. `start` also says how the engine it started is laid out.
 pub(crate) fn serve_http(
     args: &ServeArgs,
+    data_plane_note: &str,
     load: impl FnOnce() -> Result<ModelBundle> + Send + 'static,
     start: impl FnOnce(ModelBundle) -> Result<(AppState, EpConfig)>,
 ) -> Result<()> {
@@ -284,7 +299,7 @@ pub(crate) fn serve_http(
             .await
             .context("model loading panicked")??;
         let name = bundle.name.clone();
-        tracing::info!("data plane: {}", data_plane(&args.data_plane)?.1);
+        tracing::info!("data plane: {data_plane_note}");
         let (state, ep) = start(bundle)?;
         tracing::info!(
             model = %name,
@@ -363,7 +378,7 @@ mod tests {
         let mut argv = vec!["serve"];
         argv.extend_from_slice(flags);
         let wrapper = Wrapper::try_parse_from(argv)?;
-        configs(&wrapper.args)
+        configs(&wrapper.args).map(|c| (c.engine, c.server))
     }
 
     #[test]

@@ -15,21 +15,18 @@ use crate::serve_cmd::{configs, init_logging, serve_one_process, ServeArgs};
 /// `rackfill serve`: every rank in this process, or, under an MPI launcher of several
 /// processes, this process's rank of the group.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let (engine, server) = configs(&args)?;
+    let config = configs(&args)?;
     init_logging();
     match Launched::detect()? {
-        Some(group) => group.run(&args, engine, server),
-        None => serve_one_process(&args, engine, server),
+        Some(group) => group.run(&args, config),
+        None => serve_one_process(&args, config),
     }
 }
 
 #[cfg(not(feature = "mpi"))]
 mod without_mpi {
+    use crate::serve_cmd::{ServeArgs, ServeConfig};
     use anyhow::{bail, Result};
-    use rackfill_engine::EngineConfig;
-    use rackfill_server::ServerConfig;
-
-    use crate::serve_cmd::ServeArgs;
 
     /// Never constructed: this binary has no MPI support.
     pub enum Launched {}
@@ -48,7 +45,7 @@ mod without_mpi {
             }
         }
 
-        pub fn run(self, _: &ServeArgs, _: EngineConfig, _: ServerConfig) -> Result<()> {
+        pub fn run(self, _: &ServeArgs, _: ServeConfig) -> Result<()> {
             match self {}
         }
     }
@@ -76,9 +73,9 @@ mod with_mpi {
     use rackfill_engine::fabric::FabricKind;
     use rackfill_engine::group::{self, GroupConfig, GroupModel, MpiWorld};
     use rackfill_engine::{DataPlane, EngineConfig, EpRuntime};
-    use rackfill_server::{AppState, ModelMeta, ServerConfig};
+    use rackfill_server::{AppState, ModelMeta};
 
-    use crate::serve_cmd::{load_bundle, seconds, serve_http, ServeArgs};
+    use crate::serve_cmd::{load_bundle, seconds, serve_http, ServeArgs, ServeConfig};
 
     /// This process's place in a group of several.
     pub struct Launched {
@@ -93,14 +90,14 @@ mod with_mpi {
         }
 
         /// Serves this process's rank until the group stops.
-        pub fn run(
-            self,
-            args: &ServeArgs,
-            engine: EngineConfig,
-            server: ServerConfig,
-        ) -> Result<()> {
+        pub fn run(self, args: &ServeArgs, config: ServeConfig) -> Result<()> {
             let (rank, size) = (self.world.rank(), self.world.size());
-            let served = group_settings(args, engine, size)?;
+            let ServeConfig {
+                engine,
+                server,
+                mut data_plane_note,
+            } = config;
+            let served = group_settings(args, engine, size, &mut data_plane_note)?;
             let model = rackfill_models::ModelBundle::config(args.model.as_deref())
                 .with_context(|| format!("cannot load model {}", model_name(args)))?;
             let shard = EpRuntime::expert_selection(&model, &served.config.ep, rank..rank + 1)?;
@@ -121,18 +118,23 @@ mod with_mpi {
                 "rank 0 of {size} (pid {}): the leader, serving HTTP",
                 std::process::id()
             );
-            serve_http(args, load_bundle(args, Some(shard)), |bundle| {
-                let meta = ModelMeta {
-                    name: bundle.name.clone(),
-                    chat_template: bundle.chat_template.clone(),
-                    generation: bundle.generation.clone(),
-                };
-                let served = served.with_bundle(bundle);
-                let ep = served.config.ep;
-                let handle = group::start_leader(&self.world, served)
-                    .context("cannot start the group's engine")?;
-                Ok((AppState::from_engine(handle, meta, server), ep))
-            })
+            serve_http(
+                args,
+                &data_plane_note,
+                load_bundle(args, Some(shard)),
+                |bundle| {
+                    let meta = ModelMeta {
+                        name: bundle.name.clone(),
+                        chat_template: bundle.chat_template.clone(),
+                        generation: bundle.generation.clone(),
+                    };
+                    let served = served.with_bundle(bundle);
+                    let ep = served.config.ep;
+                    let handle = group::start_leader(&self.world, served)
+                        .context("cannot start the group's engine")?;
+                    Ok((AppState::from_engine(handle, meta, server), ep))
+                },
+            )
         }
     }
 
@@ -160,7 +162,14 @@ mod with_mpi {
         }
     }
 
-    fn group_settings(args: &ServeArgs, mut config: EngineConfig, size: usize) -> Result<Settings> {
+    /// The group's settings; `data_plane_note` (the startup log's) is corrected where one
+    /// process per rank moves the data plane to the CPU.
+    fn group_settings(
+        args: &ServeArgs,
+        mut config: EngineConfig,
+        size: usize,
+        data_plane_note: &mut String,
+    ) -> Result<Settings> {
         if let Some(ep) = args.ep_size.filter(|&ep| ep != size) {
             bail!(
                 "--ep-size {ep} but the MPI world has {size} processes (one per EP rank): leave \
@@ -177,6 +186,9 @@ mod with_mpi {
                 );
             }
             config.ep.data_plane = DataPlane::Cpu;
+            *data_plane_note = "running on CPU: with one process per rank the MoE data plane \
+                                runs on the CPU (the GPU data plane holds every rank in one process)"
+                .into();
         }
         let fabric: FabricKind = args
             .fabric

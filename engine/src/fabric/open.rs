@@ -18,7 +18,10 @@ pub fn resolve_for_process(kind: FabricKind, device: usize) -> Result<FabricKind
         || super::probe_nccl().map(|nccl| format!("{nccl:?}")),
     );
     #[cfg(not(feature = "cuda"))]
-    let (gpu, probe) = (device == usize::MAX, || Err(String::from("no GPU support")));
+    let (gpu, probe) = {
+        let _ = device; // no GPU support in this build: no device to look for
+        (false, || Err(String::from("no GPU support")))
+    };
     kind.resolve(gpu, probe).map_err(EngineError::Config)
 }
 
