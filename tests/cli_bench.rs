@@ -2,18 +2,13 @@
 //! line before any work (clap's own usage errors add its "For more information" hint), and
 //! reports that say what ran.
 
+mod common;
+
+use common::{json_report, rackfill};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn rackfill<S: AsRef<OsStr>>(args: &[S]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rackfill"))
-        .args(args)
-        .output()
-        .expect("rackfill runs")
-}
 
 /// Exit 2 and a first stderr line `error: ...` containing `want`; one line unless clap parsed it.
 fn refused<S: AsRef<OsStr> + Debug>(args: &[S], want: &str) {
@@ -235,7 +230,7 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
             "attention_efficiency": 0.5, "gemm_efficiency": [[1, 0.5], [4096, 0.8]]}"#,
     );
     let run = |rack: &str, json: &Path| {
-        let out = rackfill(&[
+        let args = [
             "bench",
             "ep",
             "--model",
@@ -254,13 +249,8 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
             rack,
             "--json",
             json.to_str().unwrap(),
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&std::fs::read(json).unwrap()).unwrap()
+        ];
+        json_report(&args, json)
     };
     let slow = run(&rack, &dir.join("slow.json"));
     let nvl72 = run("nvl72", &dir.join("nvl72.json"));

@@ -3,8 +3,11 @@
 //! that may take hours. Every case names an endpoint nobody listens on: the flag's own error
 //! must come before the connection's.
 
+mod common;
+
+use common::rackfill;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
 
 /// A fresh directory for one test (`name`), under the system's temporary directory.
 fn temp_dir(name: &str) -> PathBuf {
@@ -15,13 +18,6 @@ fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn rackfill(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rackfill"))
-        .args(args)
-        .output()
-        .expect("rackfill runs")
 }
 
 /// Exit 2 and exactly one stderr line, `error: ...` containing `want`.

@@ -3,16 +3,10 @@
 //! accepts the older spellings (`--ep`, `--ranks`, `--slots`, `--algo`, `--balancers`) as hidden
 //! aliases that mean exactly the same.
 
-use serde_json::Value;
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn rackfill(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rackfill"))
-        .args(args)
-        .output()
-        .expect("rackfill runs")
-}
+use common::{json_report, rackfill, TempDir};
+use serde_json::Value;
 
 /// Runs a command that must succeed and returns its stdout as JSON.
 fn json(args: &[&str]) -> Value {
@@ -100,32 +94,9 @@ fn plan_takes_the_old_spellings_for_the_same_plan() {
     );
 }
 
-/// A fresh directory under the system's temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(test: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("rackfill-cli-flags-{}-{test}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn bench_balance_takes_the_old_spellings() {
-    let dir = TempDir::new("balance");
+    let dir = TempDir::new("flags-balance");
     let report = |name: &str, flags: &[&str]| {
         let path = dir.file(name);
         let mut args = vec![
@@ -145,13 +116,7 @@ fn bench_balance_takes_the_old_spellings() {
             path.to_str().unwrap(),
         ];
         args.extend_from_slice(flags);
-        let out = rackfill(&args);
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap()).unwrap()
+        json_report(&args, &path)
     };
     let summary = |doc: &Value| {
         (
@@ -187,7 +152,7 @@ fn bench_balance_takes_the_old_spellings() {
 
 #[test]
 fn bench_balance_checks_ep_size_against_a_trace_and_refuses_it_for_the_grid() {
-    let dir = TempDir::new("ep-size");
+    let dir = TempDir::new("flags-ep-size");
     let path = dir.file("trace.jsonl");
     let line = |step: u64| {
         format!("{{\"step\":{step},\"layer\":0,\"ranks\":2,\"experts\":8,\"load\":[[1,2,3,4,5,6,7,8],[8,7,6,5,4,3,2,1]]}}\n")
@@ -252,7 +217,7 @@ fn simulate_takes_the_old_spellings_for_the_same_report() {
 
 #[test]
 fn bench_ep_takes_the_old_spellings() {
-    let dir = TempDir::new("ep");
+    let dir = TempDir::new("flags-ep");
     let bench = |name: &str, flags: &[&str]| {
         let path = dir.file(name);
         let mut args = vec![
@@ -270,13 +235,7 @@ fn bench_ep_takes_the_old_spellings() {
             path.to_str().unwrap(),
         ];
         args.extend_from_slice(flags);
-        let out = rackfill(&args);
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let doc: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let doc = json_report(&args, &path);
         let cases: Vec<(Value, Value)> = doc["results"]
             .as_array()
             .unwrap()

@@ -3,43 +3,14 @@
 //! flip the `rackfill:routing_trace_recording` gauge to 0, and `rackfill bench balance --trace`
 //! replays a trace whose last line was cut short, saying so once.
 
+mod common;
+
+use common::{rackfill, TempDir};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// A fresh directory under the system's temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "rackfill-cli-routing-trace-{}-{test}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn rackfill(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rackfill"))
-        .args(args)
-        .output()
-        .expect("rackfill runs")
-}
 
 /// `rackfill serve` on the built-in model at a free port; killed when dropped.
 struct Server {
@@ -149,7 +120,7 @@ fn replays(trace: &Path) -> String {
 
 #[test]
 fn a_byte_cap_stops_recording_with_whole_steps_on_disk() {
-    let dir = TempDir::new("cap");
+    let dir = TempDir::new("routing-trace-cap");
     let trace = dir.file("routing.jsonl");
     let server = Server::start(&[
         "--record-routing",
@@ -185,7 +156,7 @@ fn a_failed_write_stops_recording_and_flips_the_gauge() {
 
 #[test]
 fn a_trace_cut_short_mid_line_replays_with_one_warning() {
-    let dir = TempDir::new("cut");
+    let dir = TempDir::new("routing-trace-cut");
     let trace = dir.file("cut.jsonl");
     let line = |step: u64, layer: usize| {
         format!(
