@@ -160,25 +160,6 @@ pub fn record_queue(waiting: usize, running: usize, kv_usage: f64) {
     gauge!(KV_USAGE).set(kv_usage);
 }
 
-/// Records an EP group's queue and KV gauges on its leader: group totals under the usual names,
-/// and every rank's under the `rank_` names with a `rank` label. `ranks[r]` is rank `r`'s.
-#[cfg(feature = "mpi")]
-pub(crate) fn record_ranks(ranks: &[crate::group::RankGauges]) {
-    let waiting = ranks.iter().map(|g| g.waiting).sum();
-    let running = ranks.iter().map(|g| g.running).sum();
-    let kv = ranks.iter().map(|g| g.kv_usage).sum::<f64>() / ranks.len().max(1) as f64;
-    record_queue(waiting, running, kv);
-    gauge!(GROUP_RANKS).set(ranks.len() as f64);
-    record_fabric(ranks.iter().map(|g| g.fabric_bytes).sum());
-    for (rank, g) in ranks.iter().enumerate() {
-        let rank = rank.to_string();
-        gauge!(RANK_FABRIC_BYTES, "rank" => rank.clone()).set(g.fabric_bytes as f64);
-        gauge!(RANK_WAITING, "rank" => rank.clone()).set(g.waiting as f64);
-        gauge!(RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
-        gauge!(RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);
-    }
-}
-
 /// Sets the routing-trace recording gauge (1 recording, 0 stopped).
 pub fn routing_trace_recording(recording: bool) {
     gauge!(ROUTING_TRACE_RECORDING).set(if recording { 1.0 } else { 0.0 });

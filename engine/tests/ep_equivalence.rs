@@ -83,6 +83,16 @@ fn ep_logits(
     prompts: &[Vec<u32>],
     chunk: usize,
 ) -> EpRun {
+    try_ep_logits(runtime, model, prompts, chunk).unwrap()
+}
+
+/// [`ep_logits`], or the first step's error.
+fn try_ep_logits(
+    runtime: &mut EpRuntime,
+    model: &MoeModel,
+    prompts: &[Vec<u32>],
+    chunk: usize,
+) -> rackfill_engine::Result<EpRun> {
     let ranks = runtime.config().ep_size;
     let local = runtime.local_ranks();
     let mut run = EpRun {
@@ -116,7 +126,7 @@ fn ep_logits(
             .iter()
             .map(|b| vec![LogitsFor::AllPositions; b.len()])
             .collect();
-        let step = runtime.forward(&mut batches, &which).unwrap();
+        let step = runtime.forward(&mut batches, &which)?;
         drop(batches);
         for (logits, members) in step.logits.iter().zip(&members) {
             let Some(logits) = logits else { continue };
@@ -134,7 +144,7 @@ fn ep_logits(
             .sum::<usize>();
         run.layers.extend(step.layers);
     }
-    run
+    Ok(run)
 }
 
 /// After a step, every replica slot of the last MoE layer on the runtime's ranks holds that
@@ -548,24 +558,7 @@ fn processes_whose_plans_differ_all_fail_the_step() {
                     let mut runtime =
                         EpRuntime::with_fabric(Arc::clone(model), config, Box::new(fabric))
                             .unwrap();
-                    let mut caches: Vec<KvCache> =
-                        prompts.iter().map(|_| model.new_cache()).collect();
-                    let local = runtime.local_ranks();
-                    let mut batches: Vec<Vec<SequenceInput<'_>>> =
-                        (0..local.len()).map(|_| Vec::new()).collect();
-                    for (i, cache) in caches.iter_mut().enumerate() {
-                        if local.contains(&i) {
-                            batches[i - local.start].push(SequenceInput {
-                                tokens: &prompts[i],
-                                cache,
-                            });
-                        }
-                    }
-                    let which: Vec<Vec<LogitsFor>> = batches
-                        .iter()
-                        .map(|b| vec![LogitsFor::LastPosition; b.len()])
-                        .collect();
-                    match runtime.forward(&mut batches, &which) {
+                    match try_ep_logits(&mut runtime, model, prompts, 128) {
                         Ok(_) => "the step succeeded".to_string(),
                         Err(err) => err.to_string(),
                     }

@@ -21,6 +21,8 @@ use rackfill_models::Tokenizer;
 use tokio::sync::mpsc as events;
 
 use super::watchdog::Progress;
+use ::metrics::gauge;
+
 use super::wire::{Control, ControlPlane, HandOff, RankGauges, Report, LEADER};
 use crate::engine::{fallback_seed, record_routing, Command};
 use crate::ep::EpRuntime;
@@ -416,12 +418,13 @@ impl Lockstep {
         }
         let idle = self.scheduler.is_idle() && gauges.iter().all(|g| g.waiting + g.running == 0);
         let leader = self.leader_mut();
-        leader.queued.fetch_sub(
-            left.min(leader.queued.load(Ordering::Acquire)),
-            Ordering::AcqRel,
-        );
+        let _ = leader
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                Some(q.saturating_sub(left))
+            });
         leader.busy = !idle;
-        metrics::record_ranks(&gauges);
+        record_ranks(&gauges);
         if let Some((summary, took)) = &round.summary {
             metrics::record_step(&summary.output, tokens, *took);
             record_routing(&mut leader.recorder, leader.step, &summary.output);
@@ -433,5 +436,23 @@ impl Lockstep {
             ))),
             None => Ok(()),
         }
+    }
+}
+
+/// Records an EP group's queue and KV gauges on its leader: group totals under the usual names,
+/// and every rank's under the `rank_` names with a `rank` label. `ranks[r]` is rank `r`'s.
+fn record_ranks(ranks: &[RankGauges]) {
+    let waiting = ranks.iter().map(|g| g.waiting).sum();
+    let running = ranks.iter().map(|g| g.running).sum();
+    let kv = ranks.iter().map(|g| g.kv_usage).sum::<f64>() / ranks.len().max(1) as f64;
+    metrics::record_queue(waiting, running, kv);
+    gauge!(metrics::GROUP_RANKS).set(ranks.len() as f64);
+    metrics::record_fabric(ranks.iter().map(|g| g.fabric_bytes).sum());
+    for (rank, g) in ranks.iter().enumerate() {
+        let rank = rank.to_string();
+        gauge!(metrics::RANK_FABRIC_BYTES, "rank" => rank.clone()).set(g.fabric_bytes as f64);
+        gauge!(metrics::RANK_WAITING, "rank" => rank.clone()).set(g.waiting as f64);
+        gauge!(metrics::RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
+        gauge!(metrics::RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);
     }
 }

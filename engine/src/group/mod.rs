@@ -24,7 +24,6 @@ use std::sync::Arc;
 use rackfill_models::{MoeModel, Tokenizer};
 
 pub use watchdog::GroupConfig;
-pub(crate) use wire::RankGauges;
 pub use world::MpiWorld;
 
 use crate::engine::{open_recorder, EngineConfig, EngineHandle};
