@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
+use rackfill_engine::fabric::FabricKind;
 use rackfill_engine::routing_trace::RoutingTraceConfig;
 use rackfill_engine::{DataPlane, EngineConfig, EpConfig, SchedulerConfig};
 use rackfill_models::{ExpertSelection, ModelBundle};
@@ -96,8 +97,8 @@ pub struct ServeArgs {
     pub(crate) data_plane: String,
     /// Under mpirun/srun: what carries the MoE layers' data between processes: `auto`, `mpi`
     /// (host memory over MPI) or `nccl` (through the process's GPU, one per process).
-    #[arg(long, default_value = "auto")]
-    pub(crate) fabric: String,
+    #[arg(long, default_value_t = FabricKind::Auto)]
+    pub(crate) fabric: FabricKind,
     /// Under mpirun/srun: a rank that makes no progress (or whose heartbeats stop) for this many
     /// seconds stops every process of the group with a non-zero status, naming the rank. Must
     /// exceed the longest engine step.
@@ -150,6 +151,10 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         .clone()
         .or_else(|| std::env::var("RACKFILL_API_KEY").ok())
         .filter(|k| !k.is_empty());
+    let watchdog_timeout = seconds("--watchdog-timeout", args.watchdog_timeout)?;
+    if watchdog_timeout.is_zero() {
+        bail!("--watchdog-timeout must be more than 0 seconds");
+    }
     let (data_plane, data_plane_note) = data_plane(&args.data_plane)?;
     let engine = EngineConfig {
         ep: EpConfig {
@@ -183,6 +188,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         engine,
         server,
         data_plane_note,
+        watchdog_timeout,
     })
 }
 
@@ -192,6 +198,10 @@ pub(crate) struct ServeConfig {
     pub server: ServerConfig,
     /// Where the MoE data plane runs and why, for the startup log.
     pub data_plane_note: String,
+    /// Under an MPI launcher: how long a rank may make no progress (`--watchdog-timeout`;
+    /// checked in every build, read only by the `mpi` one).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub watchdog_timeout: Duration,
 }
 
 /// `value` seconds of the flag `flag` as a duration: a non-negative number no larger than a
@@ -242,6 +252,7 @@ pub(crate) fn serve_one_process(args: &ServeArgs, config: ServeConfig) -> Result
         engine: engine_config,
         server: server_config,
         data_plane_note,
+        ..
     } = config;
     let ep = engine_config.ep;
     serve_http(args, &data_plane_note, load_bundle(args, None), |bundle| {
@@ -433,6 +444,8 @@ mod tests {
             &["--served-model-name", ""],
             &["--data-plane", "tpu"],
             &["--data-plane", "gpu:x"],
+            &["--watchdog-timeout", "0"],
+            &["--watchdog-timeout=-1"],
         ] {
             let err = parse(flags).unwrap_err().to_string();
             assert!(!err.contains('\n'), "{flags:?}: {err}");
@@ -440,6 +453,7 @@ mod tests {
         // Refused by the flag parser (the binary folds its message into one line).
         assert!(parse(&["--port", "70000"]).is_err());
         assert!(parse(&["--balancer", "nope"]).is_err());
+        assert!(parse(&["--fabric", "bogus"]).is_err());
         assert!(parse(&["--record-routing-max-bytes", "1G"]).is_err());
     }
 

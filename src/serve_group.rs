@@ -75,7 +75,7 @@ mod with_mpi {
     use rackfill_engine::{DataPlane, EngineConfig, EpRuntime};
     use rackfill_server::{AppState, ModelMeta};
 
-    use crate::serve_cmd::{load_bundle, seconds, serve_http, ServeArgs, ServeConfig};
+    use crate::serve_cmd::{load_bundle, serve_http, ServeArgs, ServeConfig};
 
     /// This process's place in a group of several.
     pub struct Launched {
@@ -96,8 +96,13 @@ mod with_mpi {
                 engine,
                 server,
                 mut data_plane_note,
+                watchdog_timeout,
             } = config;
-            let served = group_settings(args, engine, size, &mut data_plane_note)?;
+            let group = GroupConfig {
+                watchdog_timeout,
+                heartbeat_file: args.heartbeat_file.clone(),
+            };
+            let served = group_settings(args, engine, group, size, &mut data_plane_note)?;
             let model = rackfill_models::ModelBundle::config(args.model.as_deref())
                 .with_context(|| format!("cannot load model {}", model_name(args)))?;
             let shard = EpRuntime::expert_selection(&model, &served.config.ep, rank..rank + 1)?;
@@ -167,6 +172,7 @@ mod with_mpi {
     fn group_settings(
         args: &ServeArgs,
         mut config: EngineConfig,
+        group: GroupConfig,
         size: usize,
         data_plane_note: &mut String,
     ) -> Result<Settings> {
@@ -190,21 +196,10 @@ mod with_mpi {
                                 runs on the CPU (the GPU data plane holds every rank in one process)"
                 .into();
         }
-        let fabric: FabricKind = args
-            .fabric
-            .parse()
-            .map_err(|e| anyhow::anyhow!("--fabric: {e}"))?;
-        let watchdog_timeout = seconds("--watchdog-timeout", args.watchdog_timeout)?;
-        if watchdog_timeout.is_zero() {
-            bail!("--watchdog-timeout must be more than 0 seconds");
-        }
         Ok(Settings {
             config,
-            group: GroupConfig {
-                watchdog_timeout,
-                heartbeat_file: args.heartbeat_file.clone(),
-            },
-            fabric,
+            group,
+            fabric: args.fabric,
         })
     }
 
