@@ -219,7 +219,12 @@ fn sigterm_to_the_leader_drains_and_every_process_exits_zero() {
     let (status, _) = group.wait_exit(SERVE_TIMEOUT);
     let outcomes = load.join().expect("load thread");
     assert!(status.success(), "mpirun exit {status:?}:\n{}", group.log());
-    // Nothing in flight was lost: every request finished (or was refused before it started).
+    // Nothing in flight was lost: every request finished (or was refused before it started),
+    // and the drain really had requests in flight to finish.
+    assert!(
+        outcomes.iter().any(|o| o == "finished"),
+        "no request was in flight: {outcomes:?}"
+    );
     for outcome in outcomes {
         assert!(
             outcome == "finished" || outcome.starts_with("refused"),
