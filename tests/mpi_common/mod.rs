@@ -32,15 +32,20 @@ pub fn mpirun_available() -> bool {
     found
 }
 
-/// `mpirun` as root on one host, ranks oversubscribing its cores.
+/// `mpirun` as root on one host, ranks oversubscribing its cores. Each launch gets its own
+/// session directory: OpenMPI 4 launches started at the same moment (tests run in parallel)
+/// otherwise race to create the shared `/tmp/ompi.HOST.UID` and one fails in `orte_init`.
 fn mpirun() -> Command {
+    let session = log_path("session").with_extension("d");
+    std::fs::create_dir_all(&session).expect("session directory");
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "--allow-run-as-root",
         "--oversubscribe",
         "--bind-to",
         "none",
-    ]);
+    ])
+    .env("OMPI_MCA_orte_tmpdir_base", &session);
     cmd
 }
 
