@@ -114,3 +114,40 @@ struct TileDst {
     u32 rank;
     i32 ready_flag;   // ready counter on `rank` to bump after the store, -1: none
 };
+
+// bf16 as raw bits (no CUDA header needed): the whole-model kernels keep weights, KV cache and
+// GEMM inputs in bf16 and compute in f32.
+typedef unsigned short bf16;
+
+__device__ __forceinline__ float bf16_to_f32(bf16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// Round to nearest even, NaN stays NaN: what torch's float -> bfloat16 conversion does.
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum_f32(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max_f32(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide f32 sum; `scratch` holds one float per warp; every thread must call it and gets
+// the result. Warps are summed in a fixed order, so the result is the same on every launch.
+__device__ float block_sum_f32(float v, float* scratch) {
+    v = warp_sum_f32(v);
+    if (lane_id() == 0) scratch[warp_id()] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float total = 0.0f;
+    for (u32 w = 0; w < warps; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
