@@ -96,8 +96,37 @@ pub const EXPERTS: KernelSource = KernelSource {
     entry_points: &["silu_mul"],
 };
 
+/// The dense parts of a decoder layer (whole-model path): embedding, norms, RoPE, adds,
+/// conversions, gathers, the bf16 gated activation, the routers.
+pub const MODEL: KernelSource = KernelSource {
+    name: "model",
+    file: "model.cu",
+    source: include_str!("../../cuda/model.cu"),
+    entry_points: &[],
+};
+
+/// Paged KV cache writes and causal attention over a chunk plus its cached context.
+pub const ATTENTION: KernelSource = KernelSource {
+    name: "attention",
+    file: "attention.cu",
+    source: include_str!("../../cuda/attention.cu"),
+    entry_points: &[],
+};
+
+/// The sources of the whole-model path: what the host emulator compiles for
+/// [`super::exec::Emulator`].
+pub const WHOLE_MODEL_SOURCES: [KernelSource; 2] = [MODEL, ATTENTION];
+
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 5] = [QUOTA_SOLVER, REPLICATE, TILE_PLAN, PERMUTE, EXPERTS];
+pub const SOURCES: [KernelSource; 7] = [
+    QUOTA_SOLVER,
+    REPLICATE,
+    TILE_PLAN,
+    PERMUTE,
+    EXPERTS,
+    MODEL,
+    ATTENTION,
+];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.
 pub const DEFAULT_ARCHS: [&str; 2] = ["sm_90", "sm_100"];
