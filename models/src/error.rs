@@ -94,6 +94,15 @@ pub enum ModelError {
     #[error("invalid model input: {0}")]
     Input(String),
 
+    /// The GPU path failed (a driver, cuBLAS or kernel error, or a full KV cache).
+    #[cfg(feature = "cuda")]
+    #[error("GPU: {0}")]
+    Gpu(#[from] rackfill_kernels::cuda::CudaError),
+
+    /// The paged KV cache refused (full, or a block table that does not belong to its pool).
+    #[error("KV cache: {0}")]
+    KvCache(#[from] rackfill_kernels::paged::PagedError),
+
     /// A tensor operation failed (a shape bug, never user input).
     #[error("tensor computation failed: {0}")]
     Compute(#[from] candle_core::Error),

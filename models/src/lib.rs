@@ -10,6 +10,8 @@ pub mod error;
 pub mod expert_selection;
 pub mod families;
 pub mod generation_config;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod layers;
 pub mod model;
 pub mod source;

@@ -37,10 +37,10 @@ impl FeedForward {
 
 /// One transformer block: pre-norm attention and pre-norm feed-forward, each with a residual.
 pub struct DecoderLayer {
-    input_norm: RmsNorm,
-    attention: Box<dyn Attention>,
-    post_attention_norm: RmsNorm,
-    ffn: FeedForward,
+    pub(crate) input_norm: RmsNorm,
+    pub(crate) attention: Box<dyn Attention>,
+    pub(crate) post_attention_norm: RmsNorm,
+    pub(crate) ffn: FeedForward,
 }
 
 impl DecoderLayer {
@@ -104,10 +104,10 @@ pub enum LogitsFor {
 pub struct MoeModel {
     config: ModelConfig,
     /// `[V, H]`.
-    embed_tokens: Tensor,
+    pub(crate) embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
+    pub(crate) norm: RmsNorm,
+    pub(crate) lm_head: Linear,
     /// The routed experts loaded in every MoE layer.
     experts: ExpertSelection,
 }

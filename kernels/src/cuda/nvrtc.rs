@@ -113,12 +113,12 @@ pub const ATTENTION: KernelSource = KernelSource {
     entry_points: &[],
 };
 
-/// Strided row copies and gathers, and the shared expert's sigmoid gate (whole-model path).
+/// Strided f32 row copies and gathers (whole-model path).
 pub const GLUE: KernelSource = KernelSource {
     name: "glue",
     file: "glue.cu",
     source: include_str!("../../cuda/glue.cu"),
-    entry_points: &["copy_rows_f32", "gather_rows_f32", "scale_rows_by_sigmoid"],
+    entry_points: &["copy_rows_f32", "gather_rows_f32"],
 };
 
 /// The sources of the whole-model path: what the host emulator compiles for

@@ -28,23 +28,23 @@ pub(crate) const LOADER: FamilyLoader = FamilyLoader {
 };
 
 /// The query path: a direct projection, or DeepSeek's low-rank `q_a -> norm -> q_b`.
-enum QueryProjection {
+pub(crate) enum QueryProjection {
     Direct(Linear),
     LowRank { a: Linear, norm: RmsNorm, b: Linear },
 }
 
 /// Multi-head latent attention. The KV cache holds the expanded per-head keys and values: on a
 /// CPU host the expansion costs more than the memory it would save.
-struct MlaAttention {
-    query: QueryProjection,
-    kv_a: Linear,
-    kv_norm: RmsNorm,
-    kv_b: Linear,
-    o_proj: Linear,
-    rope: Rope,
-    dims: MlaConfig,
-    heads: usize,
-    scale: f64,
+pub(crate) struct MlaAttention {
+    pub(crate) query: QueryProjection,
+    pub(crate) kv_a: Linear,
+    pub(crate) kv_norm: RmsNorm,
+    pub(crate) kv_b: Linear,
+    pub(crate) o_proj: Linear,
+    pub(crate) rope: Rope,
+    pub(crate) dims: MlaConfig,
+    pub(crate) heads: usize,
+    pub(crate) scale: f64,
 }
 
 fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
@@ -149,6 +149,10 @@ impl Attention for MlaAttention {
             row += n;
         }
         Ok(self.o_proj.forward(&Tensor::cat(&outputs, 0)?)?)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -91,6 +91,9 @@ pub struct SeqChunk<'a> {
 pub trait Attention: Send + Sync {
     /// `x` is `[sum of chunk lengths, hidden]`, rows in chunk order.
     fn forward(&self, x: &Tensor, chunks: &mut [SeqChunk<'_>]) -> Result<Tensor>;
+
+    /// The concrete attention, for the GPU path's upload of its weights.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Checks that the chunks cover the batch's rows exactly.
@@ -258,16 +261,16 @@ fn flat(x: &Tensor) -> Result<Vec<f32>> {
 /// Grouped-query attention (Qwen2-MoE, Qwen3-MoE, Mixtral): optional qkv bias (and output bias,
 /// Qwen3-MoE's `attention_bias`), optional per-head q/k RMSNorm before RoPE.
 pub struct GqaAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    rope: Rope,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) rope: Rope,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
 }
 
 impl GqaAttention {
@@ -340,6 +343,10 @@ impl Attention for GqaAttention {
         }
         let out = Tensor::cat(&outputs, 0)?;
         Ok(self.o_proj.forward(&out)?)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -21,9 +21,9 @@ use crate::layers::{Mlp, MlpNames};
 /// Always-on experts beside the routed ones (DeepSeek-V3, Qwen2-MoE).
 #[derive(Debug, Clone)]
 pub struct SharedExpert {
-    mlp: Mlp,
+    pub(crate) mlp: Mlp,
     /// Qwen2-MoE's `shared_expert_gate` (`[1, H]`): output scaled by `sigmoid(gate · x)`.
-    gate: Option<Tensor>,
+    pub(crate) gate: Option<Tensor>,
 }
 
 impl SharedExpert {

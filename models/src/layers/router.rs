@@ -37,12 +37,12 @@ impl Routing {
 #[derive(Debug, Clone)]
 pub struct Router {
     /// `[E, H]`.
-    weight: Tensor,
+    pub(crate) weight: Tensor,
     /// DeepSeek's `e_score_correction_bias`: shifts selection, not the weights.
-    correction_bias: Option<Vec<f32>>,
-    kind: RouterKind,
-    top_k: usize,
-    num_experts: usize,
+    pub(crate) correction_bias: Option<Vec<f32>>,
+    pub(crate) kind: RouterKind,
+    pub(crate) top_k: usize,
+    pub(crate) num_experts: usize,
 }
 
 impl Router {

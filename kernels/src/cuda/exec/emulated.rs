@@ -15,7 +15,7 @@ use crate::cuda::{nvrtc, CudaError};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 const EMU_H: &str = include_str!("../../../emulator/emu.h");
 const LAUNCH_CPP: &str = include_str!("../../../emulator/launch.cpp");
@@ -54,13 +54,13 @@ impl Emulator {
     /// The emulator for this process, built (or found built, by the sources' hash) under the
     /// system's temporary directory on first use; `None`, after printing why, where there is no
     /// C++ compiler. Tests use it so that a machine without one skips instead of failing.
-    pub fn shared() -> Option<&'static Emulator> {
-        static SHARED: OnceLock<Option<Emulator>> = OnceLock::new();
+    pub fn shared() -> Option<Arc<Emulator>> {
+        static SHARED: OnceLock<Option<Arc<Emulator>>> = OnceLock::new();
         SHARED
             .get_or_init(|| {
                 let dir = std::env::temp_dir().join("rackfill-emulator");
                 match Emulator::build(&dir) {
-                    Ok(emulator) => Some(emulator),
+                    Ok(emulator) => Some(Arc::new(emulator)),
                     Err(e @ EmulatorUnavailable::NoCompiler { .. }) => {
                         eprintln!("host emulator skipped: {e}");
                         None
@@ -68,7 +68,7 @@ impl Emulator {
                     Err(e) => panic!("{e}"),
                 }
             })
-            .as_ref()
+            .clone()
     }
 
     /// Builds the emulator library in `dir` (reused when the same sources were built there
