@@ -102,7 +102,21 @@ pub const MODEL: KernelSource = KernelSource {
     name: "model",
     file: "model.cu",
     source: include_str!("../../cuda/model.cu"),
-    entry_points: &[],
+    entry_points: &[
+        "embed_rows",
+        "f32_to_bf16_rows",
+        "gather_rows_to_bf16",
+        "rms_norm_to_bf16",
+        "rms_norm_inplace",
+        "rope",
+        "add_inplace",
+        "add_bias_rows",
+        "sigmoid_scale_rows",
+        "silu_mul_to_bf16",
+        "combine_topk_rows",
+        "router_softmax_topk",
+        "router_sigmoid_grouped_topk",
+    ],
 };
 
 /// Paged KV cache writes and causal attention over a chunk plus its cached context.

@@ -76,6 +76,22 @@ impl Rope {
         }
     }
 
+    /// The inverse frequencies, `[dim/2]`, as the CPU computes them: the GPU rotary kernel is
+    /// handed this table so both paths rotate by the same angles.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// The factor cos and sin are multiplied by (YaRN's magnitude correction; 1 otherwise).
+    pub fn attention_factor(&self) -> f32 {
+        self.attention_factor
+    }
+
+    /// Whether pairs are adjacent dimensions (DeepSeek) rather than the two halves.
+    pub fn interleaved(&self) -> bool {
+        self.interleaved
+    }
+
     /// `cos` and `sin` tables, `[n, dim/2]`, for positions `start..start + n`.
     pub fn tables(&self, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();

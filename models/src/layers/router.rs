@@ -67,14 +67,25 @@ impl Router {
 
     /// Routes `x` `[T, H]`.
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
-        let logits = x.matmul(&self.weight.t()?)?.to_vec2::<f32>()?;
+        let logits = x
+            .matmul(&self.weight.t()?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(self.select(&logits))
+    }
+
+    /// Routes tokens given their router logits, row-major `[T, E]`: the selection after the
+    /// gate's product, and the reference the GPU router kernels (which take the logits from a
+    /// cuBLAS GEMM) must reproduce.
+    pub fn select(&self, logits: &[f32]) -> Routing {
         let k = self.top_k;
+        let rows = logits.len() / self.num_experts.max(1);
         let mut routing = Routing {
             top_k: k,
-            experts: Vec::with_capacity(logits.len() * k),
-            weights: Vec::with_capacity(logits.len() * k),
+            experts: Vec::with_capacity(rows * k),
+            weights: Vec::with_capacity(rows * k),
         };
-        for row in &logits {
+        for row in logits.chunks_exact(self.num_experts.max(1)) {
             let (experts, weights) = match &self.kind {
                 RouterKind::SoftmaxTopK { norm_topk_prob } => {
                     softmax_top_k(row, k, *norm_topk_prob)
@@ -106,7 +117,7 @@ impl Router {
             .experts
             .iter()
             .all(|&e| (e as usize) < self.num_experts));
-        Ok(routing)
+        routing
     }
 }
 
