@@ -110,7 +110,7 @@ pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     file: "attention.cu",
     source: include_str!("../../cuda/attention.cu"),
-    entry_points: &[],
+    entry_points: &["kv_write", "paged_attention"],
 };
 
 /// The sources of the whole-model path: what the host emulator compiles for
