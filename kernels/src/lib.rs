@@ -16,6 +16,10 @@
 //! - [`weights`]: where an expert instance's weights live on the rank that computes it (home or
 //!   redundant slot), for the CPU and the GPU plane alike.
 //!
+//! - [`paged`]: the host side of the GPU's paged KV cache: a pool of fixed-size blocks, each
+//!   sequence's block table, and the per-step slot and block-table arrays the attention kernels
+//!   read.
+//!
 //! - `cuda` (feature `cuda`): the same data plane on the GPU, CUDA C compiled at run time by NVRTC,
 //!   plus the quota solver on the device and grouped expert GEMMs with cuBLAS.
 //!
@@ -24,6 +28,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod paged;
 pub mod permute;
 pub mod replicate;
 pub mod weights;

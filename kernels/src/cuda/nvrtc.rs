@@ -124,7 +124,7 @@ pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     file: "attention.cu",
     source: include_str!("../../cuda/attention.cu"),
-    entry_points: &[],
+    entry_points: &["kv_write", "paged_attention"],
 };
 
 /// Strided f32 row copies and gathers (whole-model path).
