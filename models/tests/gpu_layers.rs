@@ -24,10 +24,7 @@ use candle_core::{Device, Module, Tensor};
 use rackfill_kernels::cuda::exec::{
     round_bf16, DeviceBuffer, Emulator, Executor, ExecutorExt, KernelArg, Launch,
 };
-use rackfill_models::config::{RopeConfig, RopeScaling};
-use rackfill_models::layers::rope::Rope;
-use rackfill_models::layers::router::Router;
-use rackfill_models::layers::{fastmath, RmsNorm};
+use rackfill_models::layers::RmsNorm;
 use rackfill_models::{Checkpoint, ModelConfig, MoeModel};
 use safetensors::Dtype;
 
@@ -327,6 +324,9 @@ fn rms_norm_inplace_matches_the_builtin_models_qk_norms() {
     eprintln!("rms_norm_inplace: max relative error {worst:e}");
 }
 
+#[path = "gpu_layers/elementwise.rs"]
 mod elementwise;
+#[path = "gpu_layers/rope.rs"]
 mod rope;
+#[path = "gpu_layers/routers.rs"]
 mod routers;

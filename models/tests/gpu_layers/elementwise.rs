@@ -3,6 +3,7 @@
 //! weighted top-k combine.
 
 use super::*;
+use rackfill_models::layers::fastmath;
 
 #[test]
 fn bf16_conversions_and_row_gathers_round_to_nearest_even() {

@@ -2,6 +2,8 @@
 //! schedule (default, linear, YaRN) in both layouts at production head sizes, bit for bit.
 
 use super::*;
+use rackfill_models::config::{RopeConfig, RopeScaling};
+use rackfill_models::layers::rope::Rope;
 
 /// One rotary layout: `heads` heads of `head_stride` columns per row, rotating
 /// `[offset, offset + rot)` of each.

@@ -4,13 +4,14 @@
 
 use super::*;
 use rackfill_models::config::{MoeConfig, RouterKind};
+use rackfill_models::layers::router::Router;
 
 /// Width of the routers' (unused) gate weight: the tests feed logits directly.
 const HIDDEN: usize = 4;
 
 /// A router for `moe` loaded from an in-memory checkpoint, and its correction bias (sigmoid
 /// routers: `bias_offset` plus small noise).
-fn router(moe: &MoeConfig, rng: &mut Rng, bias_offset: f32) -> (Router, Option<Vec<f32>>) {
+fn random_router(moe: &MoeConfig, rng: &mut Rng, bias_offset: f32) -> (Router, Option<Vec<f32>>) {
     let e = moe.num_experts;
     let weight = rng.vec(e * HIDDEN, 1.0);
     let mut tensors = vec![("gate.weight", vec![e, HIDDEN], weight, Dtype::BF16)];
@@ -126,7 +127,7 @@ fn routers_select_the_cpu_experts_and_weights() {
     let mut worst = 0f32;
     for name in FIXTURES {
         let moe = ModelConfig::load(&fixture(name)).unwrap().moe;
-        let (router, bias) = router(&moe, &mut rng, 0.0);
+        let (router, bias) = random_router(&moe, &mut rng, 0.0);
         worst = worst.max(check(&dev, name, &moe, &router, bias.as_deref(), &mut rng));
     }
     // The built-in model's own gate.
@@ -180,7 +181,7 @@ fn routers_select_the_cpu_experts_and_weights() {
         (moe(6, 2, sigmoid(1, 1, true, 1.0)), 0.5),
     ];
     for (i, (moe, offset)) in cases.iter().enumerate() {
-        let (router, bias) = router(moe, &mut rng, *offset);
+        let (router, bias) = random_router(moe, &mut rng, *offset);
         worst = worst.max(check(
             &dev,
             &format!("case {i}"),
