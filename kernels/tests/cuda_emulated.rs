@@ -1,5 +1,5 @@
 //! The real CUDA kernel sources, compiled as host C++ against a thread-per-CUDA-thread emulation
-//! (tests/cuda_emulator/emu.h), reproduce the CPU references on machines without a GPU: the
+//! (kernels/emulator/emu.h), reproduce the CPU references on machines without a GPU: the
 //! quota solver's plan equals the CPU planner's bit for bit (with the host's own shared-memory
 //! layout), the permute / group / return / combine kernels are bitwise equal to the CPU data
 //! plane, the device relay planner builds the host compiler's tile stream entry for entry, the
@@ -106,10 +106,11 @@ fn emulator() -> Option<&'static Path> {
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("kernels.inc"), host_source()).unwrap();
             let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulator");
+            let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("emulator");
             let exe = dir.join("emulator");
             let out = Command::new(&cxx)
                 .args(["-std=c++20", "-O2", "-pthread", "-w", "-I"])
-                .arg(&here)
+                .arg(&header)
                 .arg("-I")
                 .arg(&dir)
                 .arg(here.join("emulator.cpp"))

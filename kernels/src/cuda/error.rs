@@ -76,6 +76,8 @@ pub enum CudaError {
     TileStreamStalled,
     #[error("tile task {task}: {reason}")]
     UnrunnableTask { task: usize, reason: String },
+    #[error("{0}")]
+    Exec(String),
     #[error("{what}: the device reported {count} out-of-range entries")]
     DeviceInput { what: &'static str, count: u32 },
 }

@@ -14,6 +14,8 @@
 //!   engine runs on a GPU host);
 //! - [`nccl`]: NCCL loaded at run time (probe, communicator, all-gather and grouped send/recv),
 //!   what the engine's NCCL fabric moves bytes between GPUs with;
+//! - [`exec`]: one executor interface for the whole-model kernels, run on the GPU or, without
+//!   one, on the host emulator;
 //! - [`bench`]: the GPU measurements of `rackfill kernels bench`;
 //! - `device_plan`: a plan in the flat form the device reads ([`PlanArrays`], [`DevicePlan`]),
 //!   written by the solver and read by the permute and the relay planner; `error`: every error
@@ -27,6 +29,7 @@ pub mod bench;
 mod device_plan;
 mod error;
 mod exchange;
+pub mod exec;
 pub mod gemm;
 mod libs;
 pub mod moe;

@@ -113,12 +113,20 @@ pub const ATTENTION: KernelSource = KernelSource {
     entry_points: &["kv_write", "paged_attention"],
 };
 
+/// Strided row copies and gathers, and the shared expert's sigmoid gate (whole-model path).
+pub const GLUE: KernelSource = KernelSource {
+    name: "glue",
+    file: "glue.cu",
+    source: include_str!("../../cuda/glue.cu"),
+    entry_points: &["copy_rows_f32", "gather_rows_f32", "scale_rows_by_sigmoid"],
+};
+
 /// The sources of the whole-model path: what the host emulator compiles for
 /// [`super::exec::Emulator`].
-pub const WHOLE_MODEL_SOURCES: [KernelSource; 2] = [MODEL, ATTENTION];
+pub const WHOLE_MODEL_SOURCES: [KernelSource; 3] = [MODEL, ATTENTION, GLUE];
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 7] = [
+pub const SOURCES: [KernelSource; 8] = [
     QUOTA_SOLVER,
     REPLICATE,
     TILE_PLAN,
@@ -126,6 +134,7 @@ pub const SOURCES: [KernelSource; 7] = [
     EXPERTS,
     MODEL,
     ATTENTION,
+    GLUE,
 ];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.

@@ -209,6 +209,14 @@ impl Gpu {
         }
     }
 
+    /// A loaded entry point by a name not known at compile time (the executor's launches), with
+    /// its dynamic shared memory limit; `None` for a name no source defines.
+    pub(crate) fn function_named(&self, name: &str) -> Option<(&CudaFunction, usize)> {
+        self.kernels
+            .get(name)
+            .map(|k| (&k.function, k.dynamic_shared_limit))
+    }
+
     fn kernel(&self, name: &'static str) -> &Kernel {
         // Every entry point of every source was loaded in `open`, and callers name only those.
         &self.kernels[name]

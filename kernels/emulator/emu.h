@@ -24,11 +24,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-struct Idx { unsigned x; };
+struct Idx { unsigned x, y, z; };
 static thread_local Idx threadIdx;
 static Idx blockIdx{0};  // per process: one block per process under run_grid
-static Idx blockDim{0};
-static Idx gridDim{1};
+static Idx blockDim{0, 1, 1};
+static Idx gridDim{1, 1, 1};
 static thread_local int t_warp;
 static std::barrier<>* g_block;
 struct WarpX { std::barrier<>* bar; unsigned long long x[32]; };
@@ -55,13 +55,45 @@ inline void warp_sync() {
 
 struct uint4 { unsigned x, y, z, w; };
 
+// A lane's value through the warp's exchange buffer, bit for bit (floats included).
+template <class T> unsigned long long to_lane_bits(T v) {
+    static_assert(sizeof(T) <= 8);
+    unsigned long long b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    return b;
+}
+template <class T> T from_lane_bits(unsigned long long b) {
+    T v;
+    std::memcpy(&v, &b, sizeof(T));
+    return v;
+}
 template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     WarpX* w = g_warps[t_warp];
     ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
-    w->x[lane] = (unsigned long long)v;
+    w->x[lane] = to_lane_bits(v);
     w->bar->arrive_and_wait();
-    T r = (T)w->x[lane ^ o];
+    T r = from_lane_bits<T>(w->x[lane ^ o]);
+    w->bar->arrive_and_wait();
+    return r;
+}
+template <class T> T __shfl_sync(unsigned, T v, int src) {
+    WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
+    unsigned lane = threadIdx.x & 31;
+    w->x[lane] = to_lane_bits(v);
+    w->bar->arrive_and_wait();
+    T r = from_lane_bits<T>(w->x[src & 31]);
+    w->bar->arrive_and_wait();
+    return r;
+}
+template <class T> T __shfl_down_sync(unsigned, T v, int o) {
+    WarpX* w = g_warps[t_warp];
+    ++t_warp_ops;
+    unsigned lane = threadIdx.x & 31;
+    w->x[lane] = to_lane_bits(v);
+    w->bar->arrive_and_wait();
+    T r = lane + o < 32 ? from_lane_bits<T>(w->x[lane + o]) : v;
     w->bar->arrive_and_wait();
     return r;
 }
@@ -69,9 +101,9 @@ template <class T> T __shfl_up_sync(unsigned, T v, int o) {
     WarpX* w = g_warps[t_warp];
     ++t_warp_ops;
     int lane = threadIdx.x & 31;
-    w->x[lane] = (unsigned long long)v;
+    w->x[lane] = to_lane_bits(v);
     w->bar->arrive_and_wait();
-    T r = lane >= o ? (T)w->x[lane - o] : v;
+    T r = lane >= o ? from_lane_bits<T>(w->x[lane - o]) : v;
     w->bar->arrive_and_wait();
     return r;
 }
@@ -113,6 +145,17 @@ inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
     return (unsigned long long)(((unsigned __int128)a * b) >> 64);
 }
+inline float atomicAdd(float* p, float v) {
+    std::atomic_ref<float> a(*p);
+    return a.fetch_add(v);
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
