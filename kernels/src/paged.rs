@@ -13,6 +13,9 @@
 /// sequence's tokens, and a bad index would fault rather than read another sequence's keys.
 pub const NO_BLOCK: u32 = u32::MAX;
 
+/// A slot-mapping entry `kv_write` skips: a row of the step that caches nothing (padding).
+pub const NO_SLOT: u32 = u32::MAX;
+
 /// Why the cache refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PagedError {

@@ -27,8 +27,8 @@ use paged_harness::{
     errors, executors, heads_first, reference, values, within_tolerance, Heads, Layer, Sequence,
     Worst,
 };
-use rackfill_kernels::cuda::exec::round_bf16;
-use rackfill_kernels::paged::{BlockTable, PagedError};
+use rackfill_kernels::cuda::exec::{round_bf16, ExecutorExt, KernelArg, Launch};
+use rackfill_kernels::paged::{BlockTable, PagedError, NO_SLOT};
 use rackfill_models::layers::attention::causal_attention;
 use rackfill_models::ModelConfig;
 
@@ -276,6 +276,64 @@ fn absorbed_mla_attention_is_deepseek_attention() {
         let mut worst = Worst::default();
         worst.check("absorbed MLA", &got, &want);
         worst.report("absorbed_mla", exec);
+    }
+}
+
+#[test]
+fn kv_write_rounds_strided_columns_into_their_slots_and_skips_padding() {
+    // Rows of 7 floats, keys at column 2 (two heads of 2), values at column 5 (two heads of
+    // 1); slots 3, padding, 0. Then a latent-only write (null values) into a second cache.
+    let rows = values(3 * 7, 60, 3.0);
+    let slots = [3, NO_SLOT, 0];
+    for exec in executors() {
+        let upload = exec.upload_f32(&rows).unwrap();
+        let slot_buffer = exec.upload_u32(&slots).unwrap();
+        let (k_cache, v_cache) = (
+            exec.upload_bf16(&[9.0; 16]).unwrap(),
+            exec.upload_bf16(&[9.0; 8]).unwrap(),
+        );
+        let latent = exec.upload_bf16(&[9.0; 16]).unwrap();
+        let u = KernelArg::U32;
+        for (keys, v, v_cache, k_dim, v_dim) in [
+            (
+                &k_cache,
+                KernelArg::from(&upload),
+                KernelArg::from(&v_cache),
+                2,
+                1,
+            ),
+            (&latent, KernelArg::Ptr(0), KernelArg::Ptr(0), 2, 0),
+        ] {
+            let args = [
+                KernelArg::from(&upload),
+                u(7),
+                u(2),
+                v,
+                u(7),
+                u(5),
+                KernelArg::from(&slot_buffer),
+                u(3),
+                KernelArg::from(keys),
+                v_cache,
+                u(2),
+                u(k_dim),
+                u(v_dim),
+            ];
+            // SAFETY: kv_write's signature; slots 3 and 0 of 4-wide key rows fit 16 values.
+            unsafe { exec.launch("kv_write", Launch::blocks(2, 32), &args) }.unwrap();
+        }
+        let expect = |width: usize, col: usize| {
+            let mut cache = vec![9.0; 4 * width];
+            for (row, slot) in [(0, 3), (2, 0)] {
+                for e in 0..width {
+                    cache[slot * width + e] = round_bf16(rows[row * 7 + col + e]);
+                }
+            }
+            cache
+        };
+        assert_eq!(exec.download_bf16(&k_cache).unwrap(), expect(4, 2));
+        assert_eq!(exec.download_bf16(&v_cache).unwrap(), expect(2, 5));
+        assert_eq!(exec.download_bf16(&latent).unwrap(), expect(4, 2));
     }
 }
 
