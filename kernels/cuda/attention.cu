@@ -20,9 +20,9 @@
 // Writes the new tokens' keys (and values, unless `v` is null) into the paged cache, one row of
 // `rows` per new token: key row r is `k[r * k_row_stride + k_col ..][.. kv_heads * k_dim]` (so
 // keys and values can be read straight out of a fused qkv GEMM output), rounded to bf16 at
-// `k_cache[slots[r] * kv_heads * k_dim ..]`; likewise values. A slot of NONE_U32 (padding) is
-// skipped. DeepSeek's MLA caches one latent row per token (kv_heads 1, k_dim = kv_lora_rank +
-// qk_rope_head_dim) and no V: pass a null `v`.
+// `k_cache[slots[r] * kv_heads * k_dim ..]`; likewise values. A slot of NONE_U32 (padding, the
+// host's paged::NO_SLOT) is skipped. DeepSeek's MLA caches one latent row per token (kv_heads 1,
+// k_dim = kv_lora_rank + qk_rope_head_dim) and no V: pass a null `v` (and `v_cache`).
 //
 // Launch: 1-D blocks of any size (128), any grid.x (rows is grid-strided; min(rows, 1024) is
 // plenty); a block writes one row at a time, its threads on consecutive elements (coalesced).

@@ -13,6 +13,9 @@
 /// sequence's tokens, and a bad index would fault rather than read another sequence's keys.
 pub const NO_BLOCK: u32 = u32::MAX;
 
+/// A slot-mapping entry `kv_write` skips: a row of the step that caches nothing (padding).
+pub const NO_SLOT: u32 = u32::MAX;
+
 /// Why the cache refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PagedError {
@@ -315,7 +318,7 @@ impl AttentionShape {
     }
 
     /// `paged_attention`'s grid for `step`: (query-vector tiles of the longest chunk, KV
-    /// heads, sequences).
+    /// heads, sequences). A step of no sequence has nothing to launch.
     pub fn grid(&self, step: &StepArrays) -> [u32; 3] {
         let vectors = step.max_q_len() * (self.q_heads / self.kv_heads);
         [
@@ -333,7 +336,7 @@ impl AttentionShape {
 
     fn shared_bytes_u64(&self) -> u64 {
         let keys = u64::from(KEYS_PER_TILE);
-        keys * (u64::from(self.qk_dim + K_PAD) + u64::from(self.v_dim)) * 2
+        keys * (u64::from(self.qk_dim) + u64::from(K_PAD) + u64::from(self.v_dim)) * 2
             + u64::from(QUERIES_PER_BLOCK) * keys * 4
     }
 }
@@ -490,6 +493,21 @@ mod tests {
             },
         ] {
             assert!(bad.check().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_launch_constants_are_the_kernels() {
+        let source = include_str!("../cuda/attention.cu");
+        for (name, value) in [
+            ("QUERIES_PER_BLOCK", QUERIES_PER_BLOCK),
+            ("KEYS_PER_TILE", KEYS_PER_TILE),
+            ("K_PAD", K_PAD),
+            ("MAX_V_PER_LANE", MAX_V_DIM / 32),
+            ("ATTN_WARPS", ATTENTION_THREADS / 32),
+        ] {
+            let define = format!("#define {name} {value}u");
+            assert!(source.contains(&define), "attention.cu lacks `{define}`");
         }
     }
 }
