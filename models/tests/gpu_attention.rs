@@ -83,8 +83,8 @@ fn chunked_prefill_and_decode_match_the_cpu_reference_on_every_fixture_shape() {
         for (i, (name, heads)) in shapes.into_iter().enumerate() {
             // Block sizes that do and do not divide the 16-key tiles.
             let block_size = [4, 5, 8, 16][i % 4];
-            let mut whole = Layer::new(exec, heads, 16, block_size);
-            let mut chunked = Layer::new(exec, heads, 16, block_size);
+            let mut whole = Layer::new(exec.clone(), heads, 16, block_size);
+            let mut chunked = Layer::new(exec.clone(), heads, 16, block_size);
             let mut a = Sequence::new(&heads, 39, 10 + i as u64);
             let mut b = Sequence::new(&heads, 39, 10 + i as u64);
             let all = whole.step(&mut [(&mut a, 37)]).unwrap().remove(0);
@@ -110,7 +110,7 @@ fn chunked_prefill_and_decode_match_the_cpu_reference_on_every_fixture_shape() {
                 );
             }
         }
-        worst.report("chunked_prefill_and_decode", exec);
+        worst.report("chunked_prefill_and_decode", exec.as_ref());
     }
 }
 
@@ -124,7 +124,7 @@ fn a_batch_of_sequences_of_different_lengths_runs_in_one_step() {
             .expect("an MLA fixture")
             .1;
         for heads in [Heads::gqa(4, 2, 16), absorbed] {
-            let mut layer = Layer::new(exec, heads, 24, 8);
+            let mut layer = Layer::new(exec.clone(), heads, 24, 8);
             let mut seqs: Vec<Sequence> =
                 (0..4).map(|s| Sequence::new(&heads, 40, 20 + s)).collect();
             let [s0, s1, s2, s3] = &mut seqs[..] else {
@@ -150,7 +150,7 @@ fn a_batch_of_sequences_of_different_lengths_runs_in_one_step() {
                 );
             }
         }
-        worst.report("a_batch_of_sequences", exec);
+        worst.report("a_batch_of_sequences", exec.as_ref());
     }
 }
 
@@ -159,7 +159,7 @@ fn blocks_freed_by_a_finished_sequence_serve_the_next() {
     for exec in executors() {
         let mut worst = Worst::default();
         let heads = Heads::gqa(4, 2, 16);
-        let mut layer = Layer::new(exec, heads, 6, 8);
+        let mut layer = Layer::new(exec.clone(), heads, 6, 8);
         let mut a = Sequence::new(&heads, 40, 30);
         let mut b = Sequence::new(&heads, 8, 31);
         let mut c = Sequence::new(&heads, 31, 32);
@@ -194,7 +194,7 @@ fn blocks_freed_by_a_finished_sequence_serve_the_next() {
             &got[0],
             &reference(&heads, &c, 30, 1, heads.scale),
         );
-        worst.report("blocks_freed", exec);
+        worst.report("blocks_freed", exec.as_ref());
     }
 }
 
@@ -239,7 +239,7 @@ fn absorbed_mla_attention_is_deepseek_attention() {
             rows,
             table: BlockTable::new(),
         };
-        let mut layer = Layer::new(exec, heads, 8, 8);
+        let mut layer = Layer::new(exec.clone(), heads, 8, 8);
         let mut got = layer.step(&mut [(&mut seq, 17)]).unwrap().remove(0);
         got.extend(layer.step(&mut [(&mut seq, 12)]).unwrap().remove(0));
         // W_UV on each head's latent-space output.
@@ -275,7 +275,7 @@ fn absorbed_mla_attention_is_deepseek_attention() {
         let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut worst = Worst::default();
         worst.check("absorbed MLA", &got, &want);
-        worst.report("absorbed_mla", exec);
+        worst.report("absorbed_mla", exec.as_ref());
     }
 }
 

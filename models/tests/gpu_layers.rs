@@ -32,7 +32,7 @@ use safetensors::Dtype;
 const BLOCK: u32 = 128;
 
 /// The emulator and typed helpers around it; `None` (printed why) without a C++ compiler.
-struct Dev(&'static Emulator);
+struct Dev(std::sync::Arc<Emulator>);
 
 impl Dev {
     fn get() -> Option<Self> {

@@ -3,15 +3,18 @@
 //! routed expert and the shared experts), then the final norm and LM head on the rows that need
 //! logits only.
 
-use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, WeightLayout};
+use rackfill_kernels::cuda::exec::{
+    DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, WeightLayout,
+};
 
 use rackfill_kernels::paged::{AttentionShape, BlockTable, StepArrays};
 
 use super::ops::{AttentionStep, KvLayout, Ops};
 use super::weights::{GpuAttention, GpuFfn, GpuGqa, GpuLayer, GpuLinear, GpuMla, GpuMlp, GpuMoe};
-use super::{GpuInput, GpuModel, LayerCache};
+use super::{GpuInput, GpuModel, GpuStep, LayerCache};
 use crate::config::RouterKind;
 use crate::error::Result;
+use crate::layers::router::Routing;
 use crate::model::LogitsFor;
 
 /// What every layer of one step shares: the rows' positions and KV slots and the batch's block
@@ -23,9 +26,11 @@ struct Step {
     attention: AttentionStep,
 }
 
-pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<Vec<f32>> {
+pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
     let exec = model.exec.clone();
-    let ops = Ops { exec: exec.as_ref() };
+    let ops = Ops {
+        exec: exec.as_ref(),
+    };
     let (mut ids, mut positions, mut logit_rows) = (vec![], vec![], vec![]);
     for s in batch.iter() {
         let (ctx, n) = (s.sequence.len(), s.tokens.len());
@@ -40,7 +45,7 @@ pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<Ve
     }
     let rows = ids.len();
     if rows == 0 {
-        return Ok(Vec::new());
+        return Ok(GpuStep::default());
     }
     // Takes the blocks of every new token, or none (a full cache fails the step unchanged).
     let mut tables: Vec<(&mut BlockTable, usize)> = batch
@@ -66,6 +71,7 @@ pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<Ve
     let x = exec.alloc_zeroed(rows * h * 4)?;
     ops.embed(&model.weights.embed, &exec.upload_u32(&ids)?, rows, h, &x)?;
     let normed = exec.alloc_zeroed(rows * h * 2)?;
+    let mut routing = Vec::new();
     for (layer, cache) in model.weights.layers.iter().zip(&model.caches) {
         let norm = &layer.input_norm;
         ops.rms_norm_to_bf16(&x, h, &norm.weight, norm.eps, rows, h, &normed, h)?;
@@ -73,7 +79,7 @@ pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<Ve
             GpuAttention::Gqa(a) => gqa(ops, a, cache, &step, &normed, &x)?,
             GpuAttention::Mla(a) => mla(ops, a, cache, &step, &normed, &x)?,
         }
-        feed_forward(ops, layer, rows, h, &x)?;
+        feed_forward(ops, layer, rows, h, &x, &mut routing)?;
     }
     let n = logit_rows.len();
     let picked = exec.alloc_zeroed(n * h * 4)?;
@@ -83,11 +89,21 @@ pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<Ve
     ops.rms_norm_to_bf16(&picked, h, &norm.weight, norm.eps, n, h, &picked_bf16, h)?;
     let logits = exec.alloc_zeroed(n * vocab * 4)?;
     linear(ops, &picked_bf16, n, &model.weights.lm_head, &logits, 0.0)?;
-    Ok(exec.download_f32(&logits)?)
+    Ok(GpuStep {
+        logits: exec.download_f32(&logits)?,
+        routing,
+    })
 }
 
 /// `c = x · W + b (+ beta c)`: `x` bf16 `[m, in]`, `c` f32 `[m, out]`.
-fn linear(ops: Ops<'_>, x: &DeviceBuffer, m: usize, layer: &GpuLinear, c: &DeviceBuffer, beta: f32) -> Result<()> {
+fn linear(
+    ops: Ops<'_>,
+    x: &DeviceBuffer,
+    m: usize,
+    layer: &GpuLinear,
+    c: &DeviceBuffer,
+    beta: f32,
+) -> Result<()> {
     ops.linear((x, DType::Bf16), m, &layer.weight, c, beta)?;
     if let Some(bias) = &layer.bias {
         ops.add_bias(c, layer.out_dim(), bias, m, layer.out_dim())?;
@@ -103,12 +119,25 @@ fn project(ops: Ops<'_>, x: &DeviceBuffer, m: usize, layer: &GpuLinear) -> Resul
 }
 
 /// Adds `o_proj(attention)` for bf16 attention output `out` `[rows, in]` into `x`.
-fn add_output(ops: Ops<'_>, out: &DeviceBuffer, rows: usize, o: &GpuLinear, x: &DeviceBuffer) -> Result<()> {
+fn add_output(
+    ops: Ops<'_>,
+    out: &DeviceBuffer,
+    rows: usize,
+    o: &GpuLinear,
+    x: &DeviceBuffer,
+) -> Result<()> {
     // The bias (Qwen3-MoE's attention_bias on o_proj) is added to the residual directly.
     linear(ops, out, rows, o, x, 1.0)
 }
 
-fn gqa(ops: Ops<'_>, a: &GpuGqa, cache: &LayerCache, step: &Step, normed: &DeviceBuffer, x: &DeviceBuffer) -> Result<()> {
+fn gqa(
+    ops: Ops<'_>,
+    a: &GpuGqa,
+    cache: &LayerCache,
+    step: &Step,
+    normed: &DeviceBuffer,
+    x: &DeviceBuffer,
+) -> Result<()> {
     let (rows, d) = (step.rows, a.head_dim);
     let q = project(ops, normed, rows, &a.q)?;
     let k = project(ops, normed, rows, &a.k)?;
@@ -117,16 +146,45 @@ fn gqa(ops: Ops<'_>, a: &GpuGqa, cache: &LayerCache, step: &Step, normed: &Devic
         ops.rms_norm_inplace(&q, 0, d, &qn.weight, qn.eps, rows * a.heads, d)?;
         ops.rms_norm_inplace(&k, 0, d, &kn.weight, kn.eps, rows * a.kv_heads, d)?;
     }
-    ops.rope(&q, a.heads * d, a.heads, d, 0, &a.rope, &step.positions, rows)?;
-    ops.rope(&k, a.kv_heads * d, a.kv_heads, d, 0, &a.rope, &step.positions, rows)?;
+    ops.rope(
+        &q,
+        a.heads * d,
+        a.heads,
+        d,
+        0,
+        &a.rope,
+        &step.positions,
+        rows,
+    )?;
+    ops.rope(
+        &k,
+        a.kv_heads * d,
+        a.kv_heads,
+        d,
+        0,
+        &a.rope,
+        &step.positions,
+        rows,
+    )?;
     let values = cache.values.as_ref().map_or(0, DeviceBuffer::ptr);
     let layout = KvLayout {
-        shape: AttentionShape { q_heads: u32s(a.heads), kv_heads: u32s(a.kv_heads), qk_dim: u32s(d), v_dim: u32s(d) },
+        shape: AttentionShape {
+            q_heads: u32s(a.heads),
+            kv_heads: u32s(a.kv_heads),
+            qk_dim: u32s(d),
+            v_dim: u32s(d),
+        },
         keys: &cache.keys,
         values,
         value_token_stride: a.kv_heads * d,
     };
-    ops.kv_write((&k, a.kv_heads * d), Some((&v, a.kv_heads * d)), rows, &step.slots, &layout)?;
+    ops.kv_write(
+        (&k, a.kv_heads * d),
+        Some((&v, a.kv_heads * d)),
+        rows,
+        &step.slots,
+        &layout,
+    )?;
     let out = ops.exec.alloc_zeroed(rows * a.heads * d * 2)?;
     let scale = 1.0 / (d as f32).sqrt();
     ops.paged_attention(&q, a.heads * d, &layout, &step.attention, scale, &out)?;
@@ -138,7 +196,14 @@ fn gqa(ops: Ops<'_>, a: &GpuGqa, cache: &LayerCache, step: &Step, normed: &Devic
 /// through `kv_b`'s key part, attention runs over the latent rows as one KV head (values = the
 /// latent's first `kv_lora` columns), and the output is carried back through `kv_b`'s value
 /// part.
-fn mla(ops: Ops<'_>, a: &GpuMla, cache: &LayerCache, step: &Step, normed: &DeviceBuffer, x: &DeviceBuffer) -> Result<()> {
+fn mla(
+    ops: Ops<'_>,
+    a: &GpuMla,
+    cache: &LayerCache,
+    step: &Step,
+    normed: &DeviceBuffer,
+    x: &DeviceBuffer,
+) -> Result<()> {
     let exec = ops.exec;
     let rows = step.rows;
     let (heads, nope, rot, lora, vd) = (a.heads, a.nope, a.rot, a.kv_lora, a.v_dim);
@@ -150,18 +215,58 @@ fn mla(ops: Ops<'_>, a: &GpuMla, cache: &LayerCache, step: &Step, normed: &Devic
             let low = project(ops, normed, rows, qa)?;
             let rank = qa.out_dim();
             let low_bf16 = exec.alloc_zeroed(rows * rank * 2)?;
-            ops.rms_norm_to_bf16(&low, rank, &norm.weight, norm.eps, rows, rank, &low_bf16, rank)?;
+            ops.rms_norm_to_bf16(
+                &low,
+                rank,
+                &norm.weight,
+                norm.eps,
+                rows,
+                rank,
+                &low_bf16,
+                rank,
+            )?;
             project(ops, &low_bf16, rows, qb)?
         }
         (None, None) => unreachable!("a latent attention has a query projection"),
     };
     // The latent and the shared rotary key: [rows, lora + rot].
     let kv = project(ops, normed, rows, &a.kv_a)?;
-    ops.rms_norm_inplace(&kv, 0, latent_row, &a.kv_norm.weight, a.kv_norm.eps, rows, lora)?;
-    ops.rope(&kv, latent_row, 1, latent_row, lora, &a.rope, &step.positions, rows)?;
-    ops.rope(&q, heads * qk, heads, qk, nope, &a.rope, &step.positions, rows)?;
+    ops.rms_norm_inplace(
+        &kv,
+        0,
+        latent_row,
+        &a.kv_norm.weight,
+        a.kv_norm.eps,
+        rows,
+        lora,
+    )?;
+    ops.rope(
+        &kv,
+        latent_row,
+        1,
+        latent_row,
+        lora,
+        &a.rope,
+        &step.positions,
+        rows,
+    )?;
+    ops.rope(
+        &q,
+        heads * qk,
+        heads,
+        qk,
+        nope,
+        &a.rope,
+        &step.positions,
+        rows,
+    )?;
     let layout = KvLayout {
-        shape: AttentionShape { q_heads: u32s(heads), kv_heads: 1, qk_dim: u32s(latent_row), v_dim: u32s(lora) },
+        shape: AttentionShape {
+            q_heads: u32s(heads),
+            kv_heads: 1,
+            qk_dim: u32s(latent_row),
+            v_dim: u32s(lora),
+        },
         keys: &cache.keys,
         values: cache.keys.ptr(),
         value_token_stride: latent_row,
@@ -170,7 +275,7 @@ fn mla(ops: Ops<'_>, a: &GpuMla, cache: &LayerCache, step: &Step, normed: &Devic
     // Query in latent space: [rows, heads, lora + rot], the key-absorbed nope part then the
     // roped part.
     let q_nope = exec.alloc_zeroed(rows * heads * nope * 2)?;
-    ops.to_bf16(&q, 0, qk, rows * heads, nope, &q_nope, nope)?;
+    ops.f32_to_bf16(&q, 0, qk, rows * heads, nope, &q_nope, nope)?;
     let q_latent = exec.alloc_zeroed(rows * heads * latent_row * 4)?;
     let kv_b = &a.kv_b.weight;
     let per_head = nope + vd;
@@ -179,18 +284,40 @@ fn mla(ops: Ops<'_>, a: &GpuMla, cache: &LayerCache, step: &Step, normed: &Devic
         n: lora,
         k: nope,
         batch: heads,
-        a: MatrixRef { ptr: q_nope.ptr(), dtype: DType::Bf16, ld: heads * nope, batch_stride: nope },
+        a: MatrixRef {
+            ptr: q_nope.ptr(),
+            dtype: DType::Bf16,
+            ld: heads * nope,
+            batch_stride: nope,
+        },
         // kv_b is stored [lora, heads * (nope + v)]: head h's key part, read as `lora x nope`
         // rows of stride heads * (nope + v), is the `n x k` matrix of the product.
-        b: MatrixRef { ptr: kv_b.buffer.ptr(), dtype: DType::Bf16, ld: kv_b.cols, batch_stride: per_head },
+        b: MatrixRef {
+            ptr: kv_b.buffer.ptr(),
+            dtype: DType::Bf16,
+            ld: kv_b.cols,
+            batch_stride: per_head,
+        },
         b_layout: WeightLayout::OutByIn,
-        c: MatrixRef { ptr: q_latent.ptr(), dtype: DType::F32, ld: heads * latent_row, batch_stride: latent_row },
+        c: MatrixRef {
+            ptr: q_latent.ptr(),
+            dtype: DType::F32,
+            ld: heads * latent_row,
+            batch_stride: latent_row,
+        },
         alpha: 1.0,
         beta: 0.0,
     })?;
     ops.copy_rows(&q, nope, qk, rows * heads, rot, &q_latent, lora, latent_row)?;
     let out_latent = exec.alloc_zeroed(rows * heads * lora * 2)?;
-    ops.paged_attention(&q_latent, heads * latent_row, &layout, &step.attention, a.scale, &out_latent)?;
+    ops.paged_attention(
+        &q_latent,
+        heads * latent_row,
+        &layout,
+        &step.attention,
+        a.scale,
+        &out_latent,
+    )?;
     // Values: head h's value part of kv_b, `lora x v` rows of stride heads * (nope + v).
     let out = exec.alloc_zeroed(rows * heads * vd * 4)?;
     ops.gemm(&Gemm {
@@ -198,19 +325,41 @@ fn mla(ops: Ops<'_>, a: &GpuMla, cache: &LayerCache, step: &Step, normed: &Devic
         n: vd,
         k: lora,
         batch: heads,
-        a: MatrixRef { ptr: out_latent.ptr(), dtype: DType::Bf16, ld: heads * lora, batch_stride: lora },
-        b: MatrixRef { ptr: kv_b.buffer.at(nope * 2), dtype: DType::Bf16, ld: kv_b.cols, batch_stride: per_head },
+        a: MatrixRef {
+            ptr: out_latent.ptr(),
+            dtype: DType::Bf16,
+            ld: heads * lora,
+            batch_stride: lora,
+        },
+        b: MatrixRef {
+            ptr: kv_b.buffer.at(nope * 2),
+            dtype: DType::Bf16,
+            ld: kv_b.cols,
+            batch_stride: per_head,
+        },
         b_layout: WeightLayout::InByOut,
-        c: MatrixRef { ptr: out.ptr(), dtype: DType::F32, ld: heads * vd, batch_stride: vd },
+        c: MatrixRef {
+            ptr: out.ptr(),
+            dtype: DType::F32,
+            ld: heads * vd,
+            batch_stride: vd,
+        },
         alpha: 1.0,
         beta: 0.0,
     })?;
     let out_bf16 = exec.alloc_zeroed(rows * heads * vd * 2)?;
-    ops.to_bf16(&out, 0, heads * vd, rows, heads * vd, &out_bf16, heads * vd)?;
+    ops.f32_to_bf16(&out, 0, heads * vd, rows, heads * vd, &out_bf16, heads * vd)?;
     add_output(ops, &out_bf16, rows, &a.o, x)
 }
 
-fn feed_forward(ops: Ops<'_>, layer: &GpuLayer, rows: usize, h: usize, x: &DeviceBuffer) -> Result<()> {
+fn feed_forward(
+    ops: Ops<'_>,
+    layer: &GpuLayer,
+    rows: usize,
+    h: usize,
+    x: &DeviceBuffer,
+    routing: &mut Vec<Routing>,
+) -> Result<()> {
     let exec = ops.exec;
     // The normalised input, in f32 (the routers) and bf16 (the experts' GEMMs).
     let normed = exec.alloc_zeroed(rows * h * 4)?;
@@ -218,7 +367,7 @@ fn feed_forward(ops: Ops<'_>, layer: &GpuLayer, rows: usize, h: usize, x: &Devic
     let norm = &layer.post_norm;
     ops.rms_norm_inplace(&normed, 0, h, &norm.weight, norm.eps, rows, h)?;
     let normed_bf16 = exec.alloc_zeroed(rows * h * 2)?;
-    ops.to_bf16(&normed, 0, h, rows, h, &normed_bf16, h)?;
+    ops.f32_to_bf16(&normed, 0, h, rows, h, &normed_bf16, h)?;
     match &layer.ffn {
         GpuFfn::Dense(mlp) => mlp_into(ops, mlp, &normed_bf16, rows, x, 1.0),
         GpuFfn::Moe(moe) => {
@@ -233,7 +382,7 @@ fn feed_forward(ops: Ops<'_>, layer: &GpuLayer, rows: usize, h: usize, x: &Devic
                     ops.scale_by_sigmoid(&y, &logit, rows, h)?;
                 }
             }
-            routed_experts(ops, moe, &normed, rows, h, &y)?;
+            routed_experts(ops, moe, &normed, rows, h, &y, routing)?;
             ops.add(x, &y, rows * h)?;
             Ok(())
         }
@@ -241,7 +390,14 @@ fn feed_forward(ops: Ops<'_>, layer: &GpuLayer, rows: usize, h: usize, x: &Devic
 }
 
 /// `out = mlp(x) + beta out` for bf16 `x` `[rows, H]` and f32 `out`.
-fn mlp_into(ops: Ops<'_>, mlp: &GpuMlp, x: &DeviceBuffer, rows: usize, out: &DeviceBuffer, beta: f32) -> Result<()> {
+fn mlp_into(
+    ops: Ops<'_>,
+    mlp: &GpuMlp,
+    x: &DeviceBuffer,
+    rows: usize,
+    out: &DeviceBuffer,
+    beta: f32,
+) -> Result<()> {
     let i = mlp.intermediate();
     let gate_up = ops.exec.alloc_zeroed(rows * 2 * i * 4)?;
     ops.linear((x, DType::Bf16), rows, &mlp.gate_up, &gate_up, 0.0)?;
@@ -254,7 +410,15 @@ fn mlp_into(ops: Ops<'_>, mlp: &GpuMlp, x: &DeviceBuffer, rows: usize, out: &Dev
 /// Routes the rows, runs every expert on its rows (grouped so each expert is one GEMM pair) and
 /// adds each row's weighted expert outputs into `y`. The router's choices come to the host once
 /// (`rows x k` ids) to size the per-expert GEMMs; the rows and weights stay on the device.
-fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize, h: usize, y: &DeviceBuffer) -> Result<()> {
+fn routed_experts(
+    ops: Ops<'_>,
+    moe: &GpuMoe,
+    normed: &DeviceBuffer,
+    rows: usize,
+    h: usize,
+    y: &DeviceBuffer,
+    routing: &mut Vec<Routing>,
+) -> Result<()> {
     let exec = ops.exec;
     let (experts, k) = (moe.experts.len(), moe.top_k);
     let logits = exec.alloc_zeroed(rows * experts * 4)?;
@@ -265,7 +429,12 @@ fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize
         RouterKind::SoftmaxTopK { norm_topk_prob } => {
             ops.router_softmax(&logits, rows, experts, k, *norm_topk_prob, &ids, &weights)?
         }
-        RouterKind::SigmoidGrouped { n_group, topk_group, norm_topk_prob, routed_scaling_factor } => ops.router_sigmoid_grouped(
+        RouterKind::SigmoidGrouped {
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        } => ops.router_sigmoid_grouped(
             &logits,
             moe.correction_bias.as_ref(),
             rows,
@@ -279,6 +448,11 @@ fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize
         )?,
     }
     let chosen = exec.download_u32(&ids)?;
+    routing.push(Routing {
+        top_k: k,
+        experts: chosen.clone(),
+        weights: exec.download_f32(&weights)?,
+    });
     // Pairs grouped by expert, in token order within an expert (the CPU path's grouping).
     let mut counts = vec![0usize; experts];
     for &e in &chosen {
@@ -304,7 +478,15 @@ fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize
     for (e, expert) in moe.experts.iter().enumerate() {
         let (start, n) = (offsets[e], counts[e]);
         if n > 0 {
-            let g = rows_gemm(&grouped, start, h, DType::Bf16, &expert.gate_up, &gate_up, n);
+            let g = rows_gemm(
+                &grouped,
+                start,
+                h,
+                DType::Bf16,
+                &expert.gate_up,
+                &gate_up,
+                n,
+            );
             ops.gemm(&g)?;
         }
     }
@@ -314,7 +496,15 @@ fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize
     for (e, expert) in moe.experts.iter().enumerate() {
         let (start, n) = (offsets[e], counts[e]);
         if n > 0 {
-            ops.gemm(&rows_gemm(&act, start, i, DType::Bf16, &expert.down, &out, n))?;
+            ops.gemm(&rows_gemm(
+                &act,
+                start,
+                i,
+                DType::Bf16,
+                &expert.down,
+                &out,
+                n,
+            ))?;
         }
     }
     ops.combine(&out, &exec.upload_u32(&pair_row)?, &weights, rows, k, h, y)?;
@@ -323,8 +513,21 @@ fn routed_experts(ops: Ops<'_>, moe: &GpuMoe, normed: &DeviceBuffer, rows: usize
 
 /// The GEMM of rows `start..start + n` of `a` (`[*, k]`) by weight `w` into the same rows of
 /// `c` (f32 `[*, w.cols]`).
-fn rows_gemm(a: &DeviceBuffer, start: usize, k: usize, dtype: DType, w: &super::ops::DeviceWeight, c: &DeviceBuffer, n: usize) -> Gemm {
-    let dense = |ptr: u64, dtype, ld| MatrixRef { ptr, dtype, ld, batch_stride: 0 };
+fn rows_gemm(
+    a: &DeviceBuffer,
+    start: usize,
+    k: usize,
+    dtype: DType,
+    w: &super::ops::DeviceWeight,
+    c: &DeviceBuffer,
+    n: usize,
+) -> Gemm {
+    let dense = |ptr: u64, dtype, ld| MatrixRef {
+        ptr,
+        dtype,
+        ld,
+        batch_stride: 0,
+    };
     Gemm {
         m: n,
         n: w.cols,

@@ -18,6 +18,7 @@ use rackfill_kernels::paged::{BlockPool, BlockTable};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::layers::router::Routing;
 use crate::model::{LogitsFor, MoeModel};
 use weights::{GpuAttention, GpuWeights};
 
@@ -48,6 +49,16 @@ pub struct GpuInput<'a> {
     pub tokens: &'a [u32],
     pub sequence: &'a mut GpuSequence,
     pub logits: LogitsFor,
+}
+
+/// What one forward returns.
+#[derive(Debug, Default)]
+pub struct GpuStep {
+    /// f32 `[rows, V]`: the rows each sequence asked for, in batch order.
+    pub logits: Vec<f32>,
+    /// Every MoE layer's routing of the step's rows (batch order), in layer order: the exact
+    /// load the balancer and the routing trace read.
+    pub routing: Vec<Routing>,
 }
 
 /// Per-layer device KV cache: `[blocks, BLOCK_TOKENS, kv_heads, dim]` bf16 keys (and values for
@@ -93,7 +104,8 @@ impl GpuModel {
             weights,
             caches,
             pool: BlockPool::new(
-                u32::try_from(blocks).map_err(|_| ModelError::Input(format!("{kv_tokens} KV tokens")))?,
+                u32::try_from(blocks)
+                    .map_err(|_| ModelError::Input(format!("{kv_tokens} KV tokens")))?,
                 BLOCK_TOKENS as u32,
             )?,
         })
@@ -125,10 +137,10 @@ impl GpuModel {
     }
 
     /// Runs the batch's new tokens through the model, each sequence continuing from its cache;
-    /// returns f32 logits `[rows, V]` for the rows each sequence asks for (every new token or
-    /// its last), in batch order. Blocks for every new token are taken before any work, so a
+    /// returns the logits of the rows each sequence asks for (every new token or its last) and
+    /// every MoE layer's routing. Blocks for every new token are taken before any work, so a
     /// full cache fails the step with nothing changed.
-    pub fn forward(&mut self, batch: &mut [GpuInput<'_>]) -> Result<Vec<f32>> {
+    pub fn forward(&mut self, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
         for s in batch.iter() {
             crate::model::check_vocabulary(s.tokens, self.config.vocab_size)
                 .map_err(|e| ModelError::Input(e.to_string()))?;

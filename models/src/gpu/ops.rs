@@ -41,29 +41,81 @@ impl Ops<'_> {
     }
 
     /// `out[i] = table[ids[i]]` as f32: `table` bf16 `[V, H]`, `ids` `[n]`, `out` f32 `[n, H]`.
-    pub fn embed(&self, table: &DeviceBuffer, ids: &DeviceBuffer, n: usize, hidden: usize, out: &DeviceBuffer) -> R {
-        self.launch("embed_rows", Launch::blocks(n32(n), THREADS), &[p(table), p(ids), A::U32(n32(n)), A::U32(n32(hidden)), p(out)])
+    pub fn embed(
+        &self,
+        table: &DeviceBuffer,
+        ids: &DeviceBuffer,
+        n: usize,
+        hidden: usize,
+        out: &DeviceBuffer,
+    ) -> R {
+        self.launch(
+            "embed_rows",
+            Launch::blocks(n32(n), THREADS),
+            &[
+                p(table),
+                p(ids),
+                A::U32(n32(n)),
+                A::U32(n32(hidden)),
+                p(out),
+            ],
+        )
     }
 
     /// RMSNorm of the first `dim` columns of `rows` f32 rows (stride `x_stride`) into bf16 rows
     /// (stride `out_stride`); `weight` bf16 `[dim]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_to_bf16(&self, x: &DeviceBuffer, x_stride: usize, weight: &DeviceBuffer, eps: f32, rows: usize, dim: usize, out: &DeviceBuffer, out_stride: usize) -> R {
+    pub fn rms_norm_to_bf16(
+        &self,
+        x: &DeviceBuffer,
+        x_stride: usize,
+        weight: &DeviceBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &DeviceBuffer,
+        out_stride: usize,
+    ) -> R {
         self.launch(
             "rms_norm_to_bf16",
             Launch::blocks(n32(rows), THREADS),
-            &[p(x), A::U32(n32(x_stride)), p(weight), A::F32(eps), A::U32(n32(rows)), A::U32(n32(dim)), p(out), A::U32(n32(out_stride))],
+            &[
+                p(x),
+                A::U32(n32(x_stride)),
+                p(weight),
+                A::F32(eps),
+                A::U32(n32(rows)),
+                A::U32(n32(dim)),
+                p(out),
+                A::U32(n32(out_stride)),
+            ],
         )
     }
 
     /// RMSNorm in place of the first `dim` columns of `rows` f32 rows at `offset` elements into
     /// `x` (row stride `stride`).
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm_inplace(&self, x: &DeviceBuffer, offset: usize, stride: usize, weight: &DeviceBuffer, eps: f32, rows: usize, dim: usize) -> R {
+    pub fn rms_norm_inplace(
+        &self,
+        x: &DeviceBuffer,
+        offset: usize,
+        stride: usize,
+        weight: &DeviceBuffer,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+    ) -> R {
         self.launch(
             "rms_norm_inplace",
             Launch::blocks(n32(rows), THREADS),
-            &[at(x, offset, 4), A::U32(n32(stride)), p(weight), A::F32(eps), A::U32(n32(rows)), A::U32(n32(dim))],
+            &[
+                at(x, offset, 4),
+                A::U32(n32(stride)),
+                p(weight),
+                A::F32(eps),
+                A::U32(n32(rows)),
+                A::U32(n32(dim)),
+            ],
         )
     }
 
@@ -71,7 +123,17 @@ impl Ops<'_> {
     /// heads `head_stride` apart, columns `offset..offset + rot_dim` of each head, at
     /// `positions[row]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, x: &DeviceBuffer, row_stride: usize, heads: usize, head_stride: usize, offset: usize, rope: &RopeTables, positions: &DeviceBuffer, rows: usize) -> R {
+    pub fn rope(
+        &self,
+        x: &DeviceBuffer,
+        row_stride: usize,
+        heads: usize,
+        head_stride: usize,
+        offset: usize,
+        rope: &RopeTables,
+        positions: &DeviceBuffer,
+        rows: usize,
+    ) -> R {
         self.launch(
             "rope",
             Launch::blocks(n32(rows), THREADS),
@@ -92,86 +154,231 @@ impl Ops<'_> {
     }
 
     /// `x[r, c] += bias[c]` for `rows` rows of `cols` (row stride `stride`); `bias` bf16.
-    pub fn add_bias(&self, x: &DeviceBuffer, stride: usize, bias: &DeviceBuffer, rows: usize, cols: usize) -> R {
-        self.launch("add_bias_rows", Launch::blocks(n32(rows), THREADS), &[p(x), A::U32(n32(stride)), p(bias), A::U32(n32(rows)), A::U32(n32(cols))])
+    pub fn add_bias(
+        &self,
+        x: &DeviceBuffer,
+        stride: usize,
+        bias: &DeviceBuffer,
+        rows: usize,
+        cols: usize,
+    ) -> R {
+        self.launch(
+            "add_bias_rows",
+            Launch::blocks(n32(rows), THREADS),
+            &[
+                p(x),
+                A::U32(n32(stride)),
+                p(bias),
+                A::U32(n32(rows)),
+                A::U32(n32(cols)),
+            ],
+        )
     }
 
     /// `x += y`, `n` f32 elements.
     pub fn add(&self, x: &DeviceBuffer, y: &DeviceBuffer, n: usize) -> R {
-        self.launch("add_inplace", Launch::blocks(n32(n.div_ceil(THREADS as usize).max(1)), THREADS), &[p(x), p(y), A::U32(n32(n))])
+        self.launch(
+            "add_inplace",
+            Launch::blocks(n32(n.div_ceil(THREADS as usize).max(1)), THREADS),
+            &[p(x), p(y), A::U32(n32(n))],
+        )
     }
 
     /// f32 rows (stride `x_stride`, from `x_offset` elements) to bf16 rows (stride `out_stride`).
     #[allow(clippy::too_many_arguments)]
-    pub fn to_bf16(&self, x: &DeviceBuffer, x_offset: usize, x_stride: usize, rows: usize, cols: usize, out: &DeviceBuffer, out_stride: usize) -> R {
+    pub fn f32_to_bf16(
+        &self,
+        x: &DeviceBuffer,
+        x_offset: usize,
+        x_stride: usize,
+        rows: usize,
+        cols: usize,
+        out: &DeviceBuffer,
+        out_stride: usize,
+    ) -> R {
         self.launch(
             "f32_to_bf16_rows",
             Launch::blocks(n32(rows), THREADS),
-            &[at(x, x_offset, 4), A::U32(n32(x_stride)), A::U32(n32(rows)), A::U32(n32(cols)), p(out), A::U32(n32(out_stride))],
+            &[
+                at(x, x_offset, 4),
+                A::U32(n32(x_stride)),
+                A::U32(n32(rows)),
+                A::U32(n32(cols)),
+                p(out),
+                A::U32(n32(out_stride)),
+            ],
         )
     }
 
     /// `out[i] = bf16(x[rows[i]])`: `x` f32 `[*, dim]`, `rows` `[n]`, `out` bf16 `[n, dim]`.
-    pub fn gather_to_bf16(&self, x: &DeviceBuffer, dim: usize, rows: &DeviceBuffer, n: usize, out: &DeviceBuffer) -> R {
-        self.launch("gather_rows_to_bf16", Launch::blocks(n32(n), THREADS), &[p(x), A::U32(n32(dim)), p(rows), A::U32(n32(n)), p(out)])
+    pub fn gather_to_bf16(
+        &self,
+        x: &DeviceBuffer,
+        dim: usize,
+        rows: &DeviceBuffer,
+        n: usize,
+        out: &DeviceBuffer,
+    ) -> R {
+        self.launch(
+            "gather_rows_to_bf16",
+            Launch::blocks(n32(n), THREADS),
+            &[p(x), A::U32(n32(dim)), p(rows), A::U32(n32(n)), p(out)],
+        )
     }
 
     /// `out[i] = x[rows[i]]`: `x` f32 `[*, dim]`, `rows` `[n]`, `out` f32 `[n, dim]`.
-    pub fn gather_f32(&self, x: &DeviceBuffer, dim: usize, rows: &DeviceBuffer, n: usize, out: &DeviceBuffer) -> R {
-        self.launch("gather_rows_f32", Launch::blocks(n32(n), THREADS), &[p(x), A::U32(n32(dim)), p(rows), A::U32(n32(n)), p(out)])
+    pub fn gather_f32(
+        &self,
+        x: &DeviceBuffer,
+        dim: usize,
+        rows: &DeviceBuffer,
+        n: usize,
+        out: &DeviceBuffer,
+    ) -> R {
+        self.launch(
+            "gather_rows_f32",
+            Launch::blocks(n32(n), THREADS),
+            &[p(x), A::U32(n32(dim)), p(rows), A::U32(n32(n)), p(out)],
+        )
     }
 
     /// Strided f32 row copy: `rows` rows of `cols` from `x` (+`x_offset` elements, stride
     /// `x_stride`) to `out` (+`out_offset`, stride `out_stride`).
     #[allow(clippy::too_many_arguments)]
-    pub fn copy_rows(&self, x: &DeviceBuffer, x_offset: usize, x_stride: usize, rows: usize, cols: usize, out: &DeviceBuffer, out_offset: usize, out_stride: usize) -> R {
+    pub fn copy_rows(
+        &self,
+        x: &DeviceBuffer,
+        x_offset: usize,
+        x_stride: usize,
+        rows: usize,
+        cols: usize,
+        out: &DeviceBuffer,
+        out_offset: usize,
+        out_stride: usize,
+    ) -> R {
         self.launch(
             "copy_rows_f32",
             Launch::blocks(n32(rows), THREADS),
-            &[at(x, x_offset, 4), A::U32(n32(x_stride)), A::U32(n32(rows)), A::U32(n32(cols)), at(out, out_offset, 4), A::U32(n32(out_stride))],
+            &[
+                at(x, x_offset, 4),
+                A::U32(n32(x_stride)),
+                A::U32(n32(rows)),
+                A::U32(n32(cols)),
+                at(out, out_offset, 4),
+                A::U32(n32(out_stride)),
+            ],
         )
     }
 
     /// `out = bf16(silu(gate) * up)` for `gate_up` f32 `[rows, 2I]` (gate first), `out` bf16
     /// `[rows, I]`.
-    pub fn silu_mul(&self, gate_up: &DeviceBuffer, rows: usize, inter: usize, out: &DeviceBuffer) -> R {
-        self.launch("silu_mul_to_bf16", Launch::blocks(n32(rows), THREADS), &[p(gate_up), A::U32(n32(rows)), A::U32(n32(inter)), p(out)])
+    pub fn silu_mul(
+        &self,
+        gate_up: &DeviceBuffer,
+        rows: usize,
+        inter: usize,
+        out: &DeviceBuffer,
+    ) -> R {
+        self.launch(
+            "silu_mul_to_bf16",
+            Launch::blocks(n32(rows), THREADS),
+            &[p(gate_up), A::U32(n32(rows)), A::U32(n32(inter)), p(out)],
+        )
     }
 
     /// `y[r] *= sigmoid(gate[r])`: `y` f32 `[rows, cols]`, `gate` f32 `[rows]`.
-    pub fn scale_by_sigmoid(&self, y: &DeviceBuffer, gate: &DeviceBuffer, rows: usize, cols: usize) -> R {
+    pub fn scale_by_sigmoid(
+        &self,
+        y: &DeviceBuffer,
+        gate: &DeviceBuffer,
+        rows: usize,
+        cols: usize,
+    ) -> R {
         self.launch(
             "sigmoid_scale_rows",
             Launch::blocks(n32(rows), THREADS),
-            &[p(y), A::U32(n32(cols)), p(gate), A::U32(1), A::U32(n32(rows)), A::U32(n32(cols))],
+            &[
+                p(y),
+                A::U32(n32(cols)),
+                p(gate),
+                A::U32(1),
+                A::U32(n32(rows)),
+                A::U32(n32(cols)),
+            ],
         )
     }
 
     /// `out[t] += sum_j weights[t k + j] expert_out[pair_row[t k + j]]` in `j` order: `out` f32
     /// `[tokens, hidden]`, `expert_out` f32 `[tokens k, hidden]` in grouped order.
     #[allow(clippy::too_many_arguments)]
-    pub fn combine(&self, expert_out: &DeviceBuffer, pair_row: &DeviceBuffer, weights: &DeviceBuffer, tokens: usize, k: usize, hidden: usize, out: &DeviceBuffer) -> R {
+    pub fn combine(
+        &self,
+        expert_out: &DeviceBuffer,
+        pair_row: &DeviceBuffer,
+        weights: &DeviceBuffer,
+        tokens: usize,
+        k: usize,
+        hidden: usize,
+        out: &DeviceBuffer,
+    ) -> R {
         self.launch(
             "combine_topk_rows",
             Launch::blocks(n32(tokens), THREADS),
-            &[p(expert_out), p(pair_row), p(weights), A::U32(n32(tokens)), A::U32(n32(k)), A::U32(n32(hidden)), p(out)],
+            &[
+                p(expert_out),
+                p(pair_row),
+                p(weights),
+                A::U32(n32(tokens)),
+                A::U32(n32(k)),
+                A::U32(n32(hidden)),
+                p(out),
+            ],
         )
     }
 
     /// Softmax top-k routing of f32 `logits` `[rows, experts]` into `ids` and `weights`
     /// `[rows, k]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn router_softmax(&self, logits: &DeviceBuffer, rows: usize, experts: usize, k: usize, renormalise: bool, ids: &DeviceBuffer, weights: &DeviceBuffer) -> R {
+    pub fn router_softmax(
+        &self,
+        logits: &DeviceBuffer,
+        rows: usize,
+        experts: usize,
+        k: usize,
+        renormalise: bool,
+        ids: &DeviceBuffer,
+        weights: &DeviceBuffer,
+    ) -> R {
         self.launch(
             "router_softmax_topk",
             Launch::blocks(n32(rows), THREADS),
-            &[p(logits), A::U32(n32(rows)), A::U32(n32(experts)), A::U32(n32(k)), A::U32(u32::from(renormalise)), p(ids), p(weights)],
+            &[
+                p(logits),
+                A::U32(n32(rows)),
+                A::U32(n32(experts)),
+                A::U32(n32(k)),
+                A::U32(u32::from(renormalise)),
+                p(ids),
+                p(weights),
+            ],
         )
     }
 
     /// DeepSeek's sigmoid, group-limited top-k routing (`groups` = (groups, groups kept)).
     #[allow(clippy::too_many_arguments)]
-    pub fn router_sigmoid_grouped(&self, logits: &DeviceBuffer, bias: Option<&DeviceBuffer>, rows: usize, experts: usize, groups: (usize, usize), k: usize, renormalise: bool, scaling: f32, ids: &DeviceBuffer, weights: &DeviceBuffer) -> R {
+    pub fn router_sigmoid_grouped(
+        &self,
+        logits: &DeviceBuffer,
+        bias: Option<&DeviceBuffer>,
+        rows: usize,
+        experts: usize,
+        groups: (usize, usize),
+        k: usize,
+        renormalise: bool,
+        scaling: f32,
+        ids: &DeviceBuffer,
+        weights: &DeviceBuffer,
+    ) -> R {
         self.launch(
             "router_sigmoid_grouped_topk",
             Launch::blocks(n32(rows), THREADS),
@@ -193,7 +400,14 @@ impl Ops<'_> {
 
     /// Writes `rows` new tokens' keys (f32, row stride `k_stride`) and values (if any) into the
     /// layer's paged cache at `slots`.
-    pub fn kv_write(&self, keys: (&DeviceBuffer, usize), values: Option<(&DeviceBuffer, usize)>, rows: usize, slots: &DeviceBuffer, cache: &KvLayout<'_>) -> R {
+    pub fn kv_write(
+        &self,
+        keys: (&DeviceBuffer, usize),
+        values: Option<(&DeviceBuffer, usize)>,
+        rows: usize,
+        slots: &DeviceBuffer,
+        cache: &KvLayout<'_>,
+    ) -> R {
         let (v, v_stride) = values.map_or((A::Ptr(0), 0), |(b, s)| (p(b), s));
         self.launch(
             "kv_write",
@@ -218,9 +432,21 @@ impl Ops<'_> {
 
     /// Causal attention of the step's queries (f32, row stride `q_stride`) over the layer's
     /// paged cache, into bf16 `out` `[rows, q_heads, v_dim]`.
-    pub fn paged_attention(&self, q: &DeviceBuffer, q_stride: usize, cache: &KvLayout<'_>, step: &AttentionStep, scale: f32, out: &DeviceBuffer) -> R {
+    pub fn paged_attention(
+        &self,
+        q: &DeviceBuffer,
+        q_stride: usize,
+        cache: &KvLayout<'_>,
+        step: &AttentionStep,
+        scale: f32,
+        out: &DeviceBuffer,
+    ) -> R {
         let shape = cache.shape;
-        let launch = Launch { grid: shape.grid(&step.arrays), block: ATTENTION_THREADS, shared_bytes: shape.shared_bytes() };
+        let launch = Launch {
+            grid: shape.grid(&step.arrays),
+            block: ATTENTION_THREADS,
+            shared_bytes: shape.shared_bytes(),
+        };
         let k_token = shape.kv_heads * shape.qk_dim;
         self.launch(
             "paged_attention",
@@ -252,8 +478,20 @@ impl Ops<'_> {
 
     /// `c = x · W (+ beta c)` for a linear layer: `x` `[m, k]` of `x_dtype`, `w` the layer's
     /// weight `[k, n]` (input by output) of the same dtype, `c` f32 `[m, n]`.
-    pub fn linear(&self, x: (&DeviceBuffer, DType), m: usize, w: &DeviceWeight, c: &DeviceBuffer, beta: f32) -> R {
-        let dense = |ptr: u64, dtype, ld| MatrixRef { ptr, dtype, ld, batch_stride: 0 };
+    pub fn linear(
+        &self,
+        x: (&DeviceBuffer, DType),
+        m: usize,
+        w: &DeviceWeight,
+        c: &DeviceBuffer,
+        beta: f32,
+    ) -> R {
+        let dense = |ptr: u64, dtype, ld| MatrixRef {
+            ptr,
+            dtype,
+            ld,
+            batch_stride: 0,
+        };
         let gemm = Gemm {
             m,
             n: w.cols,

@@ -20,12 +20,23 @@ fn values(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// `[rows, cols]` f32 values as a bf16 (or f32) device weight.
-fn weight(exec: &dyn Executor, data: &[f32], rows: usize, cols: usize, dtype: DType) -> Result<DeviceWeight> {
+fn weight(
+    exec: &dyn Executor,
+    data: &[f32],
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+) -> Result<DeviceWeight> {
     let buffer = match dtype {
         DType::Bf16 => exec.upload_bf16(data)?,
         DType::F32 => exec.upload_f32(data)?,
     };
-    Ok(DeviceWeight { buffer, dtype, rows, cols })
+    Ok(DeviceWeight {
+        buffer,
+        dtype,
+        rows,
+        cols,
+    })
 }
 
 /// A linear layer: bf16 weight `[in, out]` and optional bf16 bias `[out]`.
@@ -39,7 +50,10 @@ impl GpuLinear {
         let (rows, cols) = linear.weight_t().dims2()?;
         Ok(Self {
             weight: weight(exec, &values(linear.weight_t())?, rows, cols, DType::Bf16)?,
-            bias: linear.bias().map(|b| Ok::<_, crate::error::ModelError>(exec.upload_bf16(&values(b)?)?)).transpose()?,
+            bias: linear
+                .bias()
+                .map(|b| Ok::<_, crate::error::ModelError>(exec.upload_bf16(&values(b)?)?))
+                .transpose()?,
         })
     }
 
@@ -58,7 +72,10 @@ pub(crate) struct GpuNorm {
 impl GpuNorm {
     fn upload(exec: &dyn Executor, norm: &RmsNorm) -> Result<Self> {
         let (weight, eps) = norm.parts();
-        Ok(Self { weight: exec.upload_bf16(&values(weight)?)?, eps })
+        Ok(Self {
+            weight: exec.upload_bf16(&values(weight)?)?,
+            eps,
+        })
     }
 }
 
@@ -125,8 +142,8 @@ pub(crate) struct GpuMla {
 }
 
 pub(crate) enum GpuAttention {
-    Gqa(GpuGqa),
-    Mla(GpuMla),
+    Gqa(Box<GpuGqa>),
+    Mla(Box<GpuMla>),
 }
 
 /// A router (f32 weight `[H, E]`), its experts and shared experts.
@@ -143,7 +160,7 @@ pub(crate) struct GpuMoe {
 
 pub(crate) enum GpuFfn {
     Dense(GpuMlp),
-    Moe(GpuMoe),
+    Moe(Box<GpuMoe>),
 }
 
 pub(crate) struct GpuLayer {
@@ -175,7 +192,7 @@ impl GpuWeights {
                     post_norm: GpuNorm::upload(exec, &layer.post_attention_norm)?,
                     ffn: match &layer.ffn {
                         FeedForward::Dense(mlp) => GpuFfn::Dense(GpuMlp::upload(exec, mlp)?),
-                        FeedForward::Moe(block) => GpuFfn::Moe(upload_moe(exec, block)?),
+                        FeedForward::Moe(block) => GpuFfn::Moe(Box::new(upload_moe(exec, block)?)),
                     },
                 })
             })
@@ -192,7 +209,7 @@ impl GpuWeights {
 fn upload_attention(exec: &dyn Executor, attention: &dyn std::any::Any) -> Result<GpuAttention> {
     if let Some(a) = attention.downcast_ref::<GqaAttention>() {
         let norm = |n: &Option<RmsNorm>| n.as_ref().map(|n| GpuNorm::upload(exec, n)).transpose();
-        return Ok(GpuAttention::Gqa(GpuGqa {
+        return Ok(GpuAttention::Gqa(Box::new(GpuGqa {
             q: GpuLinear::upload(exec, &a.q_proj)?,
             k: GpuLinear::upload(exec, &a.k_proj)?,
             v: GpuLinear::upload(exec, &a.v_proj)?,
@@ -203,7 +220,7 @@ fn upload_attention(exec: &dyn Executor, attention: &dyn std::any::Any) -> Resul
             heads: a.heads,
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,
-        }));
+        })));
     }
     let a = attention.downcast_ref::<MlaAttention>().ok_or_else(|| {
         crate::error::ModelError::Input("the GPU path knows no such attention".into())
@@ -212,10 +229,14 @@ fn upload_attention(exec: &dyn Executor, attention: &dyn std::any::Any) -> Resul
         QueryProjection::Direct(q) => (Some(GpuLinear::upload(exec, q)?), None),
         QueryProjection::LowRank { a, norm, b } => (
             None,
-            Some((GpuLinear::upload(exec, a)?, GpuNorm::upload(exec, norm)?, GpuLinear::upload(exec, b)?)),
+            Some((
+                GpuLinear::upload(exec, a)?,
+                GpuNorm::upload(exec, norm)?,
+                GpuLinear::upload(exec, b)?,
+            )),
         ),
     };
-    Ok(GpuAttention::Mla(GpuMla {
+    Ok(GpuAttention::Mla(Box::new(GpuMla {
         q_direct,
         q_low_rank,
         kv_a: GpuLinear::upload(exec, &a.kv_a)?,
@@ -229,7 +250,7 @@ fn upload_attention(exec: &dyn Executor, attention: &dyn std::any::Any) -> Resul
         rot: a.dims.qk_rope_head_dim,
         v_dim: a.dims.v_head_dim,
         scale: a.scale as f32,
-    }))
+    })))
 }
 
 fn upload_moe(exec: &dyn Executor, block: &MoeBlock) -> Result<GpuMoe> {
@@ -243,13 +264,21 @@ fn upload_moe(exec: &dyn Executor, block: &MoeBlock) -> Result<GpuMoe> {
     };
     Ok(GpuMoe {
         router: weight(exec, &router_t, h, e, DType::F32)?,
-        correction_bias: router.correction_bias.as_deref().map(|b| exec.upload_f32(b)).transpose()?,
+        correction_bias: router
+            .correction_bias
+            .as_deref()
+            .map(|b| exec.upload_f32(b))
+            .transpose()?,
         kind: router.kind.clone(),
         top_k: router.top_k,
         experts: (0..block.experts.num_experts())
             .map(|i| GpuMlp::upload(exec, block.experts.get(i as u32)?))
             .collect::<Result<Vec<_>>>()?,
-        shared: block.shared.as_ref().map(|s| GpuMlp::upload(exec, &s.mlp)).transpose()?,
+        shared: block
+            .shared
+            .as_ref()
+            .map(|s| GpuMlp::upload(exec, &s.mlp))
+            .transpose()?,
         shared_gate,
     })
 }

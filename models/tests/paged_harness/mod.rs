@@ -2,7 +2,7 @@
 //! `kv_write` and `paged_attention` exactly as the whole-model path will launch them, sequences
 //! of fused qkv rows, the CPU reference, and the tolerance check.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{Device, Tensor};
 use rackfill_kernels::cuda::exec::{
@@ -220,8 +220,8 @@ impl Worst {
 
 /// Where the kernels run: the host emulator (given a C++ compiler) and GPU 0 (on a GPU host);
 /// each missing one says why.
-pub fn executors() -> Vec<&'static dyn Executor> {
-    static GPU: OnceLock<Option<GpuExecutor>> = OnceLock::new();
+pub fn executors() -> Vec<Arc<dyn Executor>> {
+    static GPU: OnceLock<Option<Arc<GpuExecutor>>> = OnceLock::new();
     let gpu = GPU.get_or_init(|| {
         let gpu = match Gpu::open(0) {
             Ok(gpu) => gpu,
@@ -234,18 +234,19 @@ pub fn executors() -> Vec<&'static dyn Executor> {
             Err(other) => panic!("the GPU exists but cannot be used: {other}"),
         };
         GpuExecutor::new(gpu)
+            .map(Arc::new)
             .map_err(|e| eprintln!("GPU skipped: {e}"))
             .ok()
     });
-    let mut all: Vec<&'static dyn Executor> = Vec::new();
-    all.extend(Emulator::shared().map(|e| e as &dyn Executor));
-    all.extend(gpu.as_ref().map(|g| g as &dyn Executor));
+    let mut all: Vec<Arc<dyn Executor>> = Vec::new();
+    all.extend(Emulator::shared().map(|e| e as Arc<dyn Executor>));
+    all.extend(gpu.clone().map(|g| g as Arc<dyn Executor>));
     all
 }
 
 /// One layer's paged cache on an executor.
 pub struct Layer {
-    exec: &'static dyn Executor,
+    exec: Arc<dyn Executor>,
     heads: Heads,
     pub pool: BlockPool,
     k_cache: DeviceBuffer,
@@ -253,16 +254,20 @@ pub struct Layer {
 }
 
 impl Layer {
-    pub fn new(exec: &'static dyn Executor, heads: Heads, blocks: u32, block_size: u32) -> Self {
+    pub fn new(exec: Arc<dyn Executor>, heads: Heads, blocks: u32, block_size: u32) -> Self {
         heads.shape.check().expect("attention shape");
         let tokens = (blocks * block_size) as usize;
         let cache = |width: usize| exec.alloc_zeroed(tokens * width * 2).expect("cache");
+        let (k_cache, v_cache) = (
+            cache(heads.k_width()),
+            (!heads.latent).then(|| cache(heads.v_width())),
+        );
         Self {
             exec,
             heads,
             pool: BlockPool::new(blocks, block_size).expect("pool"),
-            k_cache: cache(heads.k_width()),
-            v_cache: (!heads.latent).then(|| cache(heads.v_width())),
+            k_cache,
+            v_cache,
         }
     }
 
@@ -283,7 +288,7 @@ impl Layer {
             batch.iter_mut().map(|(s, n)| (&mut s.table, *n)).collect();
         let step = StepArrays::prepare(&mut self.pool, &mut tables)?;
         let rows = step.slot_mapping.len();
-        let exec = self.exec;
+        let exec = self.exec.clone();
         let up = |v: &[u32]| exec.upload_u32(v).expect("upload");
         let fused = exec.upload_f32(&fused).expect("upload");
         let (slots, block_tables) = (up(&step.slot_mapping), up(&step.block_tables));
