@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
 use rackfill_engine::fabric::FabricKind;
 use rackfill_engine::routing_trace::RoutingTraceConfig;
-use rackfill_engine::{DataPlane, EngineConfig, EpConfig, SchedulerConfig};
+use rackfill_engine::{DataPlane, EngineConfig, EpConfig, ModelDevice, SchedulerConfig};
 use rackfill_models::{ExpertSelection, ModelBundle};
 use rackfill_server::{AppState, ServerConfig};
 
@@ -95,6 +95,12 @@ pub struct ServeArgs {
     /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
     #[arg(long, default_value = "auto")]
     pub(crate) data_plane: String,
+    /// Where each rank's model (embedding, attention and its KV cache, norms, dense and shared
+    /// MLPs, LM head) runs: `auto` (the GPU when the binary has the GPU path and a device is
+    /// visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's local rank under
+    /// mpirun/srun) or `cuda:N`. The routed experts run where --data-plane says.
+    #[arg(long, default_value = "auto")]
+    pub(crate) device: String,
     /// Under mpirun/srun: what carries the MoE layers' data between processes: `auto`, `mpi`
     /// (host memory over MPI) or `nccl` (through the process's GPU, one per process).
     #[arg(long, default_value_t = FabricKind::Auto)]
@@ -156,7 +162,9 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         bail!("--watchdog-timeout must be more than 0 seconds");
     }
     let (data_plane, data_plane_note) = data_plane(&args.data_plane)?;
+    let (device, device_note) = model_device(&args.device)?;
     let engine = EngineConfig {
+        device,
         ep: EpConfig {
             ep_size: args.ep_size.unwrap_or(EpConfig::default().ep_size),
             redundant_slots: args.redundant_slots,
@@ -188,6 +196,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         engine,
         server,
         data_plane_note,
+        device_note,
         watchdog_timeout,
     })
 }
@@ -198,6 +207,8 @@ pub(crate) struct ServeConfig {
     pub server: ServerConfig,
     /// Where the MoE data plane runs and why, for the startup log.
     pub data_plane_note: String,
+    /// Where the model runs and why, for the startup log.
+    pub device_note: String,
     /// Under an MPI launcher: how long a rank may make no progress (`--watchdog-timeout`;
     /// checked in every build, read only by the `mpi` one).
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
@@ -252,8 +263,10 @@ pub(crate) fn serve_one_process(args: &ServeArgs, config: ServeConfig) -> Result
         engine: engine_config,
         server: server_config,
         data_plane_note,
+        device_note,
         ..
     } = config;
+    tracing::info!("model: {device_note}");
     let ep = engine_config.ep;
     serve_http(args, &data_plane_note, load_bundle(args, None), |bundle| {
         let state = AppState::launch(bundle, engine_config, server_config)
@@ -327,6 +340,51 @@ pub(crate) fn serve_http(
     // Connection tasks that outlived the drain are dropped here.
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// The device `--device` asks for, and a line for the startup log saying where the model runs
+/// and why. `auto` never fails: without feature `cuda` or a visible GPU it picks the CPU and says
+/// why; `cuda` without a GPU fails when the engine opens the device.
+pub(crate) fn model_device(arg: &str) -> Result<(ModelDevice, String)> {
+    let wanted = match arg {
+        "auto" => None,
+        other => Some(
+            other
+                .parse::<ModelDevice>()
+                .map_err(|e| anyhow::anyhow!("--device must be auto, cpu, cuda or cuda:N: {e}"))?,
+        ),
+    };
+    match wanted {
+        Some(ModelDevice::Cpu) => Ok((ModelDevice::Cpu, "on the CPU (--device cpu)".into())),
+        // Checked before the model loads (minutes for a large one): a host without a usable GPU
+        // fails at once.
+        #[cfg(feature = "cuda")]
+        Some(device) => match rackfill_kernels::cuda::probe() {
+            Ok(gpu) => Ok((
+                device,
+                format!("on the GPU (--device {device}; GPU 0 is {gpu})"),
+            )),
+            Err(why) => bail!("--device {device}: {why}"),
+        },
+        #[cfg(not(feature = "cuda"))]
+        Some(device) => bail!(
+            "--device {device} needs the GPU path of the default build (this binary was built \
+             with --no-default-features and runs on the CPU only)"
+        ),
+        #[cfg(feature = "cuda")]
+        None => Ok(match rackfill_kernels::cuda::probe() {
+            Ok(gpu) => (
+                ModelDevice::Cuda { ordinal: None },
+                format!("on GPU {gpu} (--device auto)"),
+            ),
+            Err(why) => (ModelDevice::Cpu, format!("on the CPU: {why}")),
+        }),
+        #[cfg(not(feature = "cuda"))]
+        None => Ok((
+            ModelDevice::Cpu,
+            "on the CPU (built with --no-default-features)".into(),
+        )),
+    }
 }
 
 /// The data plane `--data-plane` asks for, and a line for the startup log saying where it runs

@@ -96,8 +96,10 @@ mod with_mpi {
                 engine,
                 server,
                 mut data_plane_note,
+                device_note,
                 watchdog_timeout,
             } = config;
+            tracing::info!("rank {rank}: model {device_note}");
             let group = GroupConfig {
                 watchdog_timeout,
                 heartbeat_file: args.heartbeat_file.clone(),

@@ -15,6 +15,7 @@ use std::time::Instant;
 use rackfill_models::{MoeModel, Tokenizer};
 use tokio::sync::mpsc as events;
 
+use crate::device::ModelDevice;
 use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::metrics;
@@ -28,6 +29,8 @@ use crate::validation::{RequestError, RequestLimits, ValidatedRequest};
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub ep: EpConfig,
+    /// Where each rank's dense parts run (the routed experts run on `ep.data_plane`).
+    pub device: ModelDevice,
     pub scheduler: SchedulerConfig,
     /// Sequences submitted but not yet admitted beyond which `enqueue` answers `QueueFull`;
     /// also the most sequences one request may have.
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             ep: EpConfig::default(),
+            device: ModelDevice::Cpu,
             scheduler: SchedulerConfig {
                 chunk_tokens: 4096,
                 kv_tokens_per_rank: 65_536,
@@ -118,7 +122,8 @@ impl EngineHandle {
         eos: Vec<u32>,
         config: EngineConfig,
     ) -> Result<Self> {
-        let runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
+        let mut runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
+        runtime.open_device(config.device, None, config.scheduler.kv_tokens_per_rank)?;
         let scheduler = Scheduler::new(config.ep.ep_size, config.scheduler)?;
         let recorder = open_recorder(&config)?;
         Self::start(&model, tokenizer, eos, &config, move |thread| {
@@ -395,7 +400,7 @@ impl EngineLoop {
         match command {
             Command::Submit(sequences) => {
                 for parts in sequences {
-                    let cache = self.runtime.model().new_cache();
+                    let cache = self.runtime.new_cache();
                     self.scheduler.enqueue(Sequence::new(parts, cache));
                 }
                 false

@@ -28,15 +28,19 @@ use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
 use rackfill_models::{
-    ExpertSelection, FeedForward, LogitsFor, ModelConfig, MoeModel, Routing, SeqChunk,
+    ExpertSelection, FeedForward, KvCache, LogitsFor, ModelConfig, MoeModel, Routing, SeqChunk,
     SequenceInput,
 };
 
 use crate::cost::{MoeCost, MoeDims, SimulatedMakespan};
+use crate::device::ModelDevice;
 use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, LocalFabric};
 use crate::plane::{DataPlane, LayerWork, PhaseTimes, Plane, PlaneConfig, PlaneOutput};
 use crate::rack::Rack;
+
+#[cfg(feature = "cuda")]
+mod device;
 
 /// How the runtime is laid out and balanced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -113,6 +117,9 @@ pub struct EpRuntime {
     fabric: Box<dyn Fabric>,
     /// What each layer's simulated makespan is costed on.
     rack: Rack,
+    /// The local ranks' dense parts on a GPU ([`EpRuntime::open_device`]); `None`: the CPU.
+    #[cfg(feature = "cuda")]
+    device: Option<rackfill_models::gpu::GpuModel>,
 }
 
 /// One MoE layer's plan and the load it was solved on.
@@ -180,7 +187,48 @@ impl EpRuntime {
             plane,
             fabric,
             rack: Rack::nvl72(),
+            #[cfg(feature = "cuda")]
+            device: None,
         })
+    }
+
+    /// Moves the local ranks' dense parts (embedding, attention with its KV cache, norms, dense
+    /// MLPs, LM head) to `device`, GPU [`ModelDevice::gpu_ordinal`] for a process of local rank
+    /// `local_rank`, with a paged KV cache for `kv_tokens_per_rank` tokens per local rank; the
+    /// MoE layers stay on the data plane. Sequences then need caches from
+    /// [`Self::new_cache`].
+    pub fn open_device(
+        &mut self,
+        device: ModelDevice,
+        local_rank: Option<usize>,
+        kv_tokens_per_rank: usize,
+    ) -> Result<()> {
+        let Some(ordinal) = device.gpu_ordinal(local_rank) else {
+            return Ok(());
+        };
+        #[cfg(feature = "cuda")]
+        {
+            self.open_device_with(device::open_gpu(ordinal)?, kv_tokens_per_rank)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (ordinal, kv_tokens_per_rank);
+            Err(EngineError::Config(format!(
+                "--device {device} needs the GPU path of the default build (this binary was \
+                 built with --no-default-features and runs on the CPU only)"
+            )))
+        }
+    }
+
+    /// An empty KV cache for a new sequence on this runtime's device.
+    pub fn new_cache(&self) -> KvCache {
+        #[allow(unused_mut)]
+        let mut cache = self.model.new_cache();
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.device {
+            cache.gpu = Some(gpu.new_sequence());
+        }
+        cache
     }
 
     /// The routed experts a process holding EP ranks `local` of `config.ep_size` must load for a
@@ -260,6 +308,10 @@ impl EpRuntime {
         which: &[Vec<LogitsFor>],
     ) -> Result<StepOutput> {
         self.check_step(batches, which)?;
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            return self.forward_on_device(batches, which);
+        }
         let model = Arc::clone(&self.model);
         let mut xs: Vec<Option<Tensor>> = batches
             .iter()

@@ -14,6 +14,7 @@
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
 
 pub mod cost;
+pub mod device;
 pub mod engine;
 pub mod ep;
 pub mod error;
@@ -33,6 +34,7 @@ pub mod stop;
 pub mod validation;
 
 pub use cost::{MoeCost, MoeDims, MoeTerms, SimulatedMakespan};
+pub use device::ModelDevice;
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
 pub use ep::{EpConfig, EpRuntime, LayerReport, StepOutput};
 pub use error::{EngineError, Result};

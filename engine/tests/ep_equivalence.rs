@@ -2,7 +2,9 @@
 //! 4 and 8, every balancer, prompts chunked across steps and several sequences per rank, the
 //! logits of every position equal the dense logits within 1e-4 (max abs difference), and every
 //! replica slot holds its home expert's weights byte for byte after streaming. With feature
-//! `cuda` on a GPU host the same holds for the GPU data plane (tolerance [`GPU_TOLERANCE`]).
+//! `cuda` on a GPU host the same holds for the GPU data plane (tolerance [`GPU_TOLERANCE`]); and
+//! with the ranks' dense parts on the (emulated) GPU, every balancer and EP size computes what
+//! the GPU's own dense path computes (tolerance [`DEVICE_TOLERANCE`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -100,7 +102,7 @@ fn try_ep_logits(
         replicas: 0,
         layers: Vec::new(),
     };
-    let mut caches: Vec<KvCache> = prompts.iter().map(|_| model.new_cache()).collect();
+    let mut caches: Vec<KvCache> = prompts.iter().map(|_| runtime.new_cache()).collect();
     let mut done = vec![0usize; prompts.len()];
     while done.iter().zip(prompts).any(|(d, p)| *d < p.len()) {
         let ends: Vec<usize> = done
@@ -572,5 +574,80 @@ fn processes_whose_plans_differ_all_fail_the_step() {
             error.contains("rank 1 solved a different plan than rank 0"),
             "{error}"
         );
+    }
+}
+
+/// Max abs logit difference between the EP runtime with its dense parts on the GPU (experts in
+/// f32 on the data plane, from f32 inputs) and the GPU's dense path (experts in bf16 from bf16
+/// inputs): the built-in checkpoint is bf16, so only the experts' input rounding and summation
+/// orders differ.
+#[cfg(feature = "cuda")]
+const DEVICE_TOLERANCE: f32 = 0.05;
+
+/// The EP runtime with its dense parts on the device (here the host emulator running the CUDA
+/// kernels) against the GPU's dense path (every expert local): EP 1 and 3, several balancers,
+/// prompts in chunks of 6 over their cached context. Every balancer at EP 3 gives the same
+/// logits bit for bit: the plan moves work, never the numbers.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_device_runtime_matches_the_gpu_dense_path_for_every_balancer() {
+    use rackfill_kernels::cuda::exec::{Emulator, Executor};
+    use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
+    let Some(emulator) = Emulator::shared() else {
+        return;
+    };
+    let exec: Arc<dyn Executor> = emulator;
+    let model = builtin();
+    let vocab = model.config().vocab_size;
+    let prompts = prompts(vocab, &[11, 5, 14]);
+    let gpu = GpuModel::upload(Arc::clone(&exec), &model, 1024, Experts::Here).unwrap();
+    let reference: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .map(|p| {
+            let mut sequence = gpu.new_sequence();
+            let step = gpu
+                .forward(&mut [GpuInput {
+                    tokens: p,
+                    sequence: &mut sequence,
+                    logits: LogitsFor::AllPositions,
+                }])
+                .unwrap();
+            step.logits.chunks(vocab).map(<[f32]>::to_vec).collect()
+        })
+        .collect();
+    let mut at_ep3: Option<Vec<Vec<Vec<f32>>>> = None;
+    for (ep_size, balancer) in [(1, Algo::None), (3, Algo::Quota), (3, Algo::EplbExact)] {
+        let config = EpConfig {
+            ep_size,
+            redundant_slots: 1,
+            balancer,
+            verify_plans: true,
+            ..EpConfig::default()
+        };
+        let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
+        runtime.open_device_with(Arc::clone(&exec), 512).unwrap();
+        let run = ep_logits(&mut runtime, &model, &prompts, 6);
+        let worst = run
+            .logits
+            .iter()
+            .flatten()
+            .flatten()
+            .zip(reference.iter().flatten().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= DEVICE_TOLERANCE,
+            "EP {ep_size} {balancer:?}: logits off the GPU dense path by {worst}"
+        );
+        eprintln!("device EP {ep_size} {balancer:?}: max |logit difference| {worst}");
+        if ep_size == 3 {
+            match &at_ep3 {
+                None => at_ep3 = Some(run.logits),
+                Some(first) => assert!(
+                    *first == run.logits,
+                    "EP 3 {balancer:?}: logits differ from the first balancer's"
+                ),
+            }
+        }
     }
 }

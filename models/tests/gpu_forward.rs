@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rackfill_kernels::cuda::exec::{Emulator, Executor};
-use rackfill_models::gpu::{GpuInput, GpuModel, GpuSequence};
+use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::model::{FeedForward, LogitsFor, MoeModel};
 use rackfill_models::{KvCache, Routing, SeqChunk};
 
@@ -161,7 +161,7 @@ fn step(
     name: &str,
     what: &str,
     model: &MoeModel,
-    gpu: &mut GpuModel,
+    gpu: &GpuModel,
     batch: &mut [(&[u32], &mut KvCache, &mut GpuSequence)],
     which: LogitsFor,
 ) -> (f32, usize, usize) {
@@ -188,7 +188,7 @@ fn step(
 fn check_model(name: &str, exec: Arc<dyn Executor>) {
     let model = MoeModel::load(&fixture(name)).unwrap();
     let vocab = model.config().vocab_size;
-    let mut gpu = GpuModel::upload(exec, &model, 256).unwrap();
+    let gpu = GpuModel::upload(exec, &model, 256, Experts::Here).unwrap();
     let free = gpu.free_blocks();
     let (a, b) = (prompt(21, 1, vocab), prompt(9, 2, vocab));
     let mut results = Vec::new();
@@ -200,7 +200,7 @@ fn check_model(name: &str, exec: Arc<dyn Executor>) {
         name,
         "batch",
         &model,
-        &mut gpu,
+        &gpu,
         &mut [(&a, &mut ca, &mut sa), (&b, &mut cb, &mut sb)],
         LogitsFor::AllPositions,
     ));
@@ -221,27 +221,25 @@ fn check_model(name: &str, exec: Arc<dyn Executor>) {
             name,
             "chunk",
             &model,
-            &mut gpu,
+            &gpu,
             &mut [(chunk, &mut cc, &mut sc)],
             which,
         ));
     }
 
     // A sequence ends; a new one takes its blocks and still gets the right logits.
-    gpu.release(sa).unwrap();
+    drop(sa);
     let d = prompt(30, 6, vocab);
     let (mut cd, mut sd) = (model.new_cache(), gpu.new_sequence());
     results.push(step(
         name,
         "reused blocks",
         &model,
-        &mut gpu,
+        &gpu,
         &mut [(&d, &mut cd, &mut sd)],
         LogitsFor::AllPositions,
     ));
-    for s in [sb, sc, sd] {
-        gpu.release(s).unwrap();
-    }
+    drop((sb, sc, sd));
     assert_eq!(
         gpu.free_blocks(),
         free,

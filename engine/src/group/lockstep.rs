@@ -247,7 +247,7 @@ impl Lockstep {
                     let reserve =
                         parts.request.prompt.len() + parts.request.params.max_tokens as usize;
                     if rank == LEADER {
-                        let cache = self.runtime.model().new_cache();
+                        let cache = self.runtime.new_cache();
                         self.scheduler.enqueue(Sequence::new(parts, cache));
                         continue;
                     }
@@ -317,7 +317,7 @@ impl Lockstep {
                 events: tx,
             };
             self.outboxes.insert(handoff.id, rx);
-            let cache = self.runtime.model().new_cache();
+            let cache = self.runtime.new_cache();
             self.scheduler.enqueue(Sequence::new(parts, cache));
         }
         for (_, id) in control.cancels.into_iter().filter(|(rank, _)| *rank == me) {

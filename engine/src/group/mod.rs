@@ -123,7 +123,9 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let resolved = kind.as_ref().map_or(u64::MAX, |k| hash(&k.to_string()));
     agree(&control, &fingerprints(served, resolved))?;
     let fabric: Box<dyn Fabric> = fabric::open(kind?, fabric_comm, device)?;
-    let runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
+    let mut runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
+    let kv_tokens = served.config.scheduler.kv_tokens_per_rank;
+    runtime.open_device(served.config.device, Some(device), kv_tokens)?;
     let scheduler = Scheduler::new(runtime.local_ranks().len(), served.config.scheduler)?;
     Ok(Joined {
         stepper: Stepper {

@@ -1,7 +1,8 @@
-//! One batched forward on the device: embedding, then per layer the attention half (adding its
-//! output into the f32 residual stream) and the feed-forward half (dense MLP, or router, every
-//! routed expert and the shared experts), then the final norm and LM head on the rows that need
-//! logits only.
+//! One batched forward on the device, step by step so that an EP runtime can run the MoE layers
+//! itself: [`GpuModel::begin`] (blocks and embedding), per layer [`GpuModel::attention`] (its
+//! output added into the f32 residual stream) and [`GpuModel::feed_forward`] (dense MLP, or
+//! router, every routed expert and the shared experts), then [`GpuModel::finish`] (the final
+//! norm and LM head on the rows that need logits only).
 
 use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, WeightLayout,
@@ -11,9 +12,11 @@ use rackfill_kernels::paged::{AttentionShape, BlockTable, StepArrays};
 
 use super::ops::{AttentionStep, KvLayout, Ops};
 use super::weights::{GpuAttention, GpuFfn, GpuGqa, GpuLayer, GpuLinear, GpuMla, GpuMlp, GpuMoe};
+use std::sync::Arc;
+
 use super::{GpuInput, GpuModel, GpuStep, LayerCache};
 use crate::config::RouterKind;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::layers::router::Routing;
 use crate::model::LogitsFor;
 
@@ -26,73 +29,196 @@ struct Step {
     attention: AttentionStep,
 }
 
-pub(super) fn run(model: &mut GpuModel, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
-    let exec = model.exec.clone();
-    let ops = Ops {
-        exec: exec.as_ref(),
-    };
-    let (mut ids, mut positions, mut logit_rows) = (vec![], vec![], vec![]);
-    for s in batch.iter() {
-        let (ctx, n) = (s.sequence.len(), s.tokens.len());
-        let start = ids.len() as u32;
-        ids.extend_from_slice(s.tokens);
-        positions.extend((ctx..ctx + n).map(|p| p as u32));
-        match s.logits {
-            _ if n == 0 => {}
-            LogitsFor::AllPositions => logit_rows.extend(start..start + n as u32),
-            LogitsFor::LastPosition => logit_rows.push(start + n as u32 - 1),
+/// One batch between [`GpuModel::begin`] and [`GpuModel::finish`]: the residual stream of its
+/// rows on the device, what its layers share, and what it has routed so far.
+pub struct GpuBatch {
+    step: Step,
+    /// f32 `[rows, H]`.
+    x: DeviceBuffer,
+    /// The rows that get logits, in batch order.
+    logit_rows: Vec<u32>,
+    routing: Vec<Routing>,
+}
+
+impl GpuBatch {
+    /// Rows (new tokens) in the batch.
+    pub fn rows(&self) -> usize {
+        self.step.rows
+    }
+}
+
+impl GpuModel {
+    /// Starts a batch: takes the KV blocks of every new token (or none: a full cache fails the
+    /// step with no sequence changed) and embeds the tokens.
+    pub fn begin(&self, batch: &mut [GpuInput<'_>]) -> Result<GpuBatch> {
+        let exec = self.exec.clone();
+        let ops = Ops {
+            exec: exec.as_ref(),
+        };
+        let (mut ids, mut positions, mut logit_rows) = (vec![], vec![], vec![]);
+        for s in batch.iter() {
+            crate::model::check_vocabulary(s.tokens, self.config.vocab_size)
+                .map_err(|e| ModelError::Input(e.to_string()))?;
+            if !Arc::ptr_eq(&s.sequence.pool, &self.pool) {
+                return Err(ModelError::Input(
+                    "a sequence of another GPU model's cache".into(),
+                ));
+            }
+            let (ctx, n) = (s.sequence.len(), s.tokens.len());
+            let start = ids.len() as u32;
+            ids.extend_from_slice(s.tokens);
+            positions.extend((ctx..ctx + n).map(|p| p as u32));
+            match s.logits {
+                _ if n == 0 => {}
+                LogitsFor::AllPositions => logit_rows.extend(start..start + n as u32),
+                LogitsFor::LastPosition => logit_rows.push(start + n as u32 - 1),
+            }
+        }
+        let rows = ids.len();
+        let mut tables: Vec<(&mut BlockTable, usize)> = batch
+            .iter_mut()
+            .map(|s| (&mut s.sequence.table, s.tokens.len()))
+            .collect();
+        let (arrays, block_size) = {
+            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            (
+                StepArrays::prepare(&mut pool, &mut tables)?,
+                pool.block_size(),
+            )
+        };
+        let step = Step {
+            rows,
+            positions: exec.upload_u32(&positions)?,
+            slots: exec.upload_u32(&arrays.slot_mapping)?,
+            attention: AttentionStep {
+                block_size,
+                block_tables: exec.upload_u32(&arrays.block_tables)?,
+                q_start: exec.upload_u32(&arrays.q_start)?,
+                q_len: exec.upload_u32(&arrays.q_len)?,
+                ctx_len: exec.upload_u32(&arrays.ctx_len)?,
+                arrays,
+            },
+        };
+        let h = self.config.hidden_size;
+        let x = exec.alloc_zeroed(rows * h * 4)?;
+        if rows > 0 {
+            ops.embed(&self.weights.embed, &exec.upload_u32(&ids)?, rows, h, &x)?;
+        }
+        Ok(GpuBatch {
+            step,
+            x,
+            logit_rows,
+            routing: Vec::new(),
+        })
+    }
+
+    /// Layer `layer`'s attention half: `x += attention(norm(x))`.
+    pub fn attention(&self, layer: usize, batch: &mut GpuBatch) -> Result<()> {
+        let ops = Ops {
+            exec: self.exec.as_ref(),
+        };
+        let (rows, h) = (batch.rows(), self.config.hidden_size);
+        if rows == 0 {
+            return Ok(());
+        }
+        let (weights, cache) = (&self.weights.layers[layer], &self.caches[layer]);
+        let normed = ops.exec.alloc_zeroed(rows * h * 2)?;
+        let norm = &weights.input_norm;
+        ops.rms_norm_to_bf16(&batch.x, h, &norm.weight, norm.eps, rows, h, &normed, h)?;
+        match &weights.attention {
+            GpuAttention::Gqa(a) => gqa(ops, a, cache, &batch.step, &normed, &batch.x),
+            GpuAttention::Mla(a) => mla(ops, a, cache, &batch.step, &normed, &batch.x),
         }
     }
-    let rows = ids.len();
-    if rows == 0 {
-        return Ok(GpuStep::default());
-    }
-    // Takes the blocks of every new token, or none (a full cache fails the step unchanged).
-    let mut tables: Vec<(&mut BlockTable, usize)> = batch
-        .iter_mut()
-        .map(|s| (&mut s.sequence.table, s.tokens.len()))
-        .collect();
-    let arrays = StepArrays::prepare(&mut model.pool, &mut tables)?;
-    let step = Step {
-        rows,
-        positions: exec.upload_u32(&positions)?,
-        slots: exec.upload_u32(&arrays.slot_mapping)?,
-        attention: AttentionStep {
-            block_size: model.pool.block_size(),
-            block_tables: exec.upload_u32(&arrays.block_tables)?,
-            q_start: exec.upload_u32(&arrays.q_start)?,
-            q_len: exec.upload_u32(&arrays.q_len)?,
-            ctx_len: exec.upload_u32(&arrays.ctx_len)?,
-            arrays,
-        },
-    };
-    let vocab = model.config.vocab_size;
-    let h = model.config.hidden_size;
-    let x = exec.alloc_zeroed(rows * h * 4)?;
-    ops.embed(&model.weights.embed, &exec.upload_u32(&ids)?, rows, h, &x)?;
-    let normed = exec.alloc_zeroed(rows * h * 2)?;
-    let mut routing = Vec::new();
-    for (layer, cache) in model.weights.layers.iter().zip(&model.caches) {
-        let norm = &layer.input_norm;
-        ops.rms_norm_to_bf16(&x, h, &norm.weight, norm.eps, rows, h, &normed, h)?;
-        match &layer.attention {
-            GpuAttention::Gqa(a) => gqa(ops, a, cache, &step, &normed, &x)?,
-            GpuAttention::Mla(a) => mla(ops, a, cache, &step, &normed, &x)?,
+
+    /// Layer `layer`'s feed-forward half on the device: `x += ffn(norm(x))` (a dense MLP, or
+    /// the MoE block with every routed expert here, which [`GpuModel::upload`] must have been
+    /// asked for).
+    pub fn feed_forward(&self, layer: usize, batch: &mut GpuBatch) -> Result<()> {
+        let ops = Ops {
+            exec: self.exec.as_ref(),
+        };
+        let (rows, h) = (batch.rows(), self.config.hidden_size);
+        if rows == 0 {
+            return Ok(());
         }
-        feed_forward(ops, layer, rows, h, &x, &mut routing)?;
+        feed_forward(
+            ops,
+            &self.weights.layers[layer],
+            rows,
+            h,
+            &batch.x,
+            &mut batch.routing,
+        )
     }
-    let n = logit_rows.len();
-    let picked = exec.alloc_zeroed(n * h * 4)?;
-    ops.gather_f32(&x, h, &exec.upload_u32(&logit_rows)?, n, &picked)?;
-    let picked_bf16 = exec.alloc_zeroed(n * h * 2)?;
-    let norm = &model.weights.norm;
-    ops.rms_norm_to_bf16(&picked, h, &norm.weight, norm.eps, n, h, &picked_bf16, h)?;
-    let logits = exec.alloc_zeroed(n * vocab * 4)?;
-    linear(ops, &picked_bf16, n, &model.weights.lm_head, &logits, 0.0)?;
-    Ok(GpuStep {
-        logits: exec.download_f32(&logits)?,
-        routing,
-    })
+
+    /// Layer `layer`'s normalised feed-forward input `[rows, H]` in host memory: what an EP data
+    /// plane routes and dispatches (the MoE layers of a model uploaded without its experts).
+    pub fn ffn_input(&self, layer: usize, batch: &GpuBatch) -> Result<Vec<f32>> {
+        let ops = Ops {
+            exec: self.exec.as_ref(),
+        };
+        let (rows, h) = (batch.rows(), self.config.hidden_size);
+        let normed = ops.exec.alloc_zeroed(rows * h * 4)?;
+        if rows > 0 {
+            ops.copy_rows(&batch.x, 0, h, rows, h, &normed, 0, h)?;
+            let norm = &self.weights.layers[layer].post_norm;
+            ops.rms_norm_inplace(&normed, 0, h, &norm.weight, norm.eps, rows, h)?;
+        }
+        Ok(ops.exec.download_f32(&normed)?)
+    }
+
+    /// `x += out` for a feed-forward output `[rows, H]` computed elsewhere (the EP data plane).
+    pub fn add_to_residual(&self, batch: &mut GpuBatch, out: &[f32]) -> Result<()> {
+        let n = batch.rows() * self.config.hidden_size;
+        if out.len() != n {
+            return Err(ModelError::Input(format!(
+                "{} values for a {n}-value residual",
+                out.len()
+            )));
+        }
+        if n > 0 {
+            let ops = Ops {
+                exec: self.exec.as_ref(),
+            };
+            ops.add(&batch.x, &ops.exec.upload_f32(out)?, n)?;
+        }
+        Ok(())
+    }
+
+    /// The final norm and LM head on the rows that need logits.
+    pub fn finish(&self, batch: GpuBatch) -> Result<GpuStep> {
+        let exec = self.exec.as_ref();
+        let ops = Ops { exec };
+        let (h, vocab, n) = (
+            self.config.hidden_size,
+            self.config.vocab_size,
+            batch.logit_rows.len(),
+        );
+        if n == 0 {
+            return Ok(GpuStep {
+                logits: Vec::new(),
+                routing: batch.routing,
+            });
+        }
+        let picked = exec.alloc_zeroed(n * h * 4)?;
+        ops.gather_f32(
+            &batch.x,
+            h,
+            &exec.upload_u32(&batch.logit_rows)?,
+            n,
+            &picked,
+        )?;
+        let picked_bf16 = exec.alloc_zeroed(n * h * 2)?;
+        let norm = &self.weights.norm;
+        ops.rms_norm_to_bf16(&picked, h, &norm.weight, norm.eps, n, h, &picked_bf16, h)?;
+        let logits = exec.alloc_zeroed(n * vocab * 4)?;
+        linear(ops, &picked_bf16, n, &self.weights.lm_head, &logits, 0.0)?;
+        Ok(GpuStep {
+            logits: exec.download_f32(&logits)?,
+            routing: batch.routing,
+        })
+    }
 }
 
 /// `c = x · W + b (+ beta c)`: `x` bf16 `[m, in]`, `c` f32 `[m, out]`.
@@ -420,7 +546,13 @@ fn routed_experts(
     routing: &mut Vec<Routing>,
 ) -> Result<()> {
     let exec = ops.exec;
-    let (experts, k) = (moe.experts.len(), moe.top_k);
+    let (experts, k) = (moe.router.cols, moe.top_k);
+    if moe.experts.len() != experts {
+        return Err(ModelError::Input(
+            "this GPU model was uploaded without its routed experts (they run on an EP data plane)"
+                .into(),
+        ));
+    }
     let logits = exec.alloc_zeroed(rows * experts * 4)?;
     ops.linear((normed, DType::F32), rows, &moe.router, &logits, 0.0)?;
     let ids = exec.alloc_zeroed(rows * k * 4)?;

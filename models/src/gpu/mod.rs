@@ -1,7 +1,13 @@
 //! The whole model on a GPU, per rank: bf16 weights on the device ([`weights`]), the dense
-//! layer kernels, paged attention over a device KV cache and the MoE layer with every expert
-//! local ([`forward`]), run through an [`Executor`]: the GPU itself, or the host emulator that
-//! checks this very code against the CPU model on machines without one.
+//! layer kernels, paged attention over a device KV cache and the MoE layer ([`forward`]), run
+//! through an [`Executor`]: the GPU itself, or the host emulator that checks this very code
+//! against the CPU model on machines without one.
+//!
+//! Two uses: [`GpuModel::forward`] runs everything on the device with every routed expert local
+//! (the dense reference, one rank); an EP runtime drives the layers itself
+//! ([`GpuModel::begin`], [`GpuModel::attention`], [`GpuModel::ffn_input`],
+//! [`GpuModel::add_to_residual`], [`GpuModel::finish`]) and runs the MoE layers on its data
+//! plane, so the model is uploaded without routed experts ([`Experts::Elsewhere`]).
 //!
 //! Precision: weights, GEMM inputs and the KV cache are bf16; GEMMs accumulate in f32 and write
 //! f32; the residual stream, norms' arithmetic, RoPE, attention scores and softmax, the routers
@@ -11,7 +17,7 @@ mod forward;
 mod ops;
 mod weights;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
 use rackfill_kernels::paged::{BlockPool, BlockTable};
@@ -20,16 +26,27 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::router::Routing;
 use crate::model::{LogitsFor, MoeModel};
+pub use forward::GpuBatch;
 use weights::{GpuAttention, GpuWeights};
 
 /// Tokens per KV cache block.
 pub const BLOCK_TOKENS: usize = 16;
 
-/// One sequence's place in the device KV cache: its block table. Created by
-/// [`GpuModel::new_sequence`], returned with [`GpuModel::release`].
-#[derive(Debug, Default)]
+/// Where the routed experts of the MoE layers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Experts {
+    /// On this device, every one of them ([`GpuModel::forward`]).
+    Here,
+    /// On an EP data plane: the model is uploaded without them.
+    Elsewhere,
+}
+
+/// One sequence's blocks of a [`GpuModel`]'s paged KV cache, returned to the pool when it is
+/// dropped. Made by [`GpuModel::new_sequence`].
+#[derive(Debug)]
 pub struct GpuSequence {
     table: BlockTable,
+    pool: Arc<Mutex<BlockPool>>,
 }
 
 impl GpuSequence {
@@ -40,7 +57,15 @@ impl GpuSequence {
 
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
-        self.table.len() == 0
+        self.table.is_empty()
+    }
+}
+
+impl Drop for GpuSequence {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        // The table's blocks came from this pool, so releasing them cannot fail.
+        let _ = self.table.release(&mut pool);
     }
 }
 
@@ -56,8 +81,8 @@ pub struct GpuInput<'a> {
 pub struct GpuStep {
     /// f32 `[rows, V]`: the rows each sequence asked for, in batch order.
     pub logits: Vec<f32>,
-    /// Every MoE layer's routing of the step's rows (batch order), in layer order: the exact
-    /// load the balancer and the routing trace read.
+    /// Every MoE layer's routing of the step's rows (batch order), in layer order, when the
+    /// experts run here: the exact load the balancer and the routing trace read.
     pub routing: Vec<Routing>,
 }
 
@@ -74,15 +99,22 @@ pub struct GpuModel {
     config: ModelConfig,
     weights: GpuWeights,
     caches: Vec<LayerCache>,
-    pool: BlockPool,
+    pool: Arc<Mutex<BlockPool>>,
 }
 
 impl GpuModel {
-    /// Uploads `model` (every routed expert loaded) to `exec` with a KV cache of `kv_tokens`
-    /// tokens (rounded up to whole blocks) in every layer.
-    pub fn upload(exec: Arc<dyn Executor>, model: &MoeModel, kv_tokens: usize) -> Result<Self> {
-        let weights = GpuWeights::upload(exec.as_ref(), model)?;
+    /// Uploads `model` to `exec` with a KV cache of `kv_tokens` tokens (rounded up to whole
+    /// blocks) in every layer; its routed experts too when `experts` is [`Experts::Here`]
+    /// (then `model` must hold all of them).
+    pub fn upload(
+        exec: Arc<dyn Executor>,
+        model: &MoeModel,
+        kv_tokens: usize,
+        experts: Experts,
+    ) -> Result<Self> {
+        let weights = GpuWeights::upload(exec.as_ref(), model, experts)?;
         let blocks = kv_tokens.div_ceil(BLOCK_TOKENS).max(1);
+        let too_many = || ModelError::Input(format!("a KV cache of {kv_tokens} tokens"));
         let caches = weights
             .layers
             .iter()
@@ -91,23 +123,25 @@ impl GpuModel {
                     GpuAttention::Gqa(a) => (a.kv_heads * a.head_dim, true),
                     GpuAttention::Mla(a) => (a.kv_lora + a.rot, false),
                 };
-                let bytes = blocks * BLOCK_TOKENS * row * 2;
+                let bytes = blocks
+                    .checked_mul(BLOCK_TOKENS * row * 2)
+                    .ok_or_else(too_many)?;
                 Ok(LayerCache {
                     keys: exec.alloc_zeroed(bytes)?,
                     values: values.then(|| exec.alloc_zeroed(bytes)).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let pool = BlockPool::new(
+            u32::try_from(blocks).map_err(|_| too_many())?,
+            BLOCK_TOKENS as u32,
+        )?;
         Ok(Self {
             exec,
             config: model.config().clone(),
             weights,
             caches,
-            pool: BlockPool::new(
-                u32::try_from(blocks)
-                    .map_err(|_| ModelError::Input(format!("{kv_tokens} KV tokens")))?,
-                BLOCK_TOKENS as u32,
-            )?,
+            pool: Arc::new(Mutex::new(pool)),
         })
     }
 
@@ -123,28 +157,29 @@ impl GpuModel {
 
     /// KV cache blocks not held by any sequence.
     pub fn free_blocks(&self) -> usize {
-        self.pool.free_blocks() as usize
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_blocks() as usize
     }
 
     /// An empty sequence (no blocks until its first tokens).
     pub fn new_sequence(&self) -> GpuSequence {
-        GpuSequence::default()
-    }
-
-    /// Returns a finished sequence's blocks to the pool.
-    pub fn release(&mut self, mut sequence: GpuSequence) -> Result<()> {
-        Ok(sequence.table.release(&mut self.pool)?)
-    }
-
-    /// Runs the batch's new tokens through the model, each sequence continuing from its cache;
-    /// returns the logits of the rows each sequence asks for (every new token or its last) and
-    /// every MoE layer's routing. Blocks for every new token are taken before any work, so a
-    /// full cache fails the step with nothing changed.
-    pub fn forward(&mut self, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
-        for s in batch.iter() {
-            crate::model::check_vocabulary(s.tokens, self.config.vocab_size)
-                .map_err(|e| ModelError::Input(e.to_string()))?;
+        GpuSequence {
+            table: BlockTable::new(),
+            pool: Arc::clone(&self.pool),
         }
-        forward::run(self, batch)
+    }
+
+    /// Runs the batch's new tokens through the whole model on the device (every routed expert
+    /// here), each sequence continuing from its cache; returns the logits of the rows each
+    /// sequence asks for (every new token or its last) and every MoE layer's routing.
+    pub fn forward(&self, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
+        let mut step = self.begin(batch)?;
+        for layer in 0..self.weights.layers.len() {
+            self.attention(layer, &mut step)?;
+            self.feed_forward(layer, &mut step)?;
+        }
+        self.finish(step)
     }
 }

@@ -6,6 +6,7 @@ use candle_core::Tensor;
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Executor, ExecutorExt};
 
 use super::ops::{DeviceWeight, RopeTables};
+use super::Experts;
 use crate::config::RouterKind;
 use crate::error::Result;
 use crate::families::deepseek_v3::{MlaAttention, QueryProjection};
@@ -180,8 +181,8 @@ pub(crate) struct GpuWeights {
 }
 
 impl GpuWeights {
-    /// Uploads `model` (which must hold every routed expert).
-    pub fn upload(exec: &dyn Executor, model: &MoeModel) -> Result<Self> {
+    /// Uploads `model`, with its routed experts when they run `Here` (then it must hold all).
+    pub fn upload(exec: &dyn Executor, model: &MoeModel, experts: Experts) -> Result<Self> {
         let layers = model
             .layers()
             .iter()
@@ -192,7 +193,9 @@ impl GpuWeights {
                     post_norm: GpuNorm::upload(exec, &layer.post_attention_norm)?,
                     ffn: match &layer.ffn {
                         FeedForward::Dense(mlp) => GpuFfn::Dense(GpuMlp::upload(exec, mlp)?),
-                        FeedForward::Moe(block) => GpuFfn::Moe(Box::new(upload_moe(exec, block)?)),
+                        FeedForward::Moe(block) => {
+                            GpuFfn::Moe(Box::new(upload_moe(exec, block, experts)?))
+                        }
                     },
                 })
             })
@@ -253,8 +256,10 @@ fn upload_attention(exec: &dyn Executor, attention: &dyn std::any::Any) -> Resul
     })))
 }
 
-fn upload_moe(exec: &dyn Executor, block: &MoeBlock) -> Result<GpuMoe> {
-    block.experts.require_all()?;
+fn upload_moe(exec: &dyn Executor, block: &MoeBlock, experts: Experts) -> Result<GpuMoe> {
+    if experts == Experts::Here {
+        block.experts.require_all()?;
+    }
     let router = &block.router;
     let (e, h) = router.weight.dims2()?;
     let router_t = values(&router.weight.t()?.contiguous()?)?;
@@ -271,9 +276,12 @@ fn upload_moe(exec: &dyn Executor, block: &MoeBlock) -> Result<GpuMoe> {
             .transpose()?,
         kind: router.kind.clone(),
         top_k: router.top_k,
-        experts: (0..block.experts.num_experts())
-            .map(|i| GpuMlp::upload(exec, block.experts.get(i as u32)?))
-            .collect::<Result<Vec<_>>>()?,
+        experts: match experts {
+            Experts::Here => (0..block.experts.num_experts())
+                .map(|i| GpuMlp::upload(exec, block.experts.get(i as u32)?))
+                .collect::<Result<Vec<_>>>()?,
+            Experts::Elsewhere => Vec::new(),
+        },
         shared: block
             .shared
             .as_ref()

@@ -54,10 +54,15 @@ impl LayerCache {
     }
 }
 
-/// A sequence's KV cache across all layers.
-#[derive(Debug, Clone, Default)]
+/// A sequence's KV cache across all layers: host tensors on the CPU path, or the sequence's
+/// blocks of the device cache when the model runs on a GPU (`gpu`).
+#[derive(Debug, Default)]
 pub struct KvCache {
     pub layers: Vec<LayerCache>,
+    /// The sequence's place in a [`crate::gpu::GpuModel`]'s paged cache (its blocks return to
+    /// the pool when the cache is dropped).
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<crate::gpu::GpuSequence>,
 }
 
 impl KvCache {
@@ -65,11 +70,16 @@ impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![LayerCache::default(); num_layers],
+            ..Self::default()
         }
     }
 
     /// Number of cached positions (the sequence's length so far).
     pub fn len(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.len();
+        }
         self.layers.first().map_or(0, LayerCache::len)
     }
 

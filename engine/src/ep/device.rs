@@ -1,0 +1,151 @@
+//! The EP runtime with its ranks' dense parts on a GPU: every local rank's sequences run through
+//! one [`GpuModel`] batch (attention is per sequence, so ranks sharing a GPU batch together),
+//! and each MoE layer's normalised input comes to the host, is split by rank and goes through
+//! the runtime's own MoE layer (router, plan, replicas, dispatch, experts, combine, shared
+//! experts) on its data plane, whose output is added back into the residual on the device.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
+use rackfill_kernels::cuda::Gpu;
+use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
+use rackfill_models::layers::moe::rows_of;
+use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
+
+use super::{EpRuntime, StepOutput};
+use crate::error::{EngineError, Result};
+
+/// KV blocks beyond `tokens / BLOCK_TOKENS`: room for the partly filled last block of as many
+/// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
+const SPARE_BLOCKS_TOKENS: usize = 256 * rackfill_models::gpu::BLOCK_TOKENS;
+
+/// Opens GPU `ordinal` as an executor.
+pub(super) fn open_gpu(ordinal: usize) -> Result<Arc<dyn Executor>> {
+    let gpu_error = |e: rackfill_kernels::cuda::CudaError| {
+        EngineError::Config(format!("--device cuda:{ordinal}: {e}"))
+    };
+    let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
+    Ok(Arc::new(GpuExecutor::new(gpu).map_err(gpu_error)?))
+}
+
+impl EpRuntime {
+    /// Moves the local ranks' dense parts to `exec` (a GPU, or the host emulator that checks
+    /// this path without one), with a paged KV cache for `kv_tokens_per_rank` tokens per local
+    /// rank; see [`EpRuntime::open_device`].
+    pub fn open_device_with(
+        &mut self,
+        exec: Arc<dyn Executor>,
+        kv_tokens_per_rank: usize,
+    ) -> Result<()> {
+        let ranks = self.fabric.local_ranks().len();
+        let tokens = kv_tokens_per_rank
+            .saturating_mul(ranks)
+            .saturating_add(SPARE_BLOCKS_TOKENS);
+        self.device = Some(GpuModel::upload(
+            exec,
+            &self.model,
+            tokens,
+            Experts::Elsewhere,
+        )?);
+        Ok(())
+    }
+
+    /// [`EpRuntime::forward`] with the dense parts on the device.
+    pub(super) fn forward_on_device(
+        &mut self,
+        batches: &mut [Vec<SequenceInput<'_>>],
+        which: &[Vec<LogitsFor>],
+    ) -> Result<StepOutput> {
+        // Taken out for the step so the MoE layers can borrow the runtime; put back whatever
+        // happens.
+        let gpu = self.device.take().expect("called with a device");
+        let result = self.step_on(&gpu, batches, which);
+        self.device = Some(gpu);
+        result
+    }
+
+    fn step_on(
+        &mut self,
+        gpu: &GpuModel,
+        batches: &mut [Vec<SequenceInput<'_>>],
+        which: &[Vec<LogitsFor>],
+    ) -> Result<StepOutput> {
+        let hidden = self.model.config().hidden_size;
+        let vocab = self.model.config().vocab_size;
+        // Rows and logit rows per local rank, in batch order.
+        let mut rank_rows = Vec::with_capacity(batches.len());
+        let mut rank_logits = Vec::with_capacity(batches.len());
+        let mut inputs = Vec::new();
+        for (batch, which) in batches.iter_mut().zip(which) {
+            let (mut rows, mut logit_rows) = (0, 0);
+            for (s, &w) in batch.iter_mut().zip(which) {
+                let n = s.tokens.len();
+                rows += n;
+                logit_rows += match w {
+                    LogitsFor::AllPositions => n,
+                    LogitsFor::LastPosition => usize::from(n > 0),
+                };
+                let sequence = s.cache.gpu.as_mut().ok_or_else(|| {
+                    EngineError::InvalidRequest(
+                        "a sequence whose KV cache is not on the runtime's GPU".into(),
+                    )
+                })?;
+                inputs.push(GpuInput {
+                    tokens: s.tokens,
+                    sequence,
+                    logits: w,
+                });
+            }
+            rank_rows.push(rows);
+            rank_logits.push(logit_rows);
+        }
+        let mut step = gpu.begin(&mut inputs)?;
+        let mut reports = Vec::new();
+        let model = Arc::clone(&self.model);
+        for (index, layer) in model.layers().iter().enumerate() {
+            gpu.attention(index, &mut step)?;
+            let FeedForward::Moe(block) = layer.ffn() else {
+                gpu.feed_forward(index, &mut step)?;
+                continue;
+            };
+            let input = gpu.ffn_input(index, &step)?;
+            let per_rank = split_rows(&input, &rank_rows, hidden)?;
+            let (outs, report) = self.moe_layer(index, block, &per_rank)?;
+            reports.push(report);
+            let mut flat = Vec::with_capacity(input.len());
+            for out in outs.iter().flatten() {
+                flat.extend(rows_of(out)?);
+            }
+            gpu.add_to_residual(&mut step, &flat)?;
+        }
+        let logits = gpu.finish(step)?.logits;
+        Ok(StepOutput {
+            logits: split_rows(&logits, &rank_logits, vocab)?,
+            layers: reports,
+        })
+    }
+}
+
+/// Consecutive `[counts[r], width]` blocks of row-major `values`, as tensors (`None` for none).
+fn split_rows(values: &[f32], counts: &[usize], width: usize) -> Result<Vec<Option<Tensor>>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            let part = values
+                .get(start * width..(start + n) * width)
+                .ok_or_else(|| {
+                    EngineError::InvalidRequest(format!(
+                        "{} values for {counts:?} rows",
+                        values.len()
+                    ))
+                })?;
+            start += n;
+            (n > 0)
+                .then(|| Tensor::from_slice(part, (n, width), &Device::Cpu))
+                .transpose()
+                .map_err(|e| ModelError::from(e).into())
+        })
+        .collect()
+}
