@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a GPU host without a Rust toolchain needs for rackfill's GPU checks and figures:
-# the release binary and the test binaries with GPU tests (rackfill-kernels' cuda_* and
-# rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
+# the release binary and the test binaries with GPU tests (rackfill-kernels' cuda_*,
+# rackfill-models' gpu_* and rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
 # one file in a folder (default .gpu-bundle, git-ignored; its size is printed at the end) to copy
 # or carry there. Then, on the GPU host, in a copy of this repository:
 # `bash scripts/gpu_session.sh .gpu-bundle` (docs/gpu.md "On a GPU host").
@@ -13,7 +13,7 @@ stage=$(mktemp -d)
 mkdir -p "$stage/tests" "$out"
 json=$(mktemp)
 cargo build --release --locked --bin rackfill --message-format=json >"$json"
-cargo test --release --locked --features cuda -p rackfill-kernels -p rackfill-engine --no-run \
+cargo test --release --locked --features cuda -p rackfill-kernels -p rackfill-models -p rackfill-engine --no-run \
   --message-format=json >>"$json"
 # The executables cargo reports: the binary, then each test target.
 python3 - "$json" "$stage" <<'PY'
@@ -25,7 +25,7 @@ for line in open(src):
     if not exe:
         continue
     name = m["target"]["name"]
-    if m["profile"]["test"] and (name.startswith("cuda_") or name == "ep_equivalence"):
+    if m["profile"]["test"] and (name.startswith(("cuda_", "gpu_")) or name == "ep_equivalence"):
         shutil.copy(exe, f"{out}/tests/")
     elif m["target"]["name"] == "rackfill":
         shutil.copy(exe, f"{out}/rackfill")

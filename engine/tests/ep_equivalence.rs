@@ -585,18 +585,22 @@ fn processes_whose_plans_differ_all_fail_the_step() {
 const DEVICE_TOLERANCE: f32 = 0.05;
 
 /// The EP runtime with its dense parts on the device (here the host emulator running the CUDA
-/// kernels) against the GPU's dense path (every expert local): EP 1 and 3, several balancers,
+/// kernels, and GPU 0 on a GPU host) against the GPU's dense path (every expert local): EP 1 and 3, several balancers,
 /// prompts in chunks of 6 over their cached context. Every balancer at EP 3 gives the same
 /// logits bit for bit: the plan moves work, never the numbers.
 #[cfg(feature = "cuda")]
 #[test]
 fn the_device_runtime_matches_the_gpu_dense_path_for_every_balancer() {
-    use rackfill_kernels::cuda::exec::{Emulator, Executor};
+    for exec in rackfill_kernels::cuda::exec::available() {
+        device_runtime_matches_the_gpu_dense_path(exec);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_runtime_matches_the_gpu_dense_path(
+    exec: Arc<dyn rackfill_kernels::cuda::exec::Executor>,
+) {
     use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
-    let Some(emulator) = Emulator::shared() else {
-        return;
-    };
-    let exec: Arc<dyn Executor> = emulator;
     let model = builtin();
     let vocab = model.config().vocab_size;
     let prompts = prompts(vocab, &[11, 5, 14]);

@@ -2,13 +2,12 @@
 //! `kv_write` and `paged_attention` exactly as the whole-model path will launch them, sequences
 //! of fused qkv rows, the CPU reference, and the tolerance check.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use rackfill_kernels::cuda::exec::{
-    round_bf16, DeviceBuffer, Emulator, Executor, ExecutorExt, GpuExecutor, KernelArg, Launch,
+    round_bf16, DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch,
 };
-use rackfill_kernels::cuda::{CudaError, CudaUnavailable, Gpu};
 use rackfill_kernels::paged::{
     AttentionShape, BlockPool, BlockTable, PagedError, StepArrays, ATTENTION_THREADS,
 };
@@ -218,30 +217,9 @@ impl Worst {
     }
 }
 
-/// Where the kernels run: the host emulator (given a C++ compiler) and GPU 0 (on a GPU host);
-/// each missing one says why.
+/// Where the kernels run: the host emulator (given a C++ compiler) and GPU 0 (on a GPU host).
 pub fn executors() -> Vec<Arc<dyn Executor>> {
-    static GPU: OnceLock<Option<Arc<GpuExecutor>>> = OnceLock::new();
-    let gpu = GPU.get_or_init(|| {
-        let gpu = match Gpu::open(0) {
-            Ok(gpu) => gpu,
-            Err(CudaError::Unavailable(
-                why @ (CudaUnavailable::NoDriver { .. } | CudaUnavailable::NoDevice),
-            )) => {
-                eprintln!("GPU skipped: {why}");
-                return None;
-            }
-            Err(other) => panic!("the GPU exists but cannot be used: {other}"),
-        };
-        GpuExecutor::new(gpu)
-            .map(Arc::new)
-            .map_err(|e| eprintln!("GPU skipped: {e}"))
-            .ok()
-    });
-    let mut all: Vec<Arc<dyn Executor>> = Vec::new();
-    all.extend(Emulator::shared().map(|e| e as Arc<dyn Executor>));
-    all.extend(gpu.clone().map(|g| g as Arc<dyn Executor>));
-    all
+    rackfill_kernels::cuda::exec::available()
 }
 
 /// One layer's paged cache on an executor.
