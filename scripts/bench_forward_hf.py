@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Prefill tokens/s of HF transformers on the bench shape, side by side with `rackfill bench forward`.
 
+With --device cuda both run on the GPU in bf16 (transformers: sdpa attention; rackfill: its
+whole-model path, `bench forward --device cuda`), synchronised around every timed prefill.
+
 Writes the issue's bench shape (Qwen3-MoE: hidden 1024, 4 layers, 16/4 heads of 64, 64 experts
 top-8, moe_intermediate 256, vocab 32000) with seeded random weights (transformers' own init,
 saved in bf16) to --dir, times transformers on it (float32, sdpa attention, --threads torch
@@ -60,32 +63,39 @@ def make_checkpoint(path, seed):
     model.to(torch.bfloat16).save_pretrained(path)
 
 
-def time_hf(path, lengths, repeats, threads, seed):
+def time_hf(path, lengths, repeats, threads, seed, device):
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    # On a GPU: bf16 weights and activations (what rackfill's --device cuda runs), else f32.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     model.eval()
     g = torch.Generator().manual_seed(seed)
     results = []
     for n in lengths:
-        ids = torch.randint(0, BENCH_SHAPE["vocab_size"], (1, n), generator=g)
+        ids = torch.randint(0, BENCH_SHAPE["vocab_size"], (1, n), generator=g).to(device)
 
         def once():
+            if device != "cpu":
+                torch.cuda.synchronize()
             start = time.perf_counter()
             with torch.inference_mode():
                 model(input_ids=ids, logits_to_keep=1)
+            if device != "cpu":
+                torch.cuda.synchronize()
             return time.perf_counter() - start
 
         once()
         seconds = [once() for _ in range(repeats)]
         results.append({"tokens": n, "tokens_per_s": n / statistics.median(seconds), "seconds": seconds})
-    return {"impl": "transformers", "model": path, "threads": threads, "torch": torch.__version__,
+    return {"impl": "transformers", "device": device, "model": path, "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "results": results}
 
 
-def time_rackfill(binary, path, lengths, repeats, seed):
+def time_rackfill(binary, path, lengths, repeats, seed, device):
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [binary, "bench", "forward", "--model", path, "--tokens", ",".join(map(str, lengths)),
-               "--repeats", str(repeats), "--seed", str(seed), "--json", out.name]
+               "--repeats", str(repeats), "--seed", str(seed), "--json", out.name,
+               "--device", device]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out.name) as f:
             return json.load(f)
@@ -115,6 +125,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rackfill", help="path of the rackfill binary to run side by side")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (f32, both) or cuda / cuda:N (bf16, both, on that GPU)")
     ap.add_argument("--json", help="write all measurements here")
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
@@ -122,9 +134,10 @@ def main():
     make_checkpoint(args.dir, args.seed)
     rounds = []
     for r in range(args.rounds):
-        entry = {"transformers": time_hf(args.dir, lengths, args.repeats, args.threads, args.seed)}
+        entry = {"transformers": time_hf(args.dir, lengths, args.repeats, args.threads, args.seed, args.device)}
         if args.rackfill:
-            entry["rackfill"] = time_rackfill(args.rackfill, args.dir, lengths, args.repeats, args.seed)
+            entry["rackfill"] = time_rackfill(args.rackfill, args.dir, lengths, args.repeats, args.seed,
+                                              args.device)
         rounds.append(entry)
         print(f"round {r}:")
         print(f"  {'tokens':>7} {'transformers tok/s':>19} {'rackfill tok/s':>15} {'ratio':>6}")

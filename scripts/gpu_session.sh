@@ -3,7 +3,8 @@
 # CUDA test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the figures
 # docs/gpu.md records, then the tile-streaming tests under compute-sanitizer. Writes device.txt,
 # tests.log, kernels-bench.txt, bench-ep.txt and sanitizer-*.txt to ${OUT:-target/gpu-session};
-# exits non-zero if any test binary or sanitizer run failed.
+# bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs); exits non-zero if any
+# test binary or sanitizer run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(mktemp -d)
@@ -25,6 +26,16 @@ done
 "$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
 "$bundle/rackfill" bench ep --model rackfill-tiny-moe --prompts models/builtin/skew.json --ep-size 8 \
   --balancer quota,none --data-plane cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
+# The whole model on the GPU (bf16): prefill tokens/s of the bench shape, and beside it
+# transformers in bf16 on the same GPU and checkpoint where torch with CUDA is installed.
+"$bundle/rackfill" bench forward --device cuda --tokens 512,2048,4096 --repeats 5 \
+  --json "$out/bench-forward-cuda.json" 2>&1 | tee "$out/bench-forward-cuda.txt"
+if python3 -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
+  python3 scripts/bench_forward_hf.py --device cuda --rackfill "$bundle/rackfill" --repeats 5 \
+    --json "$out/bench-forward-hf-cuda.json" 2>&1 | tee "$out/bench-forward-hf-cuda.txt"
+else
+  echo "torch with CUDA or transformers missing: no transformers comparison" | tee -a "$out/bench-forward-cuda.txt"
+fi
 # What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
 # barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
 # host has it. Last and time-bounded, so the figures above never wait on it; a timeout is

@@ -12,8 +12,8 @@ use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
-use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
-use rackfill_engine::{DataPlane, EpConfig, Rack};
+use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model, time_prefills};
+use rackfill_engine::{DataPlane, EpConfig, ModelDevice, Rack};
 use rackfill_models::ModelBundle;
 use std::path::PathBuf;
 
@@ -132,6 +132,11 @@ pub struct ForwardArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
+    /// Where the forward runs: `cpu` (candle, f32) or `cuda` / `cuda:N` (the whole model on the
+    /// GPU in bf16, every expert local).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: ModelDevice,
+
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -240,6 +245,60 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
     Ok(texts)
 }
 
+fn parse_device(s: &str) -> Result<ModelDevice, String> {
+    s.parse()
+}
+
+/// [`run_forward`] with the whole model on GPU `ordinal` (bf16, every expert local).
+#[cfg(feature = "cuda")]
+fn run_forward_on_gpu(
+    model: &rackfill_models::MoeModel,
+    name: &str,
+    args: &ForwardArgs,
+    ordinal: usize,
+) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
+    use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
+    use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
+    use rackfill_models::LogitsFor;
+    let gpu = rackfill_kernels::cuda::Gpu::open(ordinal)
+        .and_then(GpuExecutor::new)
+        .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?;
+    let device = gpu.describe();
+    let longest = args.tokens.iter().copied().max().unwrap_or(1);
+    let gpu = GpuModel::upload(std::sync::Arc::new(gpu), model, longest, Experts::Here)?;
+    let vocab = model.config().vocab_size;
+    let results = time_prefills(&args.tokens, args.repeats, args.seed, vocab, |prompt| {
+        let mut sequence = gpu.new_sequence();
+        gpu.forward(&mut [GpuInput {
+            tokens: prompt,
+            sequence: &mut sequence,
+            logits: LogitsFor::LastPosition,
+        }])?;
+        Ok(())
+    })?;
+    Ok(rackfill_bench::forward::ForwardReport {
+        implementation: "rackfill",
+        device,
+        model: name.to_string(),
+        threads: 1,
+        results,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_forward_on_gpu(
+    _: &rackfill_models::MoeModel,
+    _: &str,
+    args: &ForwardArgs,
+    _: usize,
+) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
+    anyhow::bail!(
+        "--device {} needs the GPU path of the default build (this binary was built with \
+         --no-default-features)",
+        args.device
+    )
+}
+
 fn forward(args: ForwardArgs) -> anyhow::Result<()> {
     let json_file = create_report_file(args.json.as_deref())?;
     let (model, name) = match &args.model {
@@ -255,7 +314,10 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
         args.tokens,
         args.repeats
     );
-    let report = run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?;
+    let report = match args.device.gpu_ordinal(None) {
+        None => run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?,
+        Some(ordinal) => run_forward_on_gpu(&model, &name, &args, ordinal)?,
+    };
     outln!("| tokens | tokens/s | seconds (each run) |");
     outln!("|-------:|---------:|:-------------------|");
     for r in &report.results {

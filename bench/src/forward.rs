@@ -137,6 +137,8 @@ pub struct ForwardResult {
 pub struct ForwardReport {
     #[serde(rename = "impl")]
     pub implementation: &'static str,
+    /// `cpu`, or the GPU that ran it ("NVIDIA H100 (sm_90)").
+    pub device: String,
     pub model: String,
     pub threads: usize,
     pub results: Vec<ForwardResult>,
@@ -167,19 +169,44 @@ pub fn run_forward(
     seed: u64,
 ) -> Result<ForwardReport, ForwardBenchError> {
     check_lengths(model, lengths)?;
+    let vocab = model.config().vocab_size;
+    let results = time_prefills(lengths, repeats, seed, vocab, |prompt| {
+        let mut cache = model.new_cache();
+        let mut batch = [SequenceInput {
+            tokens: prompt,
+            cache: &mut cache,
+        }];
+        model.forward(&mut batch, LogitsFor::LastPosition)?;
+        Ok(())
+    })?;
+    Ok(ForwardReport {
+        implementation: "rackfill",
+        device: "cpu".into(),
+        model: model_name.to_string(),
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        results,
+    })
+}
+
+/// For each prompt length: a seeded random prompt over `vocab`, one warm-up `prefill` of it, then
+/// `repeats` timed ones (wall time of the call, which must return only once the logits are on
+/// the host).
+pub fn time_prefills(
+    lengths: &[usize],
+    repeats: usize,
+    seed: u64,
+    vocab: usize,
+    mut prefill: impl FnMut(&[u32]) -> Result<(), ForwardBenchError>,
+) -> Result<Vec<ForwardResult>, ForwardBenchError> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let vocab = model.config().vocab_size as u32;
     let mut results = Vec::with_capacity(lengths.len());
     for &length in lengths {
-        let prompt: Vec<u32> = (0..length).map(|_| rng.gen_range(0..vocab)).collect();
-        let time_once = || -> Result<f64, ForwardBenchError> {
-            let mut cache = model.new_cache();
+        let prompt: Vec<u32> = (0..length)
+            .map(|_| rng.gen_range(0..vocab as u32))
+            .collect();
+        let mut time_once = || -> Result<f64, ForwardBenchError> {
             let start = Instant::now();
-            let mut batch = [SequenceInput {
-                tokens: &prompt,
-                cache: &mut cache,
-            }];
-            model.forward(&mut batch, LogitsFor::LastPosition)?;
+            prefill(&prompt)?;
             Ok(start.elapsed().as_secs_f64())
         };
         time_once()?;
@@ -195,10 +222,5 @@ pub fn run_forward(
             seconds,
         });
     }
-    Ok(ForwardReport {
-        implementation: "rackfill",
-        model: model_name.to_string(),
-        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        results,
-    })
+    Ok(results)
 }

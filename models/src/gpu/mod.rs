@@ -13,6 +13,7 @@
 //! f32; the residual stream, norms' arithmetic, RoPE, attention scores and softmax, the routers
 //! (weights kept in f32, so selection does not flip on a rounding) and the logits are f32.
 
+mod attention;
 mod forward;
 mod ops;
 mod weights;
