@@ -12,7 +12,7 @@ use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
-use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model, time_prefills};
+use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
 use rackfill_engine::{DataPlane, EpConfig, ModelDevice, Rack};
 use rackfill_models::ModelBundle;
 use std::path::PathBuf;
@@ -267,15 +267,21 @@ fn run_forward_on_gpu(
     let longest = args.tokens.iter().copied().max().unwrap_or(1);
     let gpu = GpuModel::upload(std::sync::Arc::new(gpu), model, longest, Experts::Here)?;
     let vocab = model.config().vocab_size;
-    let results = time_prefills(&args.tokens, args.repeats, args.seed, vocab, |prompt| {
-        let mut sequence = gpu.new_sequence();
-        gpu.forward(&mut [GpuInput {
-            tokens: prompt,
-            sequence: &mut sequence,
-            logits: LogitsFor::LastPosition,
-        }])?;
-        Ok(())
-    })?;
+    let results = rackfill_bench::forward::time_prefills(
+        &args.tokens,
+        args.repeats,
+        args.seed,
+        vocab,
+        |prompt| {
+            let mut sequence = gpu.new_sequence();
+            gpu.forward(&mut [GpuInput {
+                tokens: prompt,
+                sequence: &mut sequence,
+                logits: LogitsFor::LastPosition,
+            }])?;
+            Ok(())
+        },
+    )?;
     Ok(rackfill_bench::forward::ForwardReport {
         implementation: "rackfill",
         device,

@@ -208,7 +208,7 @@ impl EpRuntime {
         };
         #[cfg(feature = "cuda")]
         {
-            self.open_device_with(device::open_gpu(ordinal)?, kv_tokens_per_rank)
+            self.open_device_with(Self::open_gpu(ordinal)?, kv_tokens_per_rank)
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -226,7 +226,7 @@ impl EpRuntime {
         let mut cache = self.model.new_cache();
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.device {
-            cache.gpu = Some(gpu.new_sequence());
+            cache.device = Some(Box::new(gpu.new_sequence()));
         }
         cache
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
 use rackfill_kernels::cuda::Gpu;
-use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
+use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::layers::moe::rows_of;
 use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
 
@@ -20,16 +20,16 @@ use crate::error::{EngineError, Result};
 /// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
 const SPARE_BLOCKS_TOKENS: usize = 256 * rackfill_models::gpu::BLOCK_TOKENS;
 
-/// Opens GPU `ordinal` as an executor.
-pub(super) fn open_gpu(ordinal: usize) -> Result<Arc<dyn Executor>> {
-    let gpu_error = |e: rackfill_kernels::cuda::CudaError| {
-        EngineError::Config(format!("--device cuda:{ordinal}: {e}"))
-    };
-    let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
-    Ok(Arc::new(GpuExecutor::new(gpu).map_err(gpu_error)?))
-}
-
 impl EpRuntime {
+    /// Opens GPU `ordinal` as an executor.
+    pub(super) fn open_gpu(ordinal: usize) -> Result<Arc<dyn Executor>> {
+        let gpu_error = |e: rackfill_kernels::cuda::CudaError| {
+            EngineError::Config(format!("--device cuda:{ordinal}: {e}"))
+        };
+        let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
+        Ok(Arc::new(GpuExecutor::new(gpu).map_err(gpu_error)?))
+    }
+
     /// Moves the local ranks' dense parts to `exec` (a GPU, or the host emulator that checks
     /// this path without one), with a paged KV cache for `kv_tokens_per_rank` tokens per local
     /// rank; see [`EpRuntime::open_device`].
@@ -86,11 +86,16 @@ impl EpRuntime {
                     LogitsFor::AllPositions => n,
                     LogitsFor::LastPosition => usize::from(n > 0),
                 };
-                let sequence = s.cache.gpu.as_mut().ok_or_else(|| {
-                    EngineError::InvalidRequest(
-                        "a sequence whose KV cache is not on the runtime's GPU".into(),
-                    )
-                })?;
+                let sequence = s
+                    .cache
+                    .device
+                    .as_mut()
+                    .and_then(|d| d.as_any_mut().downcast_mut::<GpuSequence>())
+                    .ok_or_else(|| {
+                        EngineError::InvalidRequest(
+                            "a sequence whose KV cache is not on the runtime's GPU".into(),
+                        )
+                    })?;
                 inputs.push(GpuInput {
                     tokens: s.tokens,
                     sequence,

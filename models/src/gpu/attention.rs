@@ -5,9 +5,9 @@
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Gemm, MatrixRef, WeightLayout};
 use rackfill_kernels::paged::AttentionShape;
 
+use super::model::LayerCache;
 use super::ops::{AttentionStep, KvLayout, Ops};
 use super::weights::{GpuGqa, GpuLinear, GpuMla};
-use super::LayerCache;
 use crate::error::Result;
 
 /// What every layer of one step shares: the rows' positions and KV slots and the batch's block

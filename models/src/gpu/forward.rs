@@ -15,7 +15,7 @@ use super::ops::{AttentionStep, Ops};
 use super::weights::{GpuAttention, GpuFfn, GpuLayer, GpuMlp, GpuMoe};
 use std::sync::Arc;
 
-use super::{GpuInput, GpuModel, GpuStep};
+use super::model::{GpuInput, GpuModel, GpuStep};
 use crate::config::RouterKind;
 use crate::error::{ModelError, Result};
 use crate::layers::router::Routing;

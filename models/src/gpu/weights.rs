@@ -6,7 +6,6 @@ use candle_core::Tensor;
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Executor, ExecutorExt};
 
 use super::ops::{DeviceWeight, RopeTables};
-use super::Experts;
 use crate::config::RouterKind;
 use crate::error::Result;
 use crate::families::deepseek_v3::{MlaAttention, QueryProjection};
@@ -15,6 +14,15 @@ use crate::layers::moe::MoeBlock;
 use crate::layers::rope::Rope;
 use crate::layers::{Linear, Mlp, RmsNorm};
 use crate::model::{FeedForward, MoeModel};
+
+/// Where the routed experts of the MoE layers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Experts {
+    /// On this device, every one of them ([`GpuModel::forward`]).
+    Here,
+    /// On an EP data plane: the model is uploaded without them.
+    Elsewhere,
+}
 
 fn values(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)

@@ -54,15 +54,27 @@ impl LayerCache {
     }
 }
 
+/// A sequence's cache on a device model (the GPU path's `GpuSequence`: its blocks of the
+/// device's paged cache, returned to the pool when dropped); opaque to the CPU path.
+pub trait DeviceCache: Send + std::fmt::Debug {
+    /// Tokens cached so far.
+    fn len(&self) -> usize;
+
+    /// Whether nothing is cached yet.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The concrete cache, for the device model that made it.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
 /// A sequence's KV cache across all layers: host tensors on the CPU path, or the sequence's
-/// blocks of the device cache when the model runs on a GPU (`gpu`).
+/// place in a device model's cache (`device`).
 #[derive(Debug, Default)]
 pub struct KvCache {
     pub layers: Vec<LayerCache>,
-    /// The sequence's place in a [`crate::gpu::GpuModel`]'s paged cache (its blocks return to
-    /// the pool when the cache is dropped).
-    #[cfg(feature = "cuda")]
-    pub gpu: Option<crate::gpu::GpuSequence>,
+    pub device: Option<Box<dyn DeviceCache>>,
 }
 
 impl KvCache {
@@ -76,11 +88,10 @@ impl KvCache {
 
     /// Number of cached positions (the sequence's length so far).
     pub fn len(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            return gpu.len();
+        match &self.device {
+            Some(device) => device.len(),
+            None => self.layers.first().map_or(0, LayerCache::len),
         }
-        self.layers.first().map_or(0, LayerCache::len)
     }
 
     /// Whether nothing is cached yet.

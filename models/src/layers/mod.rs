@@ -38,11 +38,13 @@ impl Linear {
     }
 
     /// The weight, transposed: `[in, out]`.
+    #[cfg(feature = "cuda")]
     pub(crate) fn weight_t(&self) -> &Tensor {
         &self.weight_t
     }
 
     /// The bias `[out]`, if any.
+    #[cfg(feature = "cuda")]
     pub(crate) fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
@@ -85,6 +87,7 @@ impl RmsNorm {
 
 impl RmsNorm {
     /// The learned scale `[dim]` and epsilon.
+    #[cfg(feature = "cuda")]
     pub(crate) fn parts(&self) -> (&Tensor, f32) {
         (&self.weight, self.eps)
     }

@@ -2,7 +2,7 @@
 //! loaded, launched by name through `cuLaunchKernel`; GEMMs with cuBLAS in bf16 or f32 with f32
 //! accumulation (`cublasGemmStridedBatchedEx`), all on the GPU's one stream.
 
-use super::{
+use super::executor::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs, WeightLayout,
 };
 use crate::cuda::libs::{self, Lib};

@@ -8,7 +8,7 @@
 //! same host code as on a GPU. What it cannot: the GPU's memory ordering, timing, or a cuBLAS
 //! call's exact summation order (the reference GEMM is a different order, within f32 rounding).
 
-use super::{
+use super::executor::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs, WeightLayout,
 };
 use crate::cuda::{nvrtc, CudaError};

@@ -1,0 +1,170 @@
+//! The model on the device: its weights, per-layer paged KV cache and block pool, and the
+//! sequences that hold blocks of it.
+
+use std::sync::{Arc, Mutex};
+
+use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
+use rackfill_kernels::paged::{BlockPool, BlockTable};
+
+use super::weights::{Experts, GpuAttention, GpuWeights};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::attention::DeviceCache;
+use crate::layers::router::Routing;
+use crate::model::{LogitsFor, MoeModel};
+
+/// Tokens per KV cache block.
+pub const BLOCK_TOKENS: usize = 16;
+
+/// One sequence's blocks of a [`GpuModel`]'s paged KV cache, returned to the pool when it is
+/// dropped. Made by [`GpuModel::new_sequence`].
+#[derive(Debug)]
+pub struct GpuSequence {
+    pub(super) table: BlockTable,
+    pub(super) pool: Arc<Mutex<BlockPool>>,
+}
+
+impl GpuSequence {
+    /// Tokens cached so far.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+}
+
+impl DeviceCache for GpuSequence {
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for GpuSequence {
+    fn drop(&mut self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        // The table's blocks came from this pool, so releasing them cannot fail.
+        let _ = self.table.release(&mut pool);
+    }
+}
+
+/// One sequence's new tokens for a batched forward.
+pub struct GpuInput<'a> {
+    pub tokens: &'a [u32],
+    pub sequence: &'a mut GpuSequence,
+    pub logits: LogitsFor,
+}
+
+/// What one forward returns.
+#[derive(Debug, Default)]
+pub struct GpuStep {
+    /// f32 `[rows, V]`: the rows each sequence asked for, in batch order.
+    pub logits: Vec<f32>,
+    /// Every MoE layer's routing of the step's rows (batch order), in layer order, when the
+    /// experts run here: the exact load the balancer and the routing trace read.
+    pub routing: Vec<Routing>,
+}
+
+/// Per-layer device KV cache: `[blocks, BLOCK_TOKENS, kv_heads, dim]` bf16 keys (and values for
+/// GQA; DeepSeek caches one latent row per token, its values being the latent's first columns).
+pub(super) struct LayerCache {
+    pub(super) keys: DeviceBuffer,
+    pub(super) values: Option<DeviceBuffer>,
+}
+
+/// A model uploaded to one device with its paged KV cache.
+pub struct GpuModel {
+    pub(super) exec: Arc<dyn Executor>,
+    pub(super) config: ModelConfig,
+    pub(super) weights: GpuWeights,
+    pub(super) caches: Vec<LayerCache>,
+    pub(super) pool: Arc<Mutex<BlockPool>>,
+}
+
+impl GpuModel {
+    /// Uploads `model` to `exec` with a KV cache of `kv_tokens` tokens (rounded up to whole
+    /// blocks) in every layer; its routed experts too when `experts` is [`Experts::Here`]
+    /// (then `model` must hold all of them).
+    pub fn upload(
+        exec: Arc<dyn Executor>,
+        model: &MoeModel,
+        kv_tokens: usize,
+        experts: Experts,
+    ) -> Result<Self> {
+        let weights = GpuWeights::upload(exec.as_ref(), model, experts)?;
+        let blocks = kv_tokens.div_ceil(BLOCK_TOKENS).max(1);
+        let too_many = || ModelError::Input(format!("a KV cache of {kv_tokens} tokens"));
+        let caches = weights
+            .layers
+            .iter()
+            .map(|layer| {
+                let (row, values) = match &layer.attention {
+                    GpuAttention::Gqa(a) => (a.kv_heads * a.head_dim, true),
+                    GpuAttention::Mla(a) => (a.kv_lora + a.rot, false),
+                };
+                let bytes = blocks
+                    .checked_mul(BLOCK_TOKENS * row * 2)
+                    .ok_or_else(too_many)?;
+                Ok(LayerCache {
+                    keys: exec.alloc_zeroed(bytes)?,
+                    values: values.then(|| exec.alloc_zeroed(bytes)).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pool = BlockPool::new(
+            u32::try_from(blocks).map_err(|_| too_many())?,
+            BLOCK_TOKENS as u32,
+        )?;
+        Ok(Self {
+            exec,
+            config: model.config().clone(),
+            weights,
+            caches,
+            pool: Arc::new(Mutex::new(pool)),
+        })
+    }
+
+    /// The normalised architecture.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// What runs the kernels.
+    pub fn describe(&self) -> String {
+        self.exec.describe()
+    }
+
+    /// KV cache blocks not held by any sequence.
+    pub fn free_blocks(&self) -> usize {
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_blocks() as usize
+    }
+
+    /// An empty sequence (no blocks until its first tokens).
+    pub fn new_sequence(&self) -> GpuSequence {
+        GpuSequence {
+            table: BlockTable::new(),
+            pool: Arc::clone(&self.pool),
+        }
+    }
+
+    /// Runs the batch's new tokens through the whole model on the device (every routed expert
+    /// here), each sequence continuing from its cache; returns the logits of the rows each
+    /// sequence asks for (every new token or its last) and every MoE layer's routing.
+    pub fn forward(&self, batch: &mut [GpuInput<'_>]) -> Result<GpuStep> {
+        let mut step = self.begin(batch)?;
+        for layer in 0..self.weights.layers.len() {
+            self.attention(layer, &mut step)?;
+            self.feed_forward(layer, &mut step)?;
+        }
+        self.finish(step)
+    }
+}
