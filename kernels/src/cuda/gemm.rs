@@ -31,6 +31,20 @@ pub struct GemmGroup<'a> {
     pub weight: CudaView<'a, f32>,
 }
 
+/// cuBLAS, located first (a typed error when it is missing, never cudarc's panic), bound to the
+/// GPU's stream.
+pub(crate) fn open_blas(gpu: &Gpu) -> Result<CudaBlas, CudaError> {
+    libs::ensure(Lib::Cublas).map_err(|searched| {
+        CudaError::Blas(format!(
+            "libcublas was not found (`pip install nvidia-cublas`; searched {searched})"
+        ))
+    })?;
+    let stream = gpu.stream().clone();
+    guard(|| CudaBlas::new(stream))
+        .map_err(CudaError::Blas)?
+        .map_err(|e| CudaError::Blas(format!("{e:?}")))
+}
+
 /// cuBLAS on the GPU's stream.
 pub struct GroupedGemm {
     blas: CudaBlas,
@@ -39,16 +53,9 @@ pub struct GroupedGemm {
 impl GroupedGemm {
     /// Loads cuBLAS (a typed error when it is missing) and binds it to the GPU's stream.
     pub fn new(gpu: &Gpu) -> Result<Self, CudaError> {
-        libs::ensure(Lib::Cublas).map_err(|searched| {
-            CudaError::Blas(format!(
-                "libcublas was not found (`pip install nvidia-cublas`; searched {searched})"
-            ))
-        })?;
-        let stream = gpu.stream().clone();
-        let blas = guard(|| CudaBlas::new(stream))
-            .map_err(CudaError::Blas)?
-            .map_err(|e| CudaError::Blas(format!("{e:?}")))?;
-        Ok(Self { blas })
+        Ok(Self {
+            blas: open_blas(gpu)?,
+        })
     }
 
     /// `y[rows] = x[rows] · W` for every group's weight `W` (stored as `order` says): `x` is

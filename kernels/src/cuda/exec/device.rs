@@ -5,8 +5,8 @@
 use super::executor::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs, WeightLayout,
 };
-use crate::cuda::libs::{self, Lib};
-use crate::cuda::{guard, CudaError, Gpu};
+use crate::cuda::gemm::open_blas;
+use crate::cuda::{CudaError, Gpu};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::DevicePtr;
@@ -20,15 +20,7 @@ pub struct GpuExecutor {
 impl GpuExecutor {
     /// Binds cuBLAS (a typed error when it is missing) to the opened GPU's stream.
     pub fn new(gpu: Gpu) -> Result<Self, CudaError> {
-        libs::ensure(Lib::Cublas).map_err(|searched| {
-            CudaError::Blas(format!(
-                "libcublas was not found (`pip install nvidia-cublas`; searched {searched})"
-            ))
-        })?;
-        let stream = gpu.stream().clone();
-        let blas = guard(|| CudaBlas::new(stream))
-            .map_err(CudaError::Blas)?
-            .map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        let blas = open_blas(&gpu)?;
         Ok(Self { gpu, blas })
     }
 
