@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
-use rackfill_kernels::paged::{BlockPool, BlockTable};
+use rackfill_kernels::paged::{AttentionShape, BlockPool, BlockTable};
 
 use super::weights::{Experts, GpuAttention, GpuWeights};
 use crate::config::ModelConfig;
@@ -97,6 +97,7 @@ impl GpuModel {
         kv_tokens: usize,
         experts: Experts,
     ) -> Result<Self> {
+        check_kernel_limits(model)?;
         let weights = GpuWeights::upload(exec.as_ref(), model, experts)?;
         let blocks = kv_tokens.div_ceil(BLOCK_TOKENS).max(1);
         let too_many = || ModelError::Input(format!("a KV cache of {kv_tokens} tokens"));
@@ -167,4 +168,53 @@ impl GpuModel {
         }
         self.finish(step)
     }
+}
+
+/// The kernels' own limits (`kernels/cuda/model.cu`, `attention.cu`): a model beyond them is
+/// refused before anything is uploaded, with what exceeds which limit.
+fn check_kernel_limits(model: &MoeModel) -> Result<()> {
+    const ROUTER_MAX_EXPERTS: usize = 1024;
+    const ROUTER_MAX_K: usize = 32;
+    const ROPE_MAX_DIM: usize = 512;
+    let c = model.config();
+    let beyond = |what: String| Err(ModelError::Input(format!("the GPU path: {what}")));
+    if c.moe.num_experts > ROUTER_MAX_EXPERTS || c.moe.top_k > ROUTER_MAX_K {
+        return beyond(format!(
+            "{} experts, top-{} (the router kernels take at most {ROUTER_MAX_EXPERTS}, top-{ROUTER_MAX_K})",
+            c.moe.num_experts, c.moe.top_k
+        ));
+    }
+    if let crate::config::RouterKind::SigmoidGrouped { n_group, .. } = c.moe.router {
+        if n_group == 0 || !c.moe.num_experts.is_multiple_of(n_group) {
+            return beyond(format!("{} experts in {n_group} groups", c.moe.num_experts));
+        }
+    }
+    let u = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    let (shape, rot) = match &c.mla {
+        Some(m) => (
+            AttentionShape {
+                q_heads: u(c.num_heads),
+                kv_heads: 1,
+                qk_dim: u(m.kv_lora_rank + m.qk_rope_head_dim),
+                v_dim: u(m.kv_lora_rank),
+            },
+            m.qk_rope_head_dim,
+        ),
+        None => (
+            AttentionShape {
+                q_heads: u(c.num_heads),
+                kv_heads: u(c.num_kv_heads),
+                qk_dim: u(c.head_dim),
+                v_dim: u(c.head_dim),
+            },
+            c.head_dim,
+        ),
+    };
+    if rot > ROPE_MAX_DIM {
+        return beyond(format!(
+            "{rot} rotary dimensions (the kernel takes {ROPE_MAX_DIM})"
+        ));
+    }
+    shape.check()?;
+    Ok(())
 }

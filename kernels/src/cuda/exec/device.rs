@@ -28,6 +28,13 @@ impl GpuExecutor {
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
+
+    /// Makes the device's context current on the calling thread: the raw driver and cuBLAS
+    /// calls below need it, and the engine calls from its own thread, not the one that opened
+    /// the GPU (cudarc's own calls bind it themselves).
+    fn bind(&self) -> Result<(), CudaError> {
+        Ok(self.gpu.context().bind_to_thread()?)
+    }
 }
 
 fn data_type(dtype: DType) -> cudaDataType {
@@ -59,6 +66,7 @@ impl Executor for GpuExecutor {
 
     fn write(&self, dst: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), CudaError> {
         dst.check(offset, bytes.len())?;
+        self.bind()?;
         let stream = self.gpu.stream();
         // SAFETY: the destination range lies inside `dst` (checked); the stream is synchronised
         // before `bytes` can go away.
@@ -71,6 +79,7 @@ impl Executor for GpuExecutor {
 
     fn read(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
         src.check(offset, out.len())?;
+        self.bind()?;
         let stream = self.gpu.stream();
         // SAFETY: the source range lies inside `src` (checked); `out` is written before the
         // synchronisation returns.
@@ -98,6 +107,7 @@ impl Executor for GpuExecutor {
                 limit: shared_limit,
             });
         }
+        self.bind()?;
         let mut packed = PackedArgs::new(args);
         let mut params = packed.pointers();
         let [gx, gy, gz] = launch.grid;
@@ -119,6 +129,7 @@ impl Executor for GpuExecutor {
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         g.check()?;
+        self.bind()?;
         let int = |v: usize| v as i32;
         // cuBLAS is column-major, so it sees each row-major matrix transposed and computes
         // cᵀ (n x m) = op(b)ᵀ-as-stored · aᵀ: b stored `n x k` (OutByIn) reads as `k x n` and is
