@@ -585,7 +585,8 @@ fn processes_whose_plans_differ_all_fail_the_step() {
 const DEVICE_TOLERANCE: f32 = 0.05;
 
 /// The EP runtime with its dense parts on the device (here the host emulator running the CUDA
-/// kernels, and GPU 0 on a GPU host) against the GPU's dense path (every expert local): EP 1 and 3, several balancers,
+/// kernels, and GPU 0 on a GPU host) against the GPU's dense path (every expert local): EP 1 (where
+/// the device runs the MoE layers too) and 3 (where the data plane does), several balancers,
 /// prompts in chunks of 6 over their cached context. Every balancer at EP 3 gives the same
 /// logits bit for bit: the plan moves work, never the numbers.
 #[cfg(feature = "cuda")]
@@ -644,6 +645,24 @@ fn device_runtime_matches_the_gpu_dense_path(
             "EP {ep_size} {balancer:?}: logits off the GPU dense path by {worst}"
         );
         eprintln!("device EP {ep_size} {balancer:?}: max |logit difference| {worst}");
+        // Every MoE layer of every step is reported with its exact load, whether the device
+        // ran it whole (EP 1) or the data plane did.
+        let moe_layers = model
+            .layers()
+            .iter()
+            .filter(|l| matches!(l.ffn(), rackfill_models::FeedForward::Moe(_)))
+            .count();
+        let routed: u64 = run
+            .layers
+            .iter()
+            .map(|l| l.load.as_flat().iter().sum::<u64>())
+            .sum();
+        let tokens: usize = prompts.iter().map(Vec::len).sum();
+        assert_eq!(
+            routed,
+            (tokens * model.config().moe.top_k * moe_layers) as u64,
+            "EP {ep_size}: reported load"
+        );
         if ep_size == 3 {
             match &at_ep3 {
                 None => at_ep3 = Some(run.logits),

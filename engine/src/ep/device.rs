@@ -13,8 +13,13 @@ use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::layers::moe::rows_of;
 use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
 
-use super::{EpRuntime, StepOutput};
+use rackfill_balancer::metrics::evaluate;
+use rackfill_models::{ExpertSelection, Routing};
+
+use super::{EpRuntime, LayerReport, Solved, StepOutput};
+use crate::cost::{MoeCost, MoeDims};
 use crate::error::{EngineError, Result};
+use crate::plane::PhaseTimes;
 
 /// KV blocks beyond `tokens / BLOCK_TOKENS`: room for the partly filled last block of as many
 /// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
@@ -42,12 +47,15 @@ impl EpRuntime {
         let tokens = kv_tokens_per_rank
             .saturating_mul(ranks)
             .saturating_add(SPARE_BLOCKS_TOKENS);
-        self.device = Some(GpuModel::upload(
-            exec,
-            &self.model,
-            tokens,
-            Experts::Elsewhere,
-        )?);
+        // One rank holding every expert: the MoE layers run on the device too, with no host
+        // round trip (nothing to balance); otherwise on the EP data plane.
+        let experts =
+            if self.config.ep_size == 1 && *self.model.expert_selection() == ExpertSelection::All {
+                Experts::Here
+            } else {
+                Experts::Elsewhere
+            };
+        self.device = Some(GpuModel::upload(exec, &self.model, tokens, experts)?);
         Ok(())
     }
 
@@ -107,6 +115,7 @@ impl EpRuntime {
         }
         let mut step = gpu.begin(&mut inputs)?;
         let mut reports = Vec::new();
+        let mut on_device = Vec::new();
         let model = Arc::clone(&self.model);
         for (index, layer) in model.layers().iter().enumerate() {
             gpu.attention(index, &mut step)?;
@@ -114,6 +123,11 @@ impl EpRuntime {
                 gpu.feed_forward(index, &mut step)?;
                 continue;
             };
+            if gpu.experts() == Experts::Here {
+                gpu.feed_forward(index, &mut step)?;
+                on_device.push(index);
+                continue;
+            }
             let input = gpu.ffn_input(index, &step)?;
             let per_rank = split_rows(&input, &rank_rows, hidden)?;
             let (outs, report) = self.moe_layer(index, block, &per_rank)?;
@@ -124,10 +138,42 @@ impl EpRuntime {
             }
             gpu.add_to_residual(&mut step, &flat)?;
         }
-        let logits = gpu.finish(step)?.logits;
+        let finished = gpu.finish(step)?;
+        for (layer, routing) in on_device.into_iter().zip(&finished.routing) {
+            reports.push(self.report_routed_on_device(layer, routing)?);
+        }
         Ok(StepOutput {
-            logits: split_rows(&logits, &rank_logits, vocab)?,
+            logits: split_rows(&finished.logits, &rank_logits, vocab)?,
             layers: reports,
+        })
+    }
+
+    /// The report of an MoE layer the device ran whole (one rank, every expert there): its exact
+    /// load and the plan the balancer solves for it, as the data plane would have reported;
+    /// nothing was streamed or dispatched.
+    fn report_routed_on_device(&mut self, layer: usize, routing: &Routing) -> Result<LayerReport> {
+        let counts = routing.expert_counts(self.layout.experts());
+        let gathered = self.fabric.all_gather(&[counts])?;
+        let Solved { plan, load, took } = self.solve(layer, gathered)?;
+        let cost = MoeCost {
+            rack: &self.rack,
+            dims: MoeDims {
+                hidden: self.model.config().hidden_size,
+                intermediate: self.model.config().moe.intermediate_size,
+            },
+        };
+        Ok(LayerReport {
+            layer,
+            metrics: evaluate(&self.layout, &load, &plan),
+            simulated: cost.makespan(&self.layout, &load, &plan, &self.config.relay),
+            slots: (0..plan.ranks())
+                .map(|r| plan.rank_slots(r).to_vec())
+                .collect(),
+            load,
+            replica_bytes: 0,
+            recv_bytes: vec![0; self.fabric.local_ranks().len()],
+            solve_us: took.as_secs_f64() * 1e6,
+            phases: PhaseTimes::default(),
         })
     }
 }

@@ -80,6 +80,7 @@ pub(super) struct LayerCache {
 
 /// A model uploaded to one device with its paged KV cache.
 pub struct GpuModel {
+    pub(super) experts: Experts,
     pub(super) exec: Arc<dyn Executor>,
     pub(super) config: ModelConfig,
     pub(super) weights: GpuWeights,
@@ -123,6 +124,7 @@ impl GpuModel {
             BLOCK_TOKENS as u32,
         )?;
         Ok(Self {
+            experts,
             exec,
             config: model.config().clone(),
             weights,
@@ -134,6 +136,11 @@ impl GpuModel {
     /// The normalised architecture.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Where the routed experts run: uploaded here, or on an EP data plane.
+    pub fn experts(&self) -> Experts {
+        self.experts
     }
 
     /// What runs the kernels.
