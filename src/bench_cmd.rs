@@ -132,8 +132,8 @@ pub struct ForwardArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
-    /// Where the forward runs: `cpu` (candle, f32) or `cuda` / `cuda:N` (the whole model on the
-    /// GPU in bf16, every expert local).
+    /// Where the forward runs: `cpu` (candle, f32), `cuda` / `cuda:N` (the whole model on the
+    /// GPU in bf16, every expert local) or `emulator` (that path on the host emulator).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: ModelDevice,
 
@@ -249,23 +249,31 @@ fn parse_device(s: &str) -> Result<ModelDevice, String> {
     s.parse()
 }
 
-/// [`run_forward`] with the whole model on GPU `ordinal` (bf16, every expert local).
+/// [`run_forward`] with the whole model on `device`'s GPU path (bf16, every expert local): a GPU,
+/// or the host emulator.
 #[cfg(feature = "cuda")]
 fn run_forward_on_gpu(
     model: &rackfill_models::MoeModel,
     name: &str,
     args: &ForwardArgs,
-    ordinal: usize,
+    device: ModelDevice,
 ) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
-    use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
+    use rackfill_kernels::cuda::exec::{Emulator, Executor, GpuExecutor};
     use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
     use rackfill_models::LogitsFor;
-    let gpu = rackfill_kernels::cuda::Gpu::open(ordinal)
-        .and_then(GpuExecutor::new)
-        .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?;
-    let device = gpu.describe();
+    use std::sync::Arc;
+    let exec: Arc<dyn Executor> = match device.gpu_ordinal(None) {
+        Some(ordinal) => Arc::new(
+            rackfill_kernels::cuda::Gpu::open(ordinal)
+                .and_then(GpuExecutor::new)
+                .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?,
+        ),
+        None => Emulator::shared()
+            .ok_or_else(|| anyhow::anyhow!("--device emulator needs a C++ compiler (CXX)"))?,
+    };
+    let device = exec.describe();
     let longest = args.tokens.iter().copied().max().unwrap_or(1);
-    let gpu = GpuModel::upload(std::sync::Arc::new(gpu), model, longest, Experts::Here)?;
+    let gpu = GpuModel::upload(exec, model, longest, Experts::Here)?;
     let vocab = model.config().vocab_size;
     let results = rackfill_bench::forward::time_prefills(
         &args.tokens,
@@ -296,7 +304,7 @@ fn run_forward_on_gpu(
     _: &rackfill_models::MoeModel,
     _: &str,
     args: &ForwardArgs,
-    _: usize,
+    _: ModelDevice,
 ) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
     anyhow::bail!(
         "--device {} needs the GPU path of the default build (this binary was built with \
@@ -320,9 +328,9 @@ fn forward(args: ForwardArgs) -> anyhow::Result<()> {
         args.tokens,
         args.repeats
     );
-    let report = match args.device.gpu_ordinal(None) {
-        None => run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?,
-        Some(ordinal) => run_forward_on_gpu(&model, &name, &args, ordinal)?,
+    let report = match args.device {
+        ModelDevice::Cpu => run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?,
+        device => run_forward_on_gpu(&model, &name, &args, device)?,
     };
     outln!("| tokens | tokens/s | seconds (each run) |");
     outln!("|-------:|---------:|:-------------------|");

@@ -98,7 +98,9 @@ pub struct ServeArgs {
     /// Where each rank's model (embedding, attention and its KV cache, norms, dense and shared
     /// MLPs, LM head) runs: `auto` (the GPU when the binary has the GPU path and a device is
     /// visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's local rank under
-    /// mpirun/srun) or `cuda:N`. The routed experts run where --data-plane says.
+    /// mpirun/srun), `cuda:N`, or `emulator` (the GPU path's kernels on the host emulator: a
+    /// check without a GPU, needs a C++ compiler). The routed experts run where --data-plane
+    /// says, or on the device too with one rank.
     #[arg(long, default_value = "auto")]
     pub(crate) device: String,
     /// Under mpirun/srun: what carries the MoE layers' data between processes: `auto`, `mpi`
@@ -351,11 +353,17 @@ pub(crate) fn model_device(arg: &str) -> Result<(ModelDevice, String)> {
         other => Some(
             other
                 .parse::<ModelDevice>()
-                .map_err(|e| anyhow::anyhow!("--device must be auto, cpu, cuda or cuda:N: {e}"))?,
+                .map_err(|e| anyhow::anyhow!("--device: {e}"))?,
         ),
     };
     match wanted {
         Some(ModelDevice::Cpu) => Ok((ModelDevice::Cpu, "on the CPU (--device cpu)".into())),
+        #[cfg(feature = "cuda")]
+        Some(ModelDevice::Emulator) => Ok((
+            ModelDevice::Emulator,
+            "the GPU path on the host emulator (--device emulator: a check, far slower than a GPU)"
+                .into(),
+        )),
         // Checked before the model loads (minutes for a large one): a host without a usable GPU
         // fails at once.
         #[cfg(feature = "cuda")]

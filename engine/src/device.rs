@@ -9,13 +9,16 @@ pub enum ModelDevice {
     Cpu,
     /// GPU `ordinal`; `None`: the process's local rank under a launcher, else GPU 0.
     Cuda { ordinal: Option<usize> },
+    /// The GPU path's kernels on the host emulator: a check of that path on a machine without a
+    /// GPU (needs a C++ compiler; far slower than any GPU).
+    Emulator,
 }
 
 impl ModelDevice {
     /// The GPU this process uses for `self`, with local rank `local_rank` under a launcher.
     pub fn gpu_ordinal(self, local_rank: Option<usize>) -> Option<usize> {
         match self {
-            Self::Cpu => None,
+            Self::Cpu | Self::Emulator => None,
             Self::Cuda { ordinal } => Some(ordinal.or(local_rank).unwrap_or(0)),
         }
     }
@@ -27,6 +30,7 @@ impl std::fmt::Display for ModelDevice {
             Self::Cpu => f.write_str("cpu"),
             Self::Cuda { ordinal: None } => f.write_str("cuda"),
             Self::Cuda { ordinal: Some(n) } => write!(f, "cuda:{n}"),
+            Self::Emulator => f.write_str("emulator"),
         }
     }
 }
@@ -34,16 +38,17 @@ impl std::fmt::Display for ModelDevice {
 impl std::str::FromStr for ModelDevice {
     type Err = String;
 
-    /// `cpu`, `cuda` or `cuda:N`.
+    /// `cpu`, `cuda`, `cuda:N` or `emulator`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda { ordinal: None }),
+            "emulator" => Ok(Self::Emulator),
             other => other
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(|n| Self::Cuda { ordinal: Some(n) })
-                .ok_or_else(|| format!("expected cpu, cuda or cuda:N, got '{other}'")),
+                .ok_or_else(|| format!("expected cpu, cuda, cuda:N or emulator, got '{other}'")),
         }
     }
 }
@@ -54,13 +59,14 @@ mod tests {
 
     #[test]
     fn devices_parse_and_print_back() {
-        for text in ["cpu", "cuda", "cuda:3"] {
+        for text in ["cpu", "cuda", "cuda:3", "emulator"] {
             assert_eq!(text.parse::<ModelDevice>().unwrap().to_string(), text);
         }
         for bad in ["", "gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
             assert!(bad.parse::<ModelDevice>().is_err(), "{bad}");
         }
         assert_eq!(ModelDevice::Cpu.gpu_ordinal(Some(2)), None);
+        assert_eq!(ModelDevice::Emulator.gpu_ordinal(Some(2)), None);
         assert_eq!(
             ModelDevice::Cuda { ordinal: None }.gpu_ordinal(Some(2)),
             Some(2)

@@ -203,20 +203,29 @@ impl EpRuntime {
         local_rank: Option<usize>,
         kv_tokens_per_rank: usize,
     ) -> Result<()> {
-        let Some(ordinal) = device.gpu_ordinal(local_rank) else {
-            return Ok(());
-        };
-        #[cfg(feature = "cuda")]
-        {
-            self.open_device_with(Self::open_gpu(ordinal)?, kv_tokens_per_rank)
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (ordinal, kv_tokens_per_rank);
-            Err(EngineError::Config(format!(
-                "--device {device} needs the GPU path of the default build (this binary was \
-                 built with --no-default-features and runs on the CPU only)"
-            )))
+        match device {
+            ModelDevice::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            ModelDevice::Cuda { .. } => {
+                let ordinal = device.gpu_ordinal(local_rank).unwrap_or(0);
+                self.open_device_with(Self::open_gpu(ordinal)?, kv_tokens_per_rank)
+            }
+            #[cfg(feature = "cuda")]
+            ModelDevice::Emulator => {
+                let emulator =
+                    rackfill_kernels::cuda::exec::Emulator::shared().ok_or_else(|| {
+                        EngineError::Config("--device emulator needs a C++ compiler (CXX)".into())
+                    })?;
+                self.open_device_with(emulator, kv_tokens_per_rank)
+            }
+            #[cfg(not(feature = "cuda"))]
+            _ => {
+                let _ = (local_rank, kv_tokens_per_rank);
+                Err(EngineError::Config(format!(
+                    "--device {device} needs the GPU path of the default build (this binary was \
+                     built with --no-default-features and runs on the CPU only)"
+                )))
+            }
         }
     }
 
