@@ -1,9 +1,9 @@
 //! `rackfill serve --device`: the whole-model GPU path behind the real HTTP server, run on the
 //! host emulator (`--device emulator`, the same CUDA kernels on the CPU), answers like the CPU
-//! path: every prompt token's logprob (echo) within 0.05 of `--device cpu`'s (0.007 seen), at EP 1 (the MoE
-//! layers on the device too) and EP 2 (the MoE layers on the data plane), and a decode after the
-//! prompt. Bad `--device` values get one line. Needs a C++ compiler for the emulator; without
-//! one it says so and passes.
+//! path: every prompt token's logprob (echo) within 0.05 of `--device cpu`'s (0.007 seen), at
+//! EP 1 (the MoE layers on the device too) and EP 2 (the MoE layers on the data plane), and a
+//! decode after the prompt. Bad `--device` values get one line. Needs a C++ compiler for the
+//! emulator; without one it says so and passes.
 
 mod common;
 
