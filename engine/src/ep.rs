@@ -444,10 +444,6 @@ impl EpRuntime {
         inputs: &[Option<Tensor>],
     ) -> Result<(Vec<Option<Tensor>>, LayerReport)> {
         let mc = self.model.config();
-        let dims = MoeDims {
-            hidden: mc.hidden_size,
-            intermediate: mc.moe.intermediate_size,
-        };
         let (hidden, top_k) = (mc.hidden_size, mc.moe.top_k);
 
         // 1. Router on every local rank.
@@ -494,14 +490,47 @@ impl EpRuntime {
             .collect::<Result<_>>()?;
         let shared_time = started.elapsed();
 
+        let phases = PhaseTimes {
+            route: route_time,
+            solve: solve_time,
+            combine: phases.combine + shared_time,
+            ..phases
+        };
+        let report = self.layer_report(
+            layer,
+            load,
+            &plan,
+            took,
+            (replica_bytes, recv_bytes),
+            phases,
+        );
+        Ok((outs, report))
+    }
+
+    /// What one MoE layer of a step did: its exact load, the plan's metrics and slots, the plan
+    /// costed on the runtime's rack, the solve time, what the data plane moved (replica bytes,
+    /// bytes received per local rank) and its phase times.
+    fn layer_report(
+        &self,
+        layer: usize,
+        load: LoadMatrix,
+        plan: &Plan,
+        took: Duration,
+        (replica_bytes, recv_bytes): (u64, Vec<u64>),
+        phases: PhaseTimes,
+    ) -> LayerReport {
+        let mc = self.model.config();
         let cost = MoeCost {
             rack: &self.rack,
-            dims,
+            dims: MoeDims {
+                hidden: mc.hidden_size,
+                intermediate: mc.moe.intermediate_size,
+            },
         };
-        let report = LayerReport {
+        LayerReport {
             layer,
-            metrics: evaluate(&self.layout, &load, &plan),
-            simulated: cost.makespan(&self.layout, &load, &plan, &self.config.relay),
+            metrics: evaluate(&self.layout, &load, plan),
+            simulated: cost.makespan(&self.layout, &load, plan, &self.config.relay),
             slots: (0..plan.ranks())
                 .map(|r| plan.rank_slots(r).to_vec())
                 .collect(),
@@ -509,14 +538,8 @@ impl EpRuntime {
             replica_bytes,
             recv_bytes,
             solve_us: took.as_secs_f64() * 1e6,
-            phases: PhaseTimes {
-                route: route_time,
-                solve: solve_time,
-                combine: phases.combine + shared_time,
-                ..phases
-            },
-        };
-        Ok((outs, report))
+            phases,
+        }
     }
 
     /// Solves the layer's plan from the gathered load: where the data plane's data lives when it

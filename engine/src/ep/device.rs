@@ -13,11 +13,9 @@ use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::layers::moe::rows_of;
 use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
 
-use rackfill_balancer::metrics::evaluate;
 use rackfill_models::{ExpertSelection, Routing};
 
 use super::{EpRuntime, LayerReport, Solved, StepOutput};
-use crate::cost::{MoeCost, MoeDims};
 use crate::error::{EngineError, Result};
 use crate::plane::PhaseTimes;
 
@@ -155,26 +153,15 @@ impl EpRuntime {
         let counts = routing.expert_counts(self.layout.experts());
         let gathered = self.fabric.all_gather(&[counts])?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
-        let cost = MoeCost {
-            rack: &self.rack,
-            dims: MoeDims {
-                hidden: self.model.config().hidden_size,
-                intermediate: self.model.config().moe.intermediate_size,
-            },
-        };
-        Ok(LayerReport {
+        let received = vec![0; self.fabric.local_ranks().len()];
+        Ok(self.layer_report(
             layer,
-            metrics: evaluate(&self.layout, &load, &plan),
-            simulated: cost.makespan(&self.layout, &load, &plan, &self.config.relay),
-            slots: (0..plan.ranks())
-                .map(|r| plan.rank_slots(r).to_vec())
-                .collect(),
             load,
-            replica_bytes: 0,
-            recv_bytes: vec![0; self.fabric.local_ranks().len()],
-            solve_us: took.as_secs_f64() * 1e6,
-            phases: PhaseTimes::default(),
-        })
+            &plan,
+            took,
+            (0, received),
+            PhaseTimes::default(),
+        ))
     }
 }
 

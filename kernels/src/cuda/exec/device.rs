@@ -24,11 +24,6 @@ impl GpuExecutor {
         Ok(Self { gpu, blas })
     }
 
-    /// The opened device.
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
-    }
-
     /// Makes the device's context current on the calling thread: the raw driver and cuBLAS
     /// calls below need it, and the engine calls from its own thread, not the one that opened
     /// the GPU (cudarc's own calls bind it themselves).
@@ -169,9 +164,5 @@ impl Executor for GpuExecutor {
             )
         }
         .map_err(|e| CudaError::Blas(format!("{e:?}")))
-    }
-
-    fn synchronize(&self) -> Result<(), CudaError> {
-        Ok(self.gpu.stream().synchronize()?)
     }
 }

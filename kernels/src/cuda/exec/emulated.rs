@@ -242,10 +242,6 @@ impl Executor for Emulator {
         unsafe { reference_gemm(gemm) };
         Ok(())
     }
-
-    fn synchronize(&self) -> Result<(), CudaError> {
-        Ok(())
-    }
 }
 
 /// Reads element `i` of a matrix operand.

@@ -68,18 +68,6 @@ impl From<&DeviceBuffer> for KernelArg {
     }
 }
 
-impl From<u32> for KernelArg {
-    fn from(v: u32) -> Self {
-        Self::U32(v)
-    }
-}
-
-impl From<f32> for KernelArg {
-    fn from(v: f32) -> Self {
-        Self::F32(v)
-    }
-}
-
 /// The parameter values laid out for `cuLaunchKernel`: `pointers()[i]` points at parameter i.
 pub(super) struct PackedArgs {
     values: Vec<u64>,
@@ -271,9 +259,6 @@ pub trait Executor: Send + Sync {
     /// Every operand must address device memory holding the matrices its sizes and strides
     /// describe.
     unsafe fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError>;
-
-    /// Waits for all queued work.
-    fn synchronize(&self) -> Result<(), CudaError>;
 }
 
 /// Typed uploads and downloads for any [`Executor`].
