@@ -41,6 +41,8 @@ use crate::rack::Rack;
 
 #[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod on_device;
 
 /// How the runtime is laid out and balanced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,9 +119,10 @@ pub struct EpRuntime {
     fabric: Box<dyn Fabric>,
     /// What each layer's simulated makespan is costed on.
     rack: Rack,
-    /// The local ranks' dense parts on a GPU ([`EpRuntime::open_device`]); `None`: the CPU.
+    /// The local ranks' dense parts (and, when every rank is local, the MoE data plane) on a
+    /// GPU ([`EpRuntime::open_device`]); `None`: the CPU.
     #[cfg(feature = "cuda")]
-    device: Option<rackfill_models::gpu::GpuModel>,
+    device: Option<on_device::OnDevice>,
 }
 
 /// One MoE layer's plan and the load it was solved on.
@@ -234,8 +237,8 @@ impl EpRuntime {
         #[allow(unused_mut)]
         let mut cache = self.model.new_cache();
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.device {
-            cache.device = Some(Box::new(gpu.new_sequence()));
+        if let Some(device) = &self.device {
+            cache.device = Some(Box::new(device.model.new_sequence()));
         }
         cache
     }
@@ -302,9 +305,27 @@ impl EpRuntime {
     }
 
     /// A copy of local rank `rank`'s redundant slot `slot` (what the last layer streamed there;
-    /// read back from the device on the GPU plane).
+    /// read back from the device on a GPU plane, widened from bf16 on the device's own).
     pub fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
+        #[cfg(feature = "cuda")]
+        if let Some(slots) = self
+            .device
+            .as_ref()
+            .and_then(|d| d.slot_contents(rank, slot))
+        {
+            return slots;
+        }
         self.plane.slot_contents(rank, slot)
+    }
+
+    /// Whether the replica slots hold bf16 weights (the device's own data plane: what
+    /// [`Self::slot_contents`] returns is then the home weights rounded to bf16).
+    pub fn slots_in_bf16(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.device {
+            return device.moe.is_some();
+        }
+        false
     }
 
     /// One step: every local rank's batch of sequence chunks through every layer. `batches[i]`

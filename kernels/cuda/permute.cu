@@ -139,19 +139,21 @@ extern "C" __global__ void instance_keys(const u32* __restrict__ experts, const 
 // Moves item i to row offsets[key[i]] + pos[i]: its row (in_rows[i / row_div], so a pair reads
 // its token's activations with row_div = top_k), its index, and up to two u32 metadata arrays
 // (null to skip). out_row_of[i] records where it went. Items with key NONE are skipped.
-// Grid: one block per item (grid-stride), threads across the row.
-extern "C" __global__ void scatter_rows(const float* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
-                                        const u32* __restrict__ key, const u32* __restrict__ pos,
-                                        const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
-                                        const u32* __restrict__ meta_b, float* __restrict__ out_rows,
-                                        u32* __restrict__ out_index, u32* __restrict__ out_meta_a,
-                                        u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
+// Grid: one block per item (grid-stride), threads across the row. Rows of f32 (`scatter_rows`)
+// or bf16 (`scatter_rows_bf16`, the whole-model data plane: half the bytes to dispatch).
+template <class T>
+__device__ void scatter_rows_of(const T* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
+                                const u32* __restrict__ key, const u32* __restrict__ pos,
+                                const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
+                                const u32* __restrict__ meta_b, T* __restrict__ out_rows,
+                                u32* __restrict__ out_index, u32* __restrict__ out_meta_a,
+                                u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
     for (u32 i = blockIdx.x; i < n; i += gridDim.x) {
         const u32 k = key[i];
         if (k == NONE_U32) continue;
         const u64 dst = (u64)offsets[k] + pos[i];
-        const float* src = in_rows + (u64)(i / row_div) * hidden;
-        float* out = out_rows + dst * hidden;
+        const T* src = in_rows + (u64)(i / row_div) * hidden;
+        T* out = out_rows + dst * hidden;
         for (u32 h = threadIdx.x; h < hidden; h += blockDim.x) out[h] = src[h];
         if (threadIdx.x == 0) {
             out_index[dst] = i;
@@ -160,6 +162,26 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ in_rows, u32 n
             out_row_of[i] = (u32)dst;
         }
     }
+}
+
+extern "C" __global__ void scatter_rows(const float* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
+                                        const u32* __restrict__ key, const u32* __restrict__ pos,
+                                        const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
+                                        const u32* __restrict__ meta_b, float* __restrict__ out_rows,
+                                        u32* __restrict__ out_index, u32* __restrict__ out_meta_a,
+                                        u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
+    scatter_rows_of(in_rows, n, hidden, row_div, key, pos, offsets, meta_a, meta_b, out_rows, out_index,
+                    out_meta_a, out_meta_b, out_row_of);
+}
+
+extern "C" __global__ void scatter_rows_bf16(const bf16* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
+                                             const u32* __restrict__ key, const u32* __restrict__ pos,
+                                             const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
+                                             const u32* __restrict__ meta_b, bf16* __restrict__ out_rows,
+                                             u32* __restrict__ out_index, u32* __restrict__ out_meta_a,
+                                             u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
+    scatter_rows_of(in_rows, n, hidden, row_div, key, pos, offsets, meta_a, meta_b, out_rows, out_index,
+                    out_meta_a, out_meta_b, out_row_of);
 }
 
 // out[i] = src[index[i]], row by row.

@@ -24,17 +24,12 @@
 // Ranks are addressed through a peer-pointer table (home weights, slot buffer and flag array per
 // rank), so the same kernel runs with NVLink peer pointers or with several rank buffers on one GPU.
 
+#ifndef RACKFILL_HOST_EMULATOR
 __device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-
-// How long a block waits for a relay chunk before it declares the stream broken: far beyond the
-// time to stream every byte before it (milliseconds), short enough to fail a test run.
-#ifndef TILE_STALL_NS
-#define TILE_STALL_NS 5000000000ull
-#endif
 
 // Nanoseconds of the GPU's global timer.
 __device__ __forceinline__ u64 global_ns() {
@@ -42,6 +37,18 @@ __device__ __forceinline__ u64 global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+#else
+// The host emulator (kernels/emulator/emu.h): x86 loads are acquire loads; the host's clock.
+inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline u64 global_ns() { return host_ns(); }
+#endif
+
+// How long a block waits for a relay chunk before it declares the stream broken: far beyond the
+// time to stream every byte before it (milliseconds), short enough to fail a test run.
+#ifndef TILE_STALL_NS
+#define TILE_STALL_NS 5000000000ull
+#endif
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800

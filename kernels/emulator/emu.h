@@ -6,6 +6,9 @@
 // only through global memory and its atomics, as on a GPU. Used by tests/cuda_emulated.rs on
 // machines without a GPU. What it cannot show: cp.async, the GPU's weaker memory ordering
 // (x86's is stronger), memory across GPUs, real warp scheduling.
+// Kernel sources test this to take their host stand-ins for inline PTX.
+#define RACKFILL_HOST_EMULATOR 1
+
 #include <algorithm>
 #include <atomic>
 #include <barrier>

@@ -61,23 +61,10 @@ fn host_source() -> String {
     );
     src += nvrtc::PERMUTE.source;
     src += nvrtc::EXPERTS.source;
-    // Inline PTX has host stand-ins; the stall limit is the emulator's, set per run.
-    let mut replicate = nvrtc::REPLICATE.source.to_string();
-    for (signature, host) in [
-        (
-            "__device__ __forceinline__ u32 ld_acquire_sys_u32",
-            "inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }\n",
-        ),
-        ("__device__ __forceinline__ u64 global_ns", "inline u64 global_ns() { return host_ns(); }\n"),
-    ] {
-        let start = replicate
-            .find(signature)
-            .unwrap_or_else(|| panic!("emulation: '{signature}' is gone from the kernels"));
-        let end = start + replicate[start..].find("\n}\n").expect("function end") + 3;
-        replicate.replace_range(start..end, host);
-    }
+    // Inline PTX has host stand-ins in the source (RACKFILL_HOST_EMULATOR); the stall limit is
+    // the emulator's, set per run.
     src += "#define TILE_STALL_NS g_tile_stall_ns\n";
-    src += &replicate;
+    src += nvrtc::REPLICATE.source;
     src += nvrtc::TILE_PLAN.source;
     src = replace(
         &src,

@@ -1,23 +1,33 @@
 //! The EP runtime with its ranks' dense parts on a GPU: every local rank's sequences run through
-//! one [`GpuModel`] batch (attention is per sequence, so ranks sharing a GPU batch together),
-//! and each MoE layer's normalised input comes to the host, is split by rank and goes through
-//! the runtime's own MoE layer (router, plan, replicas, dispatch, experts, combine, shared
-//! experts) on its data plane, whose output is added back into the residual on the device.
+//! one [`GpuModel`] batch (attention is per sequence, so ranks sharing a GPU batch together).
+//! Each MoE layer then runs one of three ways:
+//!
+//! - one rank holding every expert: the whole block on the device, nothing to balance (the
+//!   router's choices come to the host for the layer's report only);
+//! - every rank in this process: the router and shared experts on the device, then the bf16
+//!   device data plane ([`DeviceMoe`]) from the router's output where it is; the load counts
+//!   are the one host copy, for the planner;
+//! - ranks in other processes too: the normalised input comes to the host, is split by rank and
+//!   goes through the runtime's own MoE layer on its data plane and fabric, whose output is
+//!   added back into the residual on the device.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use rackfill_kernels::cuda::device_moe::{DeviceMoe, RoutedRows};
 use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
-use rackfill_kernels::cuda::Gpu;
-use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
+use rackfill_kernels::cuda::{CudaError, Gpu};
+use rackfill_models::gpu::{Experts, GpuBatch, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::layers::moe::rows_of;
 use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
 
 use rackfill_models::{ExpertSelection, Routing};
 
+use super::on_device::OnDevice;
 use super::{EpRuntime, LayerReport, Solved, StepOutput};
 use crate::error::{EngineError, Result};
-use crate::plane::PhaseTimes;
+use crate::plane::{expert_weights, PhaseTimes};
 
 /// KV blocks beyond `tokens / BLOCK_TOKENS`: room for the partly filled last block of as many
 /// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
@@ -46,14 +56,37 @@ impl EpRuntime {
             .saturating_mul(ranks)
             .saturating_add(SPARE_BLOCKS_TOKENS);
         // One rank holding every expert: the MoE layers run on the device too, with no host
-        // round trip (nothing to balance); otherwise on the EP data plane.
+        // round trip (nothing to balance); otherwise on an EP data plane.
         let experts =
             if self.config.ep_size == 1 && *self.model.expert_selection() == ExpertSelection::All {
                 Experts::Here
             } else {
                 Experts::Elsewhere
             };
-        self.device = Some(GpuModel::upload(exec, &self.model, tokens, experts)?);
+        // Every rank here: the MoE layers on this device's data plane, which holds every
+        // expert (the model does too, in one process).
+        let (moe, moe_ordinal) = if experts == Experts::Elsewhere && ranks == self.layout.ranks() {
+            let (moe_ordinal, layers) = expert_weights(&self.model)?;
+            let mc = self.model.config();
+            let moe = DeviceMoe::new(
+                Arc::clone(&exec),
+                &self.layout,
+                mc.hidden_size,
+                mc.moe.intermediate_size,
+                &layers,
+                self.config.relay,
+            )
+            .map_err(gpu_error)?;
+            (Some(moe), moe_ordinal)
+        } else {
+            (None, Vec::new())
+        };
+        let model = GpuModel::upload(exec, &self.model, tokens, experts)?;
+        self.device = Some(OnDevice {
+            model,
+            moe,
+            moe_ordinal,
+        });
         Ok(())
     }
 
@@ -65,15 +98,15 @@ impl EpRuntime {
     ) -> Result<StepOutput> {
         // Taken out for the step so the MoE layers can borrow the runtime; put back whatever
         // happens.
-        let gpu = self.device.take().expect("called with a device");
-        let result = self.step_on(&gpu, batches, which);
-        self.device = Some(gpu);
+        let device = self.device.take().expect("called with a device");
+        let result = self.step_on(&device, batches, which);
+        self.device = Some(device);
         result
     }
 
     fn step_on(
         &mut self,
-        gpu: &GpuModel,
+        device: &OnDevice,
         batches: &mut [Vec<SequenceInput<'_>>],
         which: &[Vec<LogitsFor>],
     ) -> Result<StepOutput> {
@@ -111,6 +144,7 @@ impl EpRuntime {
             rank_rows.push(rows);
             rank_logits.push(logit_rows);
         }
+        let gpu = &device.model;
         let mut step = gpu.begin(&mut inputs)?;
         let mut reports = Vec::new();
         let mut on_device = Vec::new();
@@ -124,6 +158,17 @@ impl EpRuntime {
             if gpu.experts() == Experts::Here {
                 gpu.feed_forward(index, &mut step)?;
                 on_device.push(index);
+                continue;
+            }
+            if let (Some(moe), Some(Some(ordinal))) =
+                (&device.moe, device.moe_ordinal.get(index).copied())
+            {
+                let at = DeviceLayer {
+                    layer: index,
+                    ordinal,
+                    rank_rows: &rank_rows,
+                };
+                reports.push(self.moe_layer_on_device(gpu, moe, &at, &mut step)?);
                 continue;
             }
             let input = gpu.ffn_input(index, &step)?;
@@ -146,6 +191,65 @@ impl EpRuntime {
         })
     }
 
+    /// One MoE layer with every rank on the device: router and shared experts
+    /// ([`GpuModel::route`]), the load counted where the router left its choices, the plan
+    /// solved on the host from those counts, then replicas, dispatch, experts and combine on the
+    /// device data plane, and the block's output added into the residual.
+    fn moe_layer_on_device(
+        &mut self,
+        gpu: &GpuModel,
+        moe: &DeviceMoe,
+        at: &DeviceLayer<'_>,
+        step: &mut GpuBatch,
+    ) -> Result<LayerReport> {
+        let layer = at.layer;
+        let started = Instant::now();
+        let routed = gpu.route(layer, step)?;
+        let rows = RoutedRows {
+            x: routed.rows_bf16(),
+            experts: routed.experts(),
+            weights: routed.weights(),
+            rank_rows: at.rank_rows,
+            top_k: routed.top_k(),
+        };
+        let counted = moe.count(&rows).map_err(gpu_error)?;
+        let route = started.elapsed();
+
+        let started = Instant::now();
+        let gathered = self.fabric.all_gather(&counted.counts)?;
+        let Solved { plan, load, took } = self.solve(layer, gathered)?;
+        self.check_plans_agree(layer, &plan)?;
+        let solve = started.elapsed();
+
+        let run = moe
+            .run_layer(at.ordinal, &plan, &rows, &counted, routed.output())
+            .map_err(|e| EngineError::Gpu(format!("layer {layer}: {e}")))?;
+        gpu.add_routed(step, &routed)?;
+        let recv_bytes = run
+            .token_recv_bytes
+            .iter()
+            .zip(&run.replica_recv_bytes)
+            .map(|(tokens, replicas)| tokens + replicas)
+            .collect();
+        let phases = PhaseTimes {
+            route,
+            solve,
+            replicate: run.replicate,
+            dispatch: run.dispatch,
+            experts: run.experts,
+            combine: run.combine,
+        };
+        let replica_bytes = run.replica_recv_bytes.iter().sum();
+        Ok(self.layer_report(
+            layer,
+            load,
+            &plan,
+            took,
+            (replica_bytes, recv_bytes),
+            phases,
+        ))
+    }
+
     /// The report of an MoE layer the device ran whole (one rank, every expert there): its exact
     /// load and the plan the balancer solves for it, as the data plane would have reported;
     /// nothing was streamed or dispatched.
@@ -163,6 +267,18 @@ impl EpRuntime {
             PhaseTimes::default(),
         ))
     }
+}
+
+/// Where an MoE layer sits: its model layer, its index among the MoE layers, the rows of each
+/// local rank in the device batch.
+struct DeviceLayer<'a> {
+    layer: usize,
+    ordinal: usize,
+    rank_rows: &'a [usize],
+}
+
+fn gpu_error(err: CudaError) -> EngineError {
+    EngineError::Gpu(err.to_string())
 }
 
 /// Consecutive `[counts[r], width]` blocks of row-major `values`, as tensors (`None` for none).

@@ -36,21 +36,7 @@ impl GpuPlane {
     ) -> Result<Self> {
         let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
         let mc = model.config();
-        let mut moe_ordinal = Vec::with_capacity(model.layers().len());
-        let mut layers: Vec<Vec<ExpertWeights<'_>>> = Vec::new();
-        for layer in model.layers() {
-            match layer.ffn() {
-                FeedForward::Moe(block) => {
-                    moe_ordinal.push(Some(layers.len()));
-                    // Every rank is on this device, so every expert is someone's home.
-                    let experts = (0..block.experts.num_experts() as u32)
-                        .map(|e| block.experts.get(e).map(|mlp| mlp.weights()))
-                        .collect::<Result<_, _>>()?;
-                    layers.push(experts);
-                }
-                FeedForward::Dense(_) => moe_ordinal.push(None),
-            }
-        }
+        let (moe_ordinal, layers) = expert_weights(model)?;
         let solver = match config.balancer {
             Algo::Quota => Some((config.u_min, TargetRule::BestFit)),
             Algo::QuotaPaper => Some((config.u_min, TargetRule::LargestSlack)),
@@ -115,6 +101,30 @@ impl GpuPlane {
     pub(crate) fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
         self.moe.slot_contents(rank, slot).ok()
     }
+}
+
+/// Per model layer, its index among the MoE layers (`None` for a dense layer), and every MoE
+/// layer's experts as the engine stores them: what a device data plane uploads. Every rank is on
+/// the device, so every expert is someone's home and the model holds them all.
+pub(crate) type MoeExperts<'a> = (Vec<Option<usize>>, Vec<Vec<ExpertWeights<'a>>>);
+
+/// The [`MoeExperts`] of `model`.
+pub(crate) fn expert_weights(model: &MoeModel) -> Result<MoeExperts<'_>> {
+    let mut moe_ordinal = Vec::with_capacity(model.layers().len());
+    let mut layers: Vec<Vec<ExpertWeights<'_>>> = Vec::new();
+    for layer in model.layers() {
+        match layer.ffn() {
+            FeedForward::Moe(block) => {
+                moe_ordinal.push(Some(layers.len()));
+                let experts = (0..block.experts.num_experts() as u32)
+                    .map(|e| block.experts.get(e).map(|mlp| mlp.weights()))
+                    .collect::<Result<_, _>>()?;
+                layers.push(experts);
+            }
+            FeedForward::Dense(_) => moe_ordinal.push(None),
+        }
+    }
+    Ok((moe_ordinal, layers))
 }
 
 /// A device layer's results as the plane's output: `tokens x hidden` rows as tensors, the bytes

@@ -11,6 +11,8 @@ mod cpu;
 mod gpu;
 mod work;
 
+#[cfg(feature = "cuda")]
+pub(crate) use gpu::expert_weights;
 pub use work::PhaseTimes;
 pub(crate) use work::{LayerWork, PlaneConfig, PlaneOutput};
 

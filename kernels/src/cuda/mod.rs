@@ -12,6 +12,8 @@
 //! - [`gemm`]: grouped expert GEMM over main and replica experts with cuBLAS;
 //! - [`moe`]: all of the above as one MoE layer's data plane for ranks sharing a GPU (what the
 //!   engine runs on a GPU host);
+//! - [`device_moe`]: the same layer in bf16 on an [`exec::Executor`], fed by the GPU model's
+//!   router where it left its output (the whole-model path at EP > 1; runs on the emulator);
 //! - [`nccl`]: NCCL loaded at run time (probe, communicator, all-gather and grouped send/recv),
 //!   what the engine's NCCL fabric moves bytes between GPUs with;
 //! - [`exec`]: one executor interface for the whole-model kernels, run on the GPU or, without
@@ -26,6 +28,7 @@
 //! used. [`probe`] answers "is there a usable GPU?" with a typed error when there is not.
 
 pub mod bench;
+pub mod device_moe;
 mod device_plan;
 mod error;
 mod exchange;

@@ -83,6 +83,7 @@ pub const PERMUTE: KernelSource = KernelSource {
         "lookup_instance",
         "instance_keys",
         "scatter_rows",
+        "scatter_rows_bf16",
         "gather_rows",
         "combine_topk",
     ],
@@ -135,9 +136,9 @@ pub const GLUE: KernelSource = KernelSource {
     entry_points: &["copy_rows_f32", "gather_rows_f32"],
 };
 
-/// The sources of the whole-model path: what the host emulator compiles for
-/// [`super::exec::Emulator`].
-pub const WHOLE_MODEL_SOURCES: [KernelSource; 3] = [MODEL, ATTENTION, GLUE];
+/// The sources of the whole-model path, its EP data plane included (permute and replica
+/// streaming): what the host emulator compiles for [`super::exec::Emulator`].
+pub const WHOLE_MODEL_SOURCES: [KernelSource; 5] = [MODEL, ATTENTION, GLUE, PERMUTE, REPLICATE];
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.
 pub const SOURCES: [KernelSource; 8] = [

@@ -32,6 +32,47 @@ pub struct GpuBatch {
     routing: Vec<Routing>,
 }
 
+/// One MoE layer's routed rows on the device ([`GpuModel::route`]).
+pub struct GpuRouted {
+    /// f32 `[rows, H]`, the routers' input.
+    normed: DeviceBuffer,
+    /// bf16 `[rows, H]`, what the experts multiply.
+    normed_bf16: DeviceBuffer,
+    /// u32 `[rows, k]`: expert ids, best first.
+    experts: DeviceBuffer,
+    /// f32 `[rows, k]`: their weights.
+    weights: DeviceBuffer,
+    /// f32 `[rows, H]`: the shared experts' output (zeros without), the routed sum goes on top.
+    output: DeviceBuffer,
+    top_k: usize,
+}
+
+impl GpuRouted {
+    /// bf16 `[rows, H]`: the normalised input the experts multiply.
+    pub fn rows_bf16(&self) -> &DeviceBuffer {
+        &self.normed_bf16
+    }
+
+    /// u32 `[rows, k]`: each row's experts.
+    pub fn experts(&self) -> &DeviceBuffer {
+        &self.experts
+    }
+
+    /// f32 `[rows, k]`: each choice's router weight.
+    pub fn weights(&self) -> &DeviceBuffer {
+        &self.weights
+    }
+
+    /// f32 `[rows, H]`: where the routed experts' weighted sum is added.
+    pub fn output(&self) -> &DeviceBuffer {
+        &self.output
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+}
+
 impl GpuBatch {
     /// Rows (new tokens) in the batch.
     pub fn rows(&self) -> usize {
@@ -160,6 +201,36 @@ impl GpuModel {
         Ok(ops.exec.download_f32(&normed)?)
     }
 
+    /// Layer `layer`'s MoE block up to its routed experts, on the device: the normalised input,
+    /// the router's choices and the shared experts' output, all left where they are for an EP
+    /// data plane on the same device to dispatch from ([`GpuModel::add_routed`] finishes it).
+    pub fn route(&self, layer: usize, batch: &GpuBatch) -> Result<GpuRouted> {
+        let ops = Ops {
+            exec: self.exec.as_ref(),
+        };
+        let weights = &self.weights.layers[layer];
+        let GpuFfn::Moe(moe) = &weights.ffn else {
+            return Err(ModelError::Input(format!(
+                "layer {layer} is not an MoE layer"
+            )));
+        };
+        let (rows, h) = (batch.rows(), self.config.hidden_size);
+        route(ops, weights, moe, rows, h, &batch.x)
+    }
+
+    /// `x += routed.output`: the MoE block's output (shared experts, plus the routed experts'
+    /// weighted sum the data plane added into it) into the residual stream.
+    pub fn add_routed(&self, batch: &mut GpuBatch, routed: &GpuRouted) -> Result<()> {
+        let n = batch.rows() * self.config.hidden_size;
+        if n > 0 {
+            let ops = Ops {
+                exec: self.exec.as_ref(),
+            };
+            ops.add(&batch.x, &routed.output, n)?;
+        }
+        Ok(())
+    }
+
     /// `x += out` for a feed-forward output `[rows, H]` computed elsewhere (the EP data plane).
     pub fn add_to_residual(&self, batch: &mut GpuBatch, out: &[f32]) -> Result<()> {
         let n = batch.rows() * self.config.hidden_size;
@@ -221,75 +292,64 @@ fn feed_forward(
     x: &DeviceBuffer,
     routing: &mut Vec<Routing>,
 ) -> Result<()> {
+    match &layer.ffn {
+        GpuFfn::Dense(mlp) => {
+            let (_, normed_bf16) = normed_input(ops, layer, rows, h, x)?;
+            mlp_into(ops, mlp, &normed_bf16, rows, x, 1.0)
+        }
+        GpuFfn::Moe(moe) => {
+            let routed = route(ops, layer, moe, rows, h, x)?;
+            routed_experts(ops, moe, &routed, rows, h, routing)?;
+            ops.add(x, &routed.output, rows * h)?;
+            Ok(())
+        }
+    }
+}
+
+/// Layer `layer`'s normalised feed-forward input `[rows, H]`, in f32 (the routers) and bf16
+/// (the experts' GEMMs).
+fn normed_input(
+    ops: Ops<'_>,
+    layer: &GpuLayer,
+    rows: usize,
+    h: usize,
+    x: &DeviceBuffer,
+) -> Result<(DeviceBuffer, DeviceBuffer)> {
     let exec = ops.exec;
-    // The normalised input, in f32 (the routers) and bf16 (the experts' GEMMs).
     let normed = exec.alloc_zeroed(rows * h * 4)?;
     ops.copy_rows(x, 0, h, rows, h, &normed, 0, h)?;
     let norm = &layer.post_norm;
     ops.rms_norm_inplace(&normed, 0, h, &norm.weight, norm.eps, rows, h)?;
     let normed_bf16 = exec.alloc_zeroed(rows * h * 2)?;
     ops.f32_to_bf16(&normed, 0, h, rows, h, &normed_bf16, h)?;
-    match &layer.ffn {
-        GpuFfn::Dense(mlp) => mlp_into(ops, mlp, &normed_bf16, rows, x, 1.0),
-        GpuFfn::Moe(moe) => {
-            // The block's output: the shared experts' (or zeros), then the routed experts'
-            // weighted sum added to it, then added to the residual (the CPU path's order).
-            let y = exec.alloc_zeroed(rows * h * 4)?;
-            if let Some(shared) = &moe.shared {
-                mlp_into(ops, shared, &normed_bf16, rows, &y, 0.0)?;
-                if let Some(gate) = &moe.shared_gate {
-                    let logit = exec.alloc_zeroed(rows * 4)?;
-                    ops.linear((&normed, DType::F32), rows, gate, &logit, 0.0)?;
-                    ops.scale_by_sigmoid(&y, &logit, rows, h)?;
-                }
-            }
-            routed_experts(ops, moe, &normed, rows, h, &y, routing)?;
-            ops.add(x, &y, rows * h)?;
-            Ok(())
-        }
-    }
+    Ok((normed, normed_bf16))
 }
 
-/// `out = mlp(x) + beta out` for bf16 `x` `[rows, H]` and f32 `out`.
-fn mlp_into(
+/// The first half of an MoE block on the device: the normalised input, the router's choices
+/// and the shared experts' output (or zeros), where the routed experts' weighted sum is added
+/// next (the CPU path's order).
+fn route(
     ops: Ops<'_>,
-    mlp: &GpuMlp,
-    x: &DeviceBuffer,
-    rows: usize,
-    out: &DeviceBuffer,
-    beta: f32,
-) -> Result<()> {
-    let i = mlp.intermediate();
-    let gate_up = ops.exec.alloc_zeroed(rows * 2 * i * 4)?;
-    ops.linear((x, DType::Bf16), rows, &mlp.gate_up, &gate_up, 0.0)?;
-    let act = ops.exec.alloc_zeroed(rows * i * 2)?;
-    ops.silu_mul(&gate_up, rows, i, &act)?;
-    ops.linear((&act, DType::Bf16), rows, &mlp.down, out, beta)?;
-    Ok(())
-}
-
-/// Routes the rows, runs every expert on its rows (grouped so each expert is one GEMM pair) and
-/// adds each row's weighted expert outputs into `y`. The router's choices come to the host once
-/// (`rows x k` ids) to size the per-expert GEMMs; the rows and weights stay on the device.
-fn routed_experts(
-    ops: Ops<'_>,
+    layer: &GpuLayer,
     moe: &GpuMoe,
-    normed: &DeviceBuffer,
     rows: usize,
     h: usize,
-    y: &DeviceBuffer,
-    routing: &mut Vec<Routing>,
-) -> Result<()> {
+    x: &DeviceBuffer,
+) -> Result<GpuRouted> {
     let exec = ops.exec;
-    let (experts, k) = (moe.router.cols, moe.top_k);
-    if moe.experts.len() != experts {
-        return Err(ModelError::Input(
-            "this GPU model was uploaded without its routed experts (they run on an EP data plane)"
-                .into(),
-        ));
+    let (normed, normed_bf16) = normed_input(ops, layer, rows, h, x)?;
+    let output = exec.alloc_zeroed(rows * h * 4)?;
+    if let Some(shared) = &moe.shared {
+        mlp_into(ops, shared, &normed_bf16, rows, &output, 0.0)?;
+        if let Some(gate) = &moe.shared_gate {
+            let logit = exec.alloc_zeroed(rows * 4)?;
+            ops.linear((&normed, DType::F32), rows, gate, &logit, 0.0)?;
+            ops.scale_by_sigmoid(&output, &logit, rows, h)?;
+        }
     }
+    let (experts, k) = (moe.router.cols, moe.top_k);
     let logits = exec.alloc_zeroed(rows * experts * 4)?;
-    ops.linear((normed, DType::F32), rows, &moe.router, &logits, 0.0)?;
+    ops.linear((&normed, DType::F32), rows, &moe.router, &logits, 0.0)?;
     let ids = exec.alloc_zeroed(rows * k * 4)?;
     let weights = exec.alloc_zeroed(rows * k * 4)?;
     match &moe.kind {
@@ -314,11 +374,64 @@ fn routed_experts(
             &weights,
         )?,
     }
-    let chosen = exec.download_u32(&ids)?;
+    Ok(GpuRouted {
+        normed,
+        normed_bf16,
+        experts: ids,
+        weights,
+        output,
+        top_k: k,
+    })
+}
+
+/// `out = mlp(x) + beta out` for bf16 `x` `[rows, H]` and f32 `out`.
+fn mlp_into(
+    ops: Ops<'_>,
+    mlp: &GpuMlp,
+    x: &DeviceBuffer,
+    rows: usize,
+    out: &DeviceBuffer,
+    beta: f32,
+) -> Result<()> {
+    let i = mlp.intermediate();
+    let gate_up = ops.exec.alloc_zeroed(rows * 2 * i * 4)?;
+    ops.linear((x, DType::Bf16), rows, &mlp.gate_up, &gate_up, 0.0)?;
+    let act = ops.exec.alloc_zeroed(rows * i * 2)?;
+    ops.silu_mul(&gate_up, rows, i, &act)?;
+    ops.linear((&act, DType::Bf16), rows, &mlp.down, out, beta)?;
+    Ok(())
+}
+
+/// Runs every expert on its rows (grouped so each expert is one GEMM pair) and adds each row's
+/// weighted expert outputs into `routed.output`. The router's choices come to the host once
+/// (`rows x k` ids) to size the per-expert GEMMs; the rows and weights stay on the device.
+fn routed_experts(
+    ops: Ops<'_>,
+    moe: &GpuMoe,
+    routed: &GpuRouted,
+    rows: usize,
+    h: usize,
+    routing: &mut Vec<Routing>,
+) -> Result<()> {
+    let exec = ops.exec;
+    let (experts, k) = (moe.router.cols, moe.top_k);
+    if moe.experts.len() != experts {
+        return Err(ModelError::Input(
+            "this GPU model was uploaded without its routed experts (they run on an EP data plane)"
+                .into(),
+        ));
+    }
+    let (normed, ids, weights, y) = (
+        &routed.normed,
+        &routed.experts,
+        &routed.weights,
+        &routed.output,
+    );
+    let chosen = exec.download_u32(ids)?;
     routing.push(Routing {
         top_k: k,
         experts: chosen.clone(),
-        weights: exec.download_f32(&weights)?,
+        weights: exec.download_f32(weights)?,
     });
     // Pairs grouped by expert, in token order within an expert (the CPU path's grouping).
     let mut counts = vec![0usize; experts];
@@ -374,7 +487,7 @@ fn routed_experts(
             ))?;
         }
     }
-    ops.combine(&out, &exec.upload_u32(&pair_row)?, &weights, rows, k, h, y)?;
+    ops.combine(&out, &exec.upload_u32(&pair_row)?, weights, rows, k, h, y)?;
     Ok(())
 }
 

@@ -5,9 +5,11 @@
 //!
 //! Two uses: [`GpuModel::forward`] runs everything on the device with every routed expert local
 //! (the dense reference, one rank); an EP runtime drives the layers itself
-//! ([`GpuModel::begin`], [`GpuModel::attention`], [`GpuModel::ffn_input`],
-//! [`GpuModel::add_to_residual`], [`GpuModel::finish`]) and runs the MoE layers on its data
-//! plane, so the model is uploaded without routed experts ([`Experts::Elsewhere`]).
+//! ([`GpuModel::begin`], [`GpuModel::attention`], [`GpuModel::finish`]) and runs the MoE layers
+//! on its data plane, so the model is uploaded without routed experts ([`Experts::Elsewhere`]):
+//! on the same device, from the router's output where it is ([`GpuModel::route`],
+//! [`GpuModel::add_routed`]), or through the host for a plane elsewhere
+//! ([`GpuModel::ffn_input`], [`GpuModel::add_to_residual`]).
 //!
 //! Precision: weights, GEMM inputs and the KV cache are bf16; GEMMs accumulate in f32 and write
 //! f32; the residual stream, norms' arithmetic, RoPE, attention scores and softmax, the routers
@@ -19,6 +21,6 @@ mod model;
 mod ops;
 mod weights;
 
-pub use forward::GpuBatch;
+pub use forward::{GpuBatch, GpuRouted};
 pub use model::{GpuInput, GpuModel, GpuSequence, GpuStep, BLOCK_TOKENS};
 pub use weights::Experts;

@@ -85,6 +85,38 @@ impl Executor for GpuExecutor {
         Ok(())
     }
 
+    fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        Ok(self.gpu.stream().synchronize()?)
+    }
+
+    fn copy(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        src.check(src_offset, bytes)?;
+        dst.check(dst_offset, bytes)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both ranges lie inside their buffers (checked), which outlive the queued copy
+        // (their owners drop them only after the stream has been synchronised by a read).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.at(dst_offset),
+                src.at(src_offset),
+                bytes,
+                self.gpu.stream().cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,

@@ -156,6 +156,7 @@ fn host_sources() -> (String, String) {
             "extern __shared__ __align__(16) u8 smem[];",
             "u8* smem = g_smem;",
         )
+        .replace("extern __shared__ u32 shm[];", "u32* shm = (u32*)g_smem;")
         .replace("extern \"C\" __global__", "");
     (kernels, entries)
 }
@@ -195,6 +196,32 @@ impl Executor for Emulator {
         // SAFETY: as in `write`.
         unsafe {
             std::ptr::copy_nonoverlapping(src.at(offset) as *const u8, out.as_mut_ptr(), out.len());
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(()) // every launch and GEMM has finished when its call returns
+    }
+
+    fn copy(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        src.check(src_offset, bytes)?;
+        dst.check(dst_offset, bytes)?;
+        // SAFETY: both ranges lie inside host memory this emulator allocated (checked); `copy`
+        // allows them to overlap.
+        unsafe {
+            std::ptr::copy(
+                src.at(src_offset) as *const u8,
+                dst.at(dst_offset) as *mut u8,
+                bytes,
+            );
         }
         Ok(())
     }

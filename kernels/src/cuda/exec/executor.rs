@@ -241,6 +241,20 @@ pub trait Executor: Send + Sync {
     /// Copies `out.len()` bytes from `src` at `offset`, after all queued work.
     fn read(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CudaError>;
 
+    /// Waits for everything queued so far (what a phase's wall time is measured to).
+    fn synchronize(&self) -> Result<(), CudaError>;
+
+    /// Queues a device-to-device copy of `bytes` from `src` at `src_offset` to `dst` at
+    /// `dst_offset` (what moves rows between the buffers of ranks sharing a device).
+    fn copy(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<(), CudaError>;
+
     /// Queues kernel `kernel` with `args`.
     ///
     /// # Safety
