@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what a GPU host without a Rust toolchain needs for rackfill's GPU checks and figures:
-# the release binary and the test binaries with GPU tests (rackfill-kernels' cuda_*,
+# the release binary and the test binaries with GPU tests (rackfill-kernels' cuda_* and exec_*,
 # rackfill-models' gpu_* and rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
 # one file in a folder (default .gpu-bundle, git-ignored; its size is printed at the end) to copy
 # or carry there. Then, on the GPU host, in a copy of this repository:
@@ -25,7 +25,7 @@ for line in open(src):
     if not exe:
         continue
     name = m["target"]["name"]
-    if m["profile"]["test"] and (name.startswith(("cuda_", "gpu_")) or name == "ep_equivalence"):
+    if m["profile"]["test"] and (name.startswith(("cuda_", "gpu_", "exec_")) or name == "ep_equivalence"):
         shutil.copy(exe, f"{out}/tests/")
     elif m["target"]["name"] == "rackfill":
         shutil.copy(exe, f"{out}/rackfill")

@@ -3,8 +3,8 @@
 # CUDA test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the figures
 # docs/gpu.md records, then the tile-streaming tests under compute-sanitizer. Writes device.txt,
 # tests.log, kernels-bench.txt, bench-ep.txt and sanitizer-*.txt to ${OUT:-target/gpu-session};
-# bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs); exits non-zero if any
-# test binary or sanitizer run failed.
+# bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs), bench-attention.txt;
+# exits non-zero if any test binary or sanitizer run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(mktemp -d)
@@ -36,6 +36,10 @@ if python3 -c "import torch, transformers, safetensors; assert torch.cuda.is_ava
 else
   echo "torch with CUDA or transformers missing: no transformers comparison" | tee -a "$out/bench-forward-cuda.txt"
 fi
+# The fused paged attention kernel against cuBLAS + softmax + cuBLAS on Qwen3-30B-A3B's attention
+# shape (32 query heads, 4 KV heads, head_dim 128), 2048-token chunks over 0, 2048 and 6144 cached.
+"$bundle/rackfill" bench attention --device cuda --context 0,2048,6144 --chunk 2048 --repeats 20 \
+  --json "$out/bench-attention.json" 2>&1 | tee "$out/bench-attention.txt"
 # What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
 # barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
 # host has it. Last and time-bounded, so the figures above never wait on it; a timeout is

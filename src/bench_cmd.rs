@@ -39,6 +39,10 @@ pub enum BenchCommand {
     /// requests; Poisson/gamma arrivals or trace replay; rate sweeps) and report TTFT, TPOT,
     /// ITL, end-to-end latency and throughput under vLLM's field names.
     Serve(crate::serve_bench_cmd::ServeBenchArgs),
+    /// The fused paged attention kernel against the unfused cuBLAS + softmax + cuBLAS baseline
+    /// on one GQA layer's prefill chunks over a cached context (GPU path: a GPU or the host
+    /// emulator); both outputs are compared.
+    Attention(crate::attention_bench_cmd::AttentionArgs),
 }
 
 /// `rackfill bench ep`.
@@ -95,7 +99,7 @@ pub struct EpArgs {
 
     /// Timed rounds after one warm-up, at most 1000; every round runs dense and every
     /// configuration.
-    #[arg(long, default_value_t = 3, value_parser = parse_repeats)]
+    #[arg(long, default_value_t = 3, value_parser = crate::flags::parse_repeats)]
     pub rounds: usize,
 
     /// Seed for the random weights and prompts.
@@ -125,7 +129,7 @@ pub struct ForwardArgs {
     pub tokens: Vec<usize>,
 
     /// Timed runs per length (after one warm-up), at most 1000; the median is reported.
-    #[arg(long, default_value_t = 3, value_parser = parse_repeats)]
+    #[arg(long, default_value_t = 3, value_parser = crate::flags::parse_repeats)]
     pub repeats: usize,
 
     /// Seed for the random weights and prompts.
@@ -134,24 +138,12 @@ pub struct ForwardArgs {
 
     /// Where the forward runs: `cpu` (candle, f32), `cuda` / `cuda:N` (the whole model on the
     /// GPU in bf16, every expert local) or `emulator` (that path on the host emulator).
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = crate::flags::parse_device)]
     pub device: ModelDevice,
 
     /// Also write the report as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-}
-
-/// Most timed runs or rounds a bench takes: more only re-measures the median, for hours.
-const MAX_REPEATS: usize = 1000;
-
-fn parse_repeats(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if (1..=MAX_REPEATS).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "invalid value '{s}': expected an integer in 1..={MAX_REPEATS}"
-        )),
-    }
 }
 
 /// Runs a bench subcommand.
@@ -162,6 +154,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Ep(args) => ep(args),
         BenchCommand::HttpOverhead(args) => crate::overhead_cmd::run(args),
         BenchCommand::Serve(args) => crate::serve_bench_cmd::run(args),
+        BenchCommand::Attention(args) => crate::attention_bench_cmd::run(args),
     }
 }
 
@@ -245,10 +238,6 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
     Ok(texts)
 }
 
-fn parse_device(s: &str) -> Result<ModelDevice, String> {
-    s.parse()
-}
-
 /// [`run_forward`] with the whole model on `device`'s GPU path (bf16, every expert local): a GPU,
 /// or the host emulator.
 #[cfg(feature = "cuda")]
@@ -258,19 +247,9 @@ fn run_forward_on_gpu(
     args: &ForwardArgs,
     device: ModelDevice,
 ) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
-    use rackfill_kernels::cuda::exec::{Emulator, Executor, GpuExecutor};
     use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
     use rackfill_models::LogitsFor;
-    use std::sync::Arc;
-    let exec: Arc<dyn Executor> = match device.gpu_ordinal(None) {
-        Some(ordinal) => Arc::new(
-            rackfill_kernels::cuda::Gpu::open(ordinal)
-                .and_then(GpuExecutor::new)
-                .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?,
-        ),
-        None => Emulator::shared()
-            .ok_or_else(|| anyhow::anyhow!("--device emulator needs a C++ compiler (CXX)"))?,
-    };
+    let exec = crate::gpu_exec::open_executor(device)?;
     let device = exec.describe();
     let longest = args.tokens.iter().copied().max().unwrap_or(1);
     let gpu = GpuModel::upload(exec, model, longest, Experts::Here)?;

@@ -69,6 +69,23 @@ pub(crate) fn dedup<T: PartialEq + Copy>(values: &[T]) -> Vec<T> {
     out
 }
 
+/// Most timed runs or rounds a bench takes: more only re-measures the median, for hours.
+const MAX_REPEATS: usize = 1000;
+
+pub(crate) fn parse_repeats(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_REPEATS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "invalid value '{s}': expected an integer in 1..={MAX_REPEATS}"
+        )),
+    }
+}
+
+/// `--device`: `cpu`, `cuda`, `cuda:N`, `emulator` (`auto` where a command allows it).
+pub(crate) fn parse_device(s: &str) -> Result<rackfill_engine::ModelDevice, String> {
+    s.parse()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

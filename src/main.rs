@@ -26,9 +26,12 @@ macro_rules! note {
 }
 
 mod allocator;
+mod attention_bench_cmd;
 mod balance_cmd;
 mod bench_cmd;
 mod flags;
+#[cfg(feature = "cuda")]
+mod gpu_exec;
 mod kernels_cmd;
 mod overhead_cmd;
 mod plan_cmd;

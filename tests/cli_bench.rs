@@ -274,3 +274,62 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bench attention` on the host emulator (where a C++ compiler is): the fused kernel and the
+/// GEMM + softmax + GEMM baseline agree on every case, which the JSON report lists; `--device
+/// cpu`, uneven heads and a device this build lacks are one-line errors.
+#[test]
+fn bench_attention_compares_the_kernel_with_its_baseline() {
+    refused(&["bench", "attention", "--device", "cpu"], "GPU path");
+    refused(
+        &[
+            "bench",
+            "attention",
+            "--device",
+            "emulator",
+            "--heads",
+            "6",
+            "--kv-heads",
+            "4",
+        ],
+        "not a multiple of --kv-heads 4",
+    );
+    refused(&["bench", "attention", "--chunk", "0"], "invalid value");
+    #[cfg(feature = "cuda")]
+    if rackfill_kernels::cuda::exec::Emulator::shared().is_some() {
+        let dir = common::TempDir::new("bench-attention");
+        let report = dir.file("attention.json");
+        let args = [
+            "bench",
+            "attention",
+            "--device",
+            "emulator",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--context",
+            "0,21",
+            "--chunk",
+            "9",
+            "--repeats",
+            "1",
+            "--json",
+            report.to_str().unwrap(),
+        ];
+        let report = json_report(&args, &report);
+        let timings = report["timings"].as_array().unwrap();
+        assert_eq!(timings.len(), 2, "one case per --context value");
+        for (t, context) in timings.iter().zip([0, 21]) {
+            assert_eq!(
+                (t["case"]["context"].as_u64(), t["case"]["chunk"].as_u64()),
+                (Some(context), Some(9))
+            );
+            let rel = t["rel_l2"].as_f64().unwrap();
+            assert!(rel < 1e-2, "context {context}: fused vs baseline {rel}");
+            assert!(t["fused_ms"].as_f64().unwrap() > 0.0);
+        }
+    }
+}

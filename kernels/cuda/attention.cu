@@ -203,3 +203,26 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_ro
         }
     }
 }
+
+// The unfused baseline `rackfill bench attention` measures paged_attention against: the scores
+// come from one cuBLAS GEMM, this kernel turns them into probabilities, a second GEMM applies
+// them to the values. Row r of `scores` (`rows x keys`, f32) holds query position
+// ctx + (r % q_len) against keys 0..keys; later keys are masked. Writes softmax(scale * scores)
+// in bf16 (masked keys 0). Grid: one block per row (grid-stride).
+extern "C" __global__ void causal_softmax_to_bf16(const float* __restrict__ scores, u32 rows, u32 q_len,
+                                                  u32 keys, u32 ctx, float scale, bf16* __restrict__ out) {
+    __shared__ float scratch[32];
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* s = scores + (u64)r * keys;
+        bf16* o = out + (u64)r * keys;
+        const u32 visible = min(keys, ctx + r % q_len + 1u);
+        float m = -3.0e38f;
+        for (u32 c = threadIdx.x; c < visible; c += blockDim.x) m = fmaxf(m, s[c] * scale);
+        m = block_max_f32(m, scratch);
+        float sum = 0.0f;
+        for (u32 c = threadIdx.x; c < visible; c += blockDim.x) sum += expf(s[c] * scale - m);
+        const float inv = 1.0f / block_sum_f32(sum, scratch);
+        for (u32 c = threadIdx.x; c < keys; c += blockDim.x)
+            o[c] = f32_to_bf16(c < visible ? expf(s[c] * scale - m) * inv : 0.0f);
+    }
+}

@@ -139,6 +139,18 @@ __device__ __forceinline__ float warp_max_f32(float v) {
     return v;
 }
 
+// Block-wide f32 maximum; `scratch` as for block_sum_f32.
+__device__ float block_max_f32(float v, float* scratch) {
+    v = warp_max_f32(v);
+    if (lane_id() == 0) scratch[warp_id()] = v;
+    __syncthreads();
+    u32 warps = (blockDim.x + 31u) >> 5;
+    float best = scratch[0];
+    for (u32 w = 1; w < warps; ++w) best = fmaxf(best, scratch[w]);
+    __syncthreads();
+    return best;
+}
+
 // Block-wide f32 sum; `scratch` holds one float per warp; every thread must call it and gets
 // the result. Warps are summed in a fixed order, so the result is the same on every launch.
 __device__ float block_sum_f32(float v, float* scratch) {

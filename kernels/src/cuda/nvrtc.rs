@@ -120,12 +120,13 @@ pub const MODEL: KernelSource = KernelSource {
     ],
 };
 
-/// Paged KV cache writes and causal attention over a chunk plus its cached context.
+/// Paged KV cache writes and causal attention over a chunk plus its cached context; the
+/// unfused softmax the attention benchmark's cuBLAS baseline uses.
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     file: "attention.cu",
     source: include_str!("../../cuda/attention.cu"),
-    entry_points: &["kv_write", "paged_attention"],
+    entry_points: &["kv_write", "paged_attention", "causal_softmax_to_bf16"],
 };
 
 /// Strided f32 row copies and gathers (whole-model path).

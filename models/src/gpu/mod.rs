@@ -16,11 +16,13 @@
 //! (weights kept in f32, so selection does not flip on a rounding) and the logits are f32.
 
 mod attention;
+mod attention_bench;
 mod forward;
 mod model;
 mod ops;
 mod weights;
 
+pub use attention_bench::{bench_attention, AttentionCase, AttentionTiming};
 pub use forward::{GpuBatch, GpuRouted};
 pub use model::{GpuInput, GpuModel, GpuSequence, GpuStep, BLOCK_TOKENS};
 pub use weights::Experts;
