@@ -17,7 +17,7 @@ use rackfill_bench::simulate::report::{
 use rackfill_bench::simulate::shape::ModelShape;
 use rackfill_bench::simulate::trace::TraceSource;
 use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
-use rackfill_engine::{EpConfig, Rack};
+use rackfill_engine::{EpConfig, Rack, Schedule};
 use std::io::Write as _;
 use std::path::PathBuf;
 
@@ -32,6 +32,10 @@ const DEFAULT_EP_SIZE: usize = 64;
 /// none.
 fn simulated_balancers() -> [Algo; 3] {
     [EpConfig::default().balancer, Algo::EplbHistory, Algo::None]
+}
+
+fn parse_schedule(s: &str) -> Result<Schedule, String> {
+    s.parse()
 }
 
 /// Arguments of `rackfill simulate`.
@@ -56,6 +60,13 @@ pub struct SimulateArgs {
                eplb-history, greedy-move)",
               &simulated_balancers()))]
     balancer: Vec<Algo>,
+    /// How a step's phases overlap: ultraep (one micro-batch, solve and replica streaming on the
+    /// critical path), two-batch (two micro-batches overlapping each other's compute and
+    /// communication), overlapped (two-batch and pipelined experts: dispatch and the main
+    /// experts' GEMMs do not wait for the replicas). Every run also reports all three
+    /// (the ablation).
+    #[arg(long, default_value = "overlapped", value_parser = parse_schedule)]
+    schedule: Schedule,
     /// Routing: synthetic-mixed, or a routing trace recorded with --record-routing.
     #[arg(long, default_value = "synthetic-mixed")]
     trace: String,
@@ -165,6 +176,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         sim_layers: args.sample_layers.unwrap_or(shape.moe_layers()),
         chunk_tokens: args.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS),
         seed: args.seed,
+        schedule: args.schedule,
         shape,
     };
     spec.validate()?;

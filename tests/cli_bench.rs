@@ -81,6 +81,13 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     assert_eq!(doc["chunk_tokens"], Value::Null);
     // 2 x 512 pairs re-split over 4 ranks at top-8: 32 tokens per rank.
     assert_eq!(doc["tokens_per_rank_mean"], 32.0);
+    // The default schedule, and the ablation beside it.
+    assert_eq!(doc["schedule"], "overlapped");
+    assert_eq!(doc["balancers"][0]["schedules"][0]["schedule"], "ultraep");
+    args.extend(["--schedule", "ultraep"]);
+    let doc: Value = serde_json::from_slice(&rackfill(&args).stdout).unwrap();
+    assert_eq!(doc["schedule"], "ultraep");
+    assert_eq!(doc["balancers"][0]["speedup_over_ultraep"], 1.0);
     for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
         let mut args = base.to_vec();
         args.extend(flag);
@@ -107,6 +114,10 @@ fn simulate_refuses_what_it_cannot_run() {
     refused(
         &with(&["--chunk-tokens", "18446744073709551615"]),
         "--chunk-tokens must be in 1..=65536",
+    );
+    refused(
+        &with(&["--schedule", "three-batch"]),
+        "unknown schedule 'three-batch'",
     );
     refused(
         &with(&["--balancer", "eplb-history", "--history-window", "0"]),

@@ -15,7 +15,7 @@ use rackfill_bench::simulate::shape::{Attention, ModelShape};
 use rackfill_bench::simulate::trace::{even_load, TraceSource};
 use rackfill_bench::simulate::{run_throughput, SimError, SimSpec, StepCoster, ThroughputRun};
 use rackfill_engine::cost::{token_traffic, ReplicaTraffic};
-use rackfill_engine::Rack;
+use rackfill_engine::{Rack, Schedule};
 use std::path::PathBuf;
 
 fn tiny_rack() -> Rack {
@@ -64,6 +64,8 @@ fn spec(ranks: usize, experts: usize, algos: Vec<Algo>) -> SimSpec {
         sim_layers: 2,
         chunk_tokens: 4,
         seed: 7,
+        // The hand-worked terms below add up phase by phase: UltraEP's serial schedule.
+        schedule: Schedule::ULTRAEP,
     }
 }
 
@@ -263,8 +265,8 @@ fn solve_override_and_none_charge_what_they_say() {
     let loads = vec![skewed_load(), skewed_load()];
     let steps = coster.step(&batch, &loads).unwrap();
     // Two MoE layers at 250 us each; `none` plans nothing.
-    assert!(close(steps[0].terms.solve, 0.5));
-    assert_eq!(steps[1].terms.solve, 0.0);
+    assert!(close(steps[0].schedules[0].terms.solve, 0.5));
+    assert_eq!(steps[1].schedules[0].terms.solve, 0.0);
     assert!(close(steps[0].solve_us, 250.0));
 }
 
@@ -283,7 +285,7 @@ fn none_expert_term_is_the_busiest_main_rank() {
         .step(&batch, &[skewed_load(), skewed_load()])
         .unwrap();
     // max L0 = 8 pairs on rank 0: 8 * 192 FLOPs at 1 MFLOP/s = 1.536 ms per layer, two layers.
-    let t = steps[0].terms;
+    let t = steps[0].schedules[0].terms;
     assert!(close(t.expert, 2.0 * 1.536));
     assert!(close(t.dispatch, 2.0 * 160.01));
     assert_eq!(t.dispatch, t.combine);
@@ -310,10 +312,11 @@ fn ideal_equals_the_balanced_case() {
     assert!(even.as_flat().iter().all(|&c| c == 2));
     let ideal = coster.ideal(&batch);
     for step in coster.step(&batch, &[even.clone(), even]).unwrap() {
-        assert_eq!(step.terms, ideal);
+        assert_eq!(step.schedules[0], ideal.schedules[0]);
         assert_eq!(step.imbalance_after, 1.0);
         assert_eq!(step.replicas, 0.0);
     }
+    let ideal = ideal.schedules[0].terms;
     assert!(ideal.expert > 0.0 && ideal.attention > 0.0);
 }
 
@@ -361,6 +364,107 @@ fn throughput_is_deterministic_and_ranks_balancers() {
     assert!(quota.breakdown_ms.expert < none.breakdown_ms.expert);
     // 64 tokens on each of 4 ranks per step.
     assert!(close(a.ideal.tokens_per_s, 256.0 / (a.ideal.step_ms / 1e3)));
+}
+
+/// Two micro-batches overlap one half's solve, replica streaming and token exchange with the
+/// other half's compute: under the overlapped schedule the ideal and every balancer take less
+/// than under UltraEP's, the step is at least its compute, the balancers keep their order, and
+/// the report carries every schedule of the ablation with UltraEP's as the baseline.
+#[test]
+fn overlapping_micro_batches_hides_balancing_behind_compute() {
+    let mut run = tiny_run(3);
+    run.spec.schedule = Schedule::OVERLAPPED;
+    // Links 100x faster than the tiny rack's, so that compute, not communication, bounds the
+    // step (as on NVL72); on the tiny rack a second plan's replicas cost more than overlap hides.
+    run.spec.rack.scale_up_gbytes_per_s *= 100.0;
+    let r = run_throughput(&run, |_, _| {}).unwrap();
+    assert_eq!(r.schedule, "overlapped");
+    let names: Vec<&str> = r
+        .ideal
+        .schedules
+        .iter()
+        .map(|s| s.schedule.as_str())
+        .collect();
+    assert_eq!(names, ["ultraep", "two-batch", "overlapped"]);
+    let (ultraep, overlapped) = (&r.ideal.schedules[0], &r.ideal.schedules[2]);
+    assert!(close(r.ideal.step_ms, overlapped.step_ms));
+    assert!(
+        overlapped.step_ms < ultraep.step_ms,
+        "{overlapped:?} vs {ultraep:?}"
+    );
+    // Compute (attention, FFN, experts) runs on one resource: no schedule beats its work.
+    let compute = |t: &Terms| t.attention + t.dense_ffn + t.expert;
+    let compute_ms = compute(&r.ideal.breakdown_ms);
+    assert!(
+        overlapped.step_ms >= compute_ms * (1.0 - 1e-9),
+        "{overlapped:?} vs {compute_ms}"
+    );
+    for b in &r.balancers {
+        let (serial, best) = (&b.schedules[0], &b.schedules[2]);
+        assert!(close(b.fraction_of_ideal, best.fraction_of_ideal));
+        assert!(close(
+            b.speedup_over_ultraep,
+            best.tokens_per_s / serial.tokens_per_s
+        ));
+        assert!(
+            best.step_ms < serial.step_ms,
+            "{}: {best:?} vs {serial:?}",
+            b.balancer
+        );
+        // Overlap hides work, never removes it: the step is shorter than its phases summed.
+        assert!(b.step_ms < b.breakdown_ms.total(), "{b:?}");
+    }
+    let (quota, none) = (&r.balancers[0], &r.balancers[2]);
+    // The tiny shape's attention outweighs its experts, so what balancing buys is hidden too:
+    // the ranking is held on a real shape below.
+    // Each micro-batch has its own plan and replicas: the two together move more than one plan.
+    assert!(
+        quota.schedules[2].replica_mb_busiest_mean > quota.schedules[0].replica_mb_busiest_mean
+    );
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(
+        json["balancers"][0]["schedules"].as_array().unwrap().len(),
+        3
+    );
+}
+
+/// Qwen3-235B at EP 64 with 2 slots on synthetic-mixed routing (4 of its layers sampled, 3
+/// steps, the solve at UltraEP's 111 us): the overlapped schedule takes quota to at least 0.95 of
+/// the ideal under the same schedule, faster than under UltraEP's, and keeps quota >
+/// eplb-history > none.
+#[test]
+fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
+    let run = ThroughputRun {
+        spec: SimSpec {
+            rack: Rack::nvl72(),
+            shape: ModelShape::load("qwen3-235b").unwrap(),
+            ep: 64,
+            slots: 2,
+            algos: vec![Algo::Quota, Algo::EplbHistory, Algo::None],
+            settings: Settings::default(),
+            relay: RelayConfig::default(),
+            solve_us: Some(111.0),
+            sim_layers: 4,
+            chunk_tokens: 4096,
+            seed: 0,
+            schedule: Schedule::OVERLAPPED,
+        },
+        trace: TraceSource::SyntheticMixed,
+        steps: 3,
+        context_tokens: 0,
+    };
+    let r = run_throughput(&run, |_, _| {}).unwrap();
+    let f: Vec<f64> = r.balancers.iter().map(|b| b.fraction_of_ideal).collect();
+    assert!(f[0] >= 0.95, "quota at {} of the ideal", f[0]);
+    assert!(f[0] > f[1] && f[1] > f[2], "{f:?}");
+    let quota = &r.balancers[0];
+    assert!(quota.speedup_over_ultraep > 1.2, "{quota:?}");
+    // Under UltraEP's own schedule quota stays below 0.9 (solve and replicas exposed).
+    assert!(
+        quota.schedules[0].fraction_of_ideal < 0.9,
+        "{:?}",
+        quota.schedules[0]
+    );
 }
 
 fn temp_file(name: &str, text: &str) -> PathBuf {
@@ -619,7 +723,8 @@ fn a_lone_request_waits_for_exactly_its_steps() {
         idle(),
         idle(),
     ];
-    let want: Terms = coster.ideal(&first) + coster.ideal(&second);
+    let want: Terms =
+        coster.ideal(&first).schedules[0].terms + coster.ideal(&second).schedules[0].terms;
     assert!(
         close(results[0].mean_ttft_ms, want.total()),
         "{:?} vs {want:?}",
@@ -834,6 +939,7 @@ fn recorded_engine_routing_costs_what_the_engine_reported() {
             sim_layers: 4,
             chunk_tokens: 4096,
             seed: 0,
+            schedule: Schedule::ULTRAEP,
         },
         trace: TraceSource::File(trace),
         steps: 1,

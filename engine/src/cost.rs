@@ -95,15 +95,28 @@ impl MoeCost<'_> {
     /// rows costs `6 H I m` FLOPs at the GEMM efficiency of `m` rows (empty instances launch
     /// nothing and read no weights).
     pub fn expert_ms(&self, plan: &Plan) -> f64 {
-        let mut per_rank = vec![0.0f64; plan.ranks()];
+        self.expert_split_ms(plan).1
+    }
+
+    /// Expert compute split for pipelined experts: the main instances' GEMMs on the rank where
+    /// they take longest, and the whole layer's ([`Self::expert_ms`]); a replica's GEMMs follow
+    /// its rank's main ones, so `total - main` is what waits for the replicas.
+    pub fn expert_split_ms(&self, plan: &Plan) -> (f64, f64) {
+        let mut main = vec![0.0f64; plan.ranks()];
+        let mut all = vec![0.0f64; plan.ranks()];
         let flops = self.dims.flops_per_pair();
         for e in 0..plan.experts() {
-            for inst in plan.instances(e) {
+            for (i, inst) in plan.instances(e).iter().enumerate() {
                 let m = inst.quota as f64;
-                per_rank[inst.rank as usize] += self.rack.gemm_ms(flops * m, m);
+                let ms = self.rack.gemm_ms(flops * m, m);
+                all[inst.rank as usize] += ms;
+                if i == 0 {
+                    main[inst.rank as usize] += ms;
+                }
             }
         }
-        per_rank.into_iter().fold(0.0, f64::max)
+        let busiest = |v: Vec<f64>| v.into_iter().fold(0.0, f64::max);
+        (busiest(main), busiest(all))
     }
 
     /// Dispatch (equal to combine, which moves the same pairs back): see [`token_traffic`].

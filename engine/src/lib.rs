@@ -28,6 +28,7 @@ pub mod rack;
 pub mod request;
 pub mod routing_trace;
 pub mod sampling;
+pub mod schedule;
 pub mod scheduler;
 pub mod sequence;
 pub mod stop;
@@ -44,5 +45,6 @@ pub use request::{
     Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,
 };
 pub use sampling::{SamplingParams, TokenLogprob};
+pub use schedule::{LayerPhases, Schedule};
 pub use scheduler::{Scheduler, SchedulerConfig};
 pub use validation::{ContextLength, RequestError, RequestLimits, ValidatedRequest};

@@ -28,6 +28,7 @@ use crate::serve::arrivals::{schedule, Arrivals, RequestRate};
 use crate::serve::dataset::RequestSpec;
 use crate::serve::report::percentile;
 use rackfill_balancer::{Algo, LoadMatrix};
+use rackfill_engine::Schedule;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::collections::VecDeque;
@@ -75,6 +76,8 @@ struct Timeline<'a> {
     busy_ms: f64,
     rng: StdRng,
     done: bool,
+    /// The spec's schedule, as an index into [`Schedule::ABLATION`] (what a step lasts).
+    schedule: usize,
 }
 
 impl Timeline<'_> {
@@ -153,9 +156,9 @@ impl Timeline<'_> {
                     .iter()
                     .map(|l| thin_rows(l, chunk, &tokens, top_k, &mut self.rng))
                     .collect();
-                self.coster.step(&batch, &thinned)?[0].terms.total()
+                self.coster.step(&batch, &thinned)?[0].schedules[self.schedule].step_ms
             }
-            _ => self.coster.ideal(&batch).total(),
+            _ => self.coster.ideal(&batch).schedules[self.schedule].step_ms,
         };
         self.clock += step_ms / 1e3;
         self.busy_ms += step_ms;
@@ -248,6 +251,10 @@ pub fn run_requests(
                 busy_ms: 0.0,
                 rng: StdRng::seed_from_u64(spec.seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                 done: false,
+                schedule: Schedule::ABLATION
+                    .iter()
+                    .position(|s| *s == spec.schedule)
+                    .unwrap_or(Schedule::ABLATION.len() - 1),
             });
         }
     }

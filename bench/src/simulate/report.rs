@@ -2,6 +2,7 @@
 //! plots (`--plot-prefix`).
 
 use super::cost::{Terms, TERM_NAMES};
+use super::step::ScheduledStep;
 use crate::plot::{write_chart, Chart, PlotError, Series};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -10,21 +11,27 @@ use std::path::{Path, PathBuf};
 /// Running sums of one balancer's (or the ideal's) steps.
 #[derive(Debug, Clone, Default)]
 pub struct TimedTerms {
+    /// Work per term, summed over the steps.
     pub terms: Terms,
     pub tokens: u64,
+    /// Each step's makespan under its schedule.
     pub step_ms: Vec<f64>,
+    /// Replica MB the busiest rank moved per layer, summed over the steps.
+    pub replica_mb: f64,
 }
 
 impl TimedTerms {
     /// Adds one step that prefilled `tokens` tokens.
-    pub fn push(&mut self, terms: Terms, tokens: u64) {
-        self.terms += terms;
+    pub fn push(&mut self, step: &ScheduledStep, tokens: u64) {
+        self.terms += step.terms;
         self.tokens += tokens;
-        self.step_ms.push(terms.total());
+        self.step_ms.push(step.step_ms);
+        self.replica_mb += step.replica_mb;
     }
 
+    /// The steps' time: their makespans summed.
     pub fn total_ms(&self) -> f64 {
-        self.terms.total()
+        self.step_ms.iter().sum()
     }
 
     pub fn tokens_per_s(&self) -> f64 {
@@ -53,8 +60,24 @@ pub struct IdealReport {
     /// Rank-level imbalance of the even routing (above 1 only when experts do not divide evenly
     /// over the ranks).
     pub imbalance: f64,
+    /// The ideal under every schedule of the ablation.
+    pub schedules: Vec<ScheduleReport>,
     #[serde(skip)]
     pub step_ms_series: Vec<f64>,
+}
+
+/// One schedule's figures (the ablation): a balancer's, or the ideal's (fraction 1).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScheduleReport {
+    pub schedule: String,
+    pub tokens_per_s: f64,
+    /// The ideal's time under the same schedule over this time.
+    pub fraction_of_ideal: f64,
+    pub step_ms: f64,
+    /// Work per term per MoE layer, every micro-batch's phases summed.
+    pub layer_ms: Terms,
+    /// Replica MB the busiest rank moved per MoE layer (both micro-batches' replicas).
+    pub replica_mb_busiest_mean: f64,
 }
 
 /// One balancer's throughput result.
@@ -62,9 +85,16 @@ pub struct IdealReport {
 pub struct BalancerReport {
     pub balancer: String,
     pub tokens_per_s: f64,
-    /// Ideal time over this balancer's time for the same tokens.
+    /// Ideal time over this balancer's time for the same tokens, both under the report's
+    /// schedule.
     pub fraction_of_ideal: f64,
+    /// Tokens/s under the report's schedule over tokens/s under UltraEP's (one micro-batch,
+    /// solve and replication on the critical path): what the schedule gains a user.
+    pub speedup_over_ultraep: f64,
+    /// The step's makespan under the report's schedule.
     pub step_ms: f64,
+    /// Work per term of an average step (every micro-batch's phases summed; with overlap it
+    /// exceeds `step_ms`).
     pub breakdown_ms: Terms,
     pub layer_ms: Terms,
     pub mean_imbalance: Imbalance,
@@ -76,6 +106,8 @@ pub struct BalancerReport {
     pub replica_mb_busiest_mean: f64,
     /// Solve time per layer as charged (0 for `none`).
     pub solve_us_mean: f64,
+    /// Every schedule of the ablation: UltraEP's, + two-batch overlap, + pipelined experts.
+    pub schedules: Vec<ScheduleReport>,
     #[serde(skip)]
     pub step_ms_series: Vec<f64>,
 }
@@ -100,6 +132,8 @@ pub struct ThroughputReport {
     /// Load matrices costed per step, each standing for `moe_layers / simulated_layers` layers.
     pub simulated_layers: usize,
     pub solve_us_override: Option<f64>,
+    /// The schedule the headline figures are under (`--schedule`).
+    pub schedule: String,
     pub ideal: IdealReport,
     pub balancers: Vec<BalancerReport>,
 }
@@ -173,13 +207,15 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
             None => ", solve measured".into(),
         }
     );
+    let _ = writeln!(out, "schedule: {}", r.schedule);
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<14} {:>12} {:>9} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>9}",
+        "{:<14} {:>12} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8} {:>9}",
         "balancer",
         "tokens/s",
         "of ideal",
+        "x ultraep",
         "step ms",
         "imb before",
         "imb after",
@@ -190,16 +226,27 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<14} {:>12.0} {:>9.3} {:>10.2} {:>10} {:>10.3} {:>9} {:>8} {:>8} {:>9}",
-        "ideal", r.ideal.tokens_per_s, 1.0, r.ideal.step_ms, "-", r.ideal.imbalance, 0, 0, 0, 0
+        "{:<14} {:>12.0} {:>9.3} {:>9} {:>10.2} {:>10} {:>10.3} {:>9} {:>8} {:>8} {:>9}",
+        "ideal",
+        r.ideal.tokens_per_s,
+        1.0,
+        "-",
+        r.ideal.step_ms,
+        "-",
+        r.ideal.imbalance,
+        0,
+        0,
+        0,
+        0
     );
     for b in &r.balancers {
         let _ = writeln!(
             out,
-            "{:<14} {:>12.0} {:>9.3} {:>10.2} {:>10.3} {:>10.3} {:>9.1} {:>8.1} {:>8.1} {:>9.1}",
+            "{:<14} {:>12.0} {:>9.3} {:>9.3} {:>10.2} {:>10.3} {:>10.3} {:>9.1} {:>8.1} {:>8.1} {:>9.1}",
             b.balancer,
             b.tokens_per_s,
             b.fraction_of_ideal,
+            b.speedup_over_ultraep,
             b.step_ms,
             b.mean_imbalance.before,
             b.mean_imbalance.after,
@@ -219,6 +266,36 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     for b in &r.balancers {
         terms_row(&mut out, &b.balancer, &b.layer_ms);
     }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<14} {:<12} {:>12} {:>9} {:>10} {:>10} {:>8}",
+        "ablation", "schedule", "tokens/s", "of ideal", "step ms", "work ms", "repl MB"
+    );
+    let rows = std::iter::once(("ideal", &r.ideal.schedules)).chain(
+        r.balancers
+            .iter()
+            .map(|b| (b.balancer.as_str(), &b.schedules)),
+    );
+    for (label, schedules) in rows {
+        for s in schedules {
+            let _ = writeln!(
+                out,
+                "{:<14} {:<12} {:>12.0} {:>9.3} {:>10.2} {:>10.3} {:>8.1}",
+                label,
+                s.schedule,
+                s.tokens_per_s,
+                s.fraction_of_ideal,
+                s.step_ms,
+                s.layer_ms.total(),
+                s.replica_mb_busiest_mean
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "(work ms: every phase of every micro-batch per MoE layer, summed; overlap hides part of it)"
+    );
     out
 }
 

@@ -7,7 +7,7 @@ use super::shape::ModelShape;
 use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
-use rackfill_engine::Rack;
+use rackfill_engine::{Rack, Schedule};
 
 /// Most tokens a rank prefills per step (`--chunk-tokens`): chunked prefill runs a few thousand
 /// to tens of thousands per rank, and synthetic routing samples every token of every rank and
@@ -41,6 +41,9 @@ pub struct SimSpec {
     /// mode; a recorded trace's tokens come from its rows.
     pub chunk_tokens: u64,
     pub seed: u64,
+    /// How a step's phases overlap (`--schedule`); the report's headline figures are this
+    /// schedule's, the ablation covers every one of [`Schedule::ABLATION`].
+    pub schedule: Schedule,
 }
 
 impl SimSpec {
@@ -77,6 +80,12 @@ impl SimSpec {
                 "--sample-layers must be in 1..={} (the model's MoE layers), got {}",
                 self.shape.moe_layers(),
                 self.sim_layers
+            ));
+        }
+        if !Schedule::ABLATION.contains(&self.schedule) {
+            return bad(format!(
+                "schedule {} is not one the simulator costs (ultraep, two-batch, overlapped)",
+                self.schedule.name()
             ));
         }
         if let Some(us) = self.solve_us {

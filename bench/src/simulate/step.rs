@@ -1,39 +1,67 @@
 //! Costing steps: every balancer plans every simulated layer on the step's routing (the real
-//! planners, validated), and the plan is costed term by term beside the force-balanced ideal.
+//! planners, validated), once on the whole step and once per micro-batch of its two-way split,
+//! and each plan is costed phase by phase; the step's time is the makespan of those phases under
+//! every schedule of [`Schedule::ABLATION`] (`rackfill_engine::schedule`), beside the
+//! force-balanced ideal under the same schedule.
 
 use super::cost::{Segment, Terms};
 use super::error::SimError;
 use super::spec::SimSpec;
-use super::trace::even_load;
+use super::trace::{even_load, thin_rows};
 use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_engine::cost::ReplicaTraffic;
+use rackfill_engine::schedule::{makespan, LayerPhases, Schedule};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use std::time::Instant;
 
-/// The balancers of one algorithm: one planner per simulated layer, and the slots each layer's
-/// last plan filled (for history-based planners, whose replicas stay resident between steps).
+/// Planner slots of one simulated layer: the whole step, then the two micro-batches.
+const PLAN_SLOTS: usize = 3;
+
+/// The balancers of one algorithm: one planner per simulated layer and planner slot (the whole
+/// step, micro-batch 0, micro-batch 1: each micro-batch has its own plan and replicas), and the
+/// slots each one's last plan filled (for history-based planners, whose replicas stay resident).
 struct AlgoState {
     algo: Algo,
-    planners: Vec<Box<dyn Balancer>>,
-    previous_slots: Vec<Option<Vec<Option<u32>>>>,
+    /// `[slot][layer]`.
+    planners: Vec<Vec<Box<dyn Balancer>>>,
+    previous_slots: Vec<Vec<Option<Vec<Option<u32>>>>>,
+}
+
+/// One step under one schedule of [`Schedule::ABLATION`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScheduledStep {
+    /// Work of each term (every micro-batch's phases summed), ms.
+    pub terms: Terms,
+    /// The step's makespan under the schedule, ms.
+    pub step_ms: f64,
+    /// Mean over the simulated layers of the replica MB the busiest rank sends or receives, both
+    /// micro-batches' replicas together.
+    pub replica_mb: f64,
 }
 
 /// What one algorithm cost in one step.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AlgoStep {
-    pub terms: Terms,
-    /// Means over the simulated layers.
+    /// Per schedule of [`Schedule::ABLATION`].
+    pub schedules: [ScheduledStep; 3],
+    /// Means over the simulated layers (and micro-batches) of the spec's schedule.
     pub imbalance_before: f64,
     pub imbalance_after: f64,
     pub replicas: f64,
     pub max_fanout: f64,
-    /// Replica bytes the busiest rank sends or receives, MB (1e6 bytes).
-    pub replica_mb: f64,
     pub solve_us: f64,
 }
 
-/// Steps a set of balancers through routing, costing each step (one planner per simulated layer
-/// and balancer, the ideal beside them).
+/// The ideal's step under every schedule of [`Schedule::ABLATION`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdealStep {
+    pub schedules: [ScheduledStep; 3],
+}
+
+/// Steps a set of balancers through routing, costing each step (one planner per simulated layer,
+/// planner slot and balancer, the ideal beside them).
 pub struct StepCoster<'a> {
     spec: &'a SimSpec,
     /// Load matrices every step brings (one planner per layer and algorithm).
@@ -48,6 +76,13 @@ pub struct StepCoster<'a> {
 /// stream into shared slots (UltraEP §4.1).
 fn keeps_replicas(algo: Algo) -> bool {
     algo == Algo::EplbHistory
+}
+
+/// A step cut into `n` micro-batches (1 or 2): per micro-batch, each rank's segments and the
+/// load of every simulated layer.
+struct MicroBatches {
+    batches: Vec<Vec<Vec<Segment>>>,
+    loads: Vec<Vec<LoadMatrix>>,
 }
 
 impl<'a> StepCoster<'a> {
@@ -67,8 +102,10 @@ impl<'a> StepCoster<'a> {
             .iter()
             .map(|&algo| AlgoState {
                 algo,
-                planners: (0..layers).map(|_| algo.build(&spec.settings)).collect(),
-                previous_slots: vec![None; layers],
+                planners: (0..PLAN_SLOTS)
+                    .map(|_| (0..layers).map(|_| algo.build(&spec.settings)).collect())
+                    .collect(),
+                previous_slots: vec![vec![None; layers]; PLAN_SLOTS],
             })
             .collect();
         Ok(Self {
@@ -80,17 +117,51 @@ impl<'a> StepCoster<'a> {
         })
     }
 
-    /// The force-balanced ideal of a step in which rank `r` prefills `batch[r]`.
-    pub fn ideal(&self, batch: &[Vec<Segment>]) -> Terms {
+    /// The force-balanced ideal of a step in which rank `r` prefills `batch[r]`, under every
+    /// schedule: even routing per micro-batch, main experts only, no solve, no replicas.
+    pub fn ideal(&self, batch: &[Vec<Segment>]) -> IdealStep {
         let cost = self.spec.cost();
-        let tokens: Vec<u64> = batch
-            .iter()
-            .map(|s| s.iter().map(|x| x.tokens).sum())
-            .collect();
-        let even = even_load(&tokens, self.spec.shape.experts, self.spec.shape.top_k);
-        let plan = Plan::main_only(&self.layout, &even.expert_totals());
-        let per_layer = cost.moe_layer(&even, &plan, &ReplicaTraffic::default(), 0);
-        cost.step_dense_terms(batch) + per_layer.scaled(self.spec.shape.moe_layers() as f64)
+        let variants = [1, 2].map(|n| {
+            let batches = split_batch(batch, n);
+            let phases: Vec<Vec<LayerPhases>> = batches
+                .iter()
+                .map(|b| {
+                    let tokens: Vec<u64> =
+                        b.iter().map(|s| s.iter().map(|x| x.tokens).sum()).collect();
+                    let even = even_load(&tokens, self.spec.shape.experts, self.spec.shape.top_k);
+                    let plan = Plan::main_only(&self.layout, &even.expert_totals());
+                    let moe = cost.moe_layer(&even, &plan, &ReplicaTraffic::default(), 0);
+                    let (main, _) = cost.moe().expert_split_ms(&plan);
+                    let dense = self.dense_phases(b);
+                    vec![
+                        LayerPhases {
+                            replicate: moe.replicate,
+                            dispatch: moe.dispatch,
+                            expert_main: main,
+                            expert_replica: moe.expert - main,
+                            combine: moe.combine,
+                            ..dense[0]
+                        },
+                        dense[1],
+                    ]
+                })
+                .collect();
+            phases
+        });
+        let mut ideal = IdealStep::default();
+        for (out, schedule) in ideal.schedules.iter_mut().zip(Schedule::ABLATION) {
+            let per_micro = &variants[schedule.micro_batches - 1];
+            // Every MoE layer alike: one simulated layer standing for all of them.
+            let moe = vec![per_micro.iter().map(|p| p[0]).collect()];
+            let dense = per_micro.iter().map(|p| p[1]).collect();
+            let layers = self.model_layers(moe, dense);
+            *out = ScheduledStep {
+                terms: work(&layers),
+                step_ms: makespan(&schedule, &layers),
+                replica_mb: 0.0,
+            };
+        }
+        ideal
     }
 
     /// Rank-level imbalance of the ideal's routing: 1 unless the experts do not divide evenly
@@ -118,10 +189,20 @@ impl<'a> StepCoster<'a> {
                 self.layers
             )));
         }
-        let dense = self.spec.cost().step_dense_terms(batch);
-        let scale = self.spec.shape.moe_layers() as f64 / loads.len() as f64;
         let step = self.step;
         self.step += 1;
+        let split = [
+            MicroBatches {
+                batches: vec![batch.to_vec()],
+                loads: vec![loads.to_vec()],
+            },
+            self.split_loads(batch, loads, step),
+        ];
+        let dense: Vec<Vec<[LayerPhases; 2]>> = split
+            .iter()
+            .map(|mb| mb.batches.iter().map(|b| self.dense_phases(b)).collect())
+            .collect();
+        let chosen_micro = self.spec.schedule.micro_batches;
         let mut states = std::mem::take(&mut self.states);
         let out = states
             .iter_mut()
@@ -129,25 +210,165 @@ impl<'a> StepCoster<'a> {
                 if step == 0 {
                     warm_up(state.algo, &self.spec.settings, &self.layout, loads);
                 }
-                let mut acc = AlgoStep::default();
-                for (l, load) in loads.iter().enumerate() {
-                    acc.add_layer(&self.cost_layer(state, step, l, load)?, loads.len() as f64);
+                // Per micro-batch count: [layer][micro-batch] costs.
+                let mut costed: Vec<Vec<Vec<LayerCost>>> = Vec::with_capacity(2);
+                for (n, mb) in split.iter().enumerate() {
+                    let mut layers = Vec::with_capacity(self.layers);
+                    for l in 0..self.layers {
+                        let per_micro = (0..=n)
+                            .map(|m| {
+                                let slot = if n == 0 { 0 } else { 1 + m };
+                                self.cost_layer(
+                                    state,
+                                    slot,
+                                    step,
+                                    l,
+                                    &mb.loads[m][l],
+                                    dense[n][m][0],
+                                )
+                            })
+                            .collect::<Result<Vec<_>, _>>()?;
+                        layers.push(per_micro);
+                    }
+                    costed.push(layers);
                 }
-                acc.terms = dense + acc.terms.scaled(scale);
-                Ok(acc)
+                let mut result = AlgoStep::default();
+                for (out, schedule) in result.schedules.iter_mut().zip(Schedule::ABLATION) {
+                    let n = schedule.micro_batches - 1;
+                    let moe: Vec<Vec<LayerPhases>> = costed[n]
+                        .iter()
+                        .map(|per_micro| per_micro.iter().map(|c| c.phases).collect())
+                        .collect();
+                    let dense_layer = dense[n].iter().map(|d| d[1]).collect();
+                    let layers = self.model_layers(moe, dense_layer);
+                    let replica_mb: f64 = costed[n]
+                        .iter()
+                        .map(|per_micro| {
+                            per_micro
+                                .iter()
+                                .map(|c| c.replica_bytes as f64)
+                                .sum::<f64>()
+                        })
+                        .sum::<f64>()
+                        / 1e6
+                        / self.layers as f64;
+                    *out = ScheduledStep {
+                        terms: work(&layers),
+                        step_ms: makespan(&schedule, &layers),
+                        replica_mb,
+                    };
+                }
+                let stats = &costed[chosen_micro - 1];
+                let count = (self.layers * chosen_micro) as f64;
+                for c in stats.iter().flatten() {
+                    result.imbalance_before += c.imbalance_before / count;
+                    result.imbalance_after += c.imbalance_after / count;
+                    result.replicas += c.replicas as f64 / self.layers as f64;
+                    result.max_fanout += c.max_fanout as f64 / count;
+                    result.solve_us += c.solve_us / self.layers as f64;
+                }
+                Ok(result)
             })
             .collect();
         self.states = states;
         out
     }
 
-    /// Plans, validates and costs simulated layer `l` of step `step` for one balancer.
+    /// The step cut in two micro-batches: each rank's tokens halved (the first half's segments,
+    /// then the rest attending to them), each layer's routing split by drawing the first half's
+    /// pairs from the rank's row (seeded by step and layer, so every balancer sees the same
+    /// split) and leaving the rest to the second.
+    fn split_loads(
+        &self,
+        batch: &[Vec<Segment>],
+        loads: &[LoadMatrix],
+        step: usize,
+    ) -> MicroBatches {
+        let batches = split_batch(batch, 2);
+        let full: Vec<u64> = batch
+            .iter()
+            .map(|s| s.iter().map(|x| x.tokens).sum())
+            .collect();
+        let first: Vec<u64> = batches[0]
+            .iter()
+            .map(|s| s.iter().map(|x| x.tokens).sum())
+            .collect();
+        let k = self.spec.shape.top_k;
+        let mut halves = [
+            Vec::with_capacity(loads.len()),
+            Vec::with_capacity(loads.len()),
+        ];
+        for (l, load) in loads.iter().enumerate() {
+            let seed = self.spec.seed ^ (step as u64) << 20 ^ l as u64;
+            let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            // Every row is thinned to its first half of tokens (`thin_rows` keeps rows whose
+            // quota reaches their tokens whole, so the largest row sets `full`).
+            let most = full.iter().copied().max().unwrap_or(0) + 1;
+            let a = thin_rows(load, most, &first, k, &mut rng);
+            let rest: Vec<u64> = load
+                .as_flat()
+                .iter()
+                .zip(a.as_flat())
+                .map(|(all, first)| all - first)
+                .collect();
+            let b = LoadMatrix::from_flat(load.ranks(), load.experts(), rest)
+                .expect("the rest of a row is bounded by the row");
+            halves[0].push(a);
+            halves[1].push(b);
+        }
+        MicroBatches {
+            batches,
+            loads: halves.into(),
+        }
+    }
+
+    /// The phases every layer of a micro-batch shares, on its busiest rank: `[0]` an MoE layer's
+    /// attention (with the router) and shared experts, `[1]` a dense layer's attention and MLP.
+    fn dense_phases(&self, batch: &[Vec<Segment>]) -> [LayerPhases; 2] {
+        let cost = self.spec.cost();
+        let shape = &self.spec.shape;
+        let busiest =
+            |f: &dyn Fn(&[Segment]) -> f64| batch.iter().map(|s| f(s)).fold(0.0, f64::max);
+        let tokens = |s: &[Segment]| s.iter().map(|x| x.tokens).sum::<u64>();
+        [
+            LayerPhases {
+                attention: busiest(&|s| cost.rank_attention_ms(s, true)),
+                dense_ffn: busiest(&|s| cost.dense_mlp_ms(tokens(s), shape.shared_intermediate)),
+                ..LayerPhases::default()
+            },
+            LayerPhases {
+                attention: busiest(&|s| cost.rank_attention_ms(s, false)),
+                dense_ffn: busiest(&|s| cost.dense_mlp_ms(tokens(s), shape.dense_intermediate)),
+                ..LayerPhases::default()
+            },
+        ]
+    }
+
+    /// The model's layers in order for the schedule: its dense layers first, then each MoE layer
+    /// as the simulated layer standing for it (`moe[j][m]`: simulated layer `j`, micro-batch
+    /// `m`); `dense[m]` a dense layer of micro-batch `m`.
+    fn model_layers(
+        &self,
+        moe: Vec<Vec<LayerPhases>>,
+        dense: Vec<LayerPhases>,
+    ) -> Vec<Vec<LayerPhases>> {
+        let shape = &self.spec.shape;
+        let moe_layers = shape.moe_layers();
+        let mut layers = vec![dense; shape.dense_layers];
+        layers.extend((0..moe_layers).map(|i| moe[i * moe.len() / moe_layers].clone()));
+        layers
+    }
+
+    /// Plans, validates and costs simulated layer `l` of step `step` for one balancer with the
+    /// planner of `slot`, on top of the micro-batch's `dense` phases.
     fn cost_layer(
         &self,
         state: &mut AlgoState,
+        slot: usize,
         step: usize,
         l: usize,
         load: &LoadMatrix,
+        dense: LayerPhases,
     ) -> Result<LayerCost, SimError> {
         let spec = self.spec;
         let fail = |message: String| SimError::Plan {
@@ -156,7 +377,7 @@ impl<'a> StepCoster<'a> {
             layer: l,
             message,
         };
-        let planner = &mut state.planners[l];
+        let planner = &mut state.planners[slot][l];
         let started = Instant::now();
         let plan = planner
             .plan(&self.layout, load)
@@ -168,10 +389,10 @@ impl<'a> StepCoster<'a> {
         // A history balancer re-plans every few steps and keeps its placement between re-plans:
         // only a step whose placement changed pays its solve and its reloads.
         let (traffic, replanned) = if keeps_replicas(state.algo) {
-            let previous = state.previous_slots[l].as_deref();
+            let previous = state.previous_slots[slot][l].as_deref();
             let replanned = previous != Some(plan.slots());
             let traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);
-            state.previous_slots[l] = Some(plan.slots().to_vec());
+            state.previous_slots[slot][l] = Some(plan.slots().to_vec());
             (traffic, replanned)
         } else {
             (ReplicaTraffic::planned(&plan, bytes, &spec.relay), true)
@@ -182,13 +403,18 @@ impl<'a> StepCoster<'a> {
             _ => spec.solve_us.unwrap_or(measured_us),
         };
         let busiest = traffic.send.iter().chain(&traffic.recv).copied().max();
-        let moe = spec
-            .cost()
-            .moe_layer(load, &plan, &traffic, spec.relay.chunk_bytes);
+        let cost = spec.cost();
+        let moe = cost.moe_layer(load, &plan, &traffic, spec.relay.chunk_bytes);
+        let (main, _) = cost.moe().expert_split_ms(&plan);
         Ok(LayerCost {
-            terms: Terms {
+            phases: LayerPhases {
                 solve: solve_us * 1e-3,
-                ..moe
+                replicate: moe.replicate,
+                dispatch: moe.dispatch,
+                expert_main: main,
+                expert_replica: moe.expert - main,
+                combine: moe.combine,
+                ..dense
             },
             replica_bytes: busiest.unwrap_or(0),
             imbalance_before: imbalance(&main_rank_loads(&self.layout, &load.expert_totals())),
@@ -200,9 +426,9 @@ impl<'a> StepCoster<'a> {
     }
 }
 
-/// What one balancer's plan of one simulated layer cost.
+/// What one balancer's plan of one simulated layer and micro-batch cost.
 struct LayerCost {
-    terms: Terms,
+    phases: LayerPhases,
     /// Replica bytes the busiest rank sends or receives.
     replica_bytes: u64,
     imbalance_before: f64,
@@ -212,17 +438,56 @@ struct LayerCost {
     solve_us: f64,
 }
 
-impl AlgoStep {
-    /// Adds one of a step's `layers` simulated layers (the figures are means over them).
-    fn add_layer(&mut self, layer: &LayerCost, layers: f64) {
-        self.terms += layer.terms;
-        self.replica_mb += layer.replica_bytes as f64 / 1e6 / layers;
-        self.imbalance_before += layer.imbalance_before / layers;
-        self.imbalance_after += layer.imbalance_after / layers;
-        self.replicas += layer.replicas as f64 / layers;
-        self.max_fanout += layer.max_fanout as f64 / layers;
-        self.solve_us += layer.solve_us / layers;
+/// Every phase of `layers` summed per term (the work, whatever overlaps).
+fn work(layers: &[Vec<LayerPhases>]) -> Terms {
+    let mut t = Terms::default();
+    for p in layers.iter().flatten() {
+        t += Terms {
+            attention: p.attention,
+            dense_ffn: p.dense_ffn,
+            solve: p.solve,
+            replicate: p.replicate,
+            dispatch: p.dispatch,
+            expert: p.expert_main + p.expert_replica,
+            combine: p.combine,
+        };
     }
+    t
+}
+
+/// Each rank's segments cut into `n` micro-batches (1 or 2) of about equal tokens: the first
+/// takes the first half of the rank's tokens in order, the second the rest, its segments
+/// attending to the first's tokens of the same request as context.
+fn split_batch(batch: &[Vec<Segment>], n: usize) -> Vec<Vec<Vec<Segment>>> {
+    if n == 1 {
+        return vec![batch.to_vec()];
+    }
+    let mut first = Vec::with_capacity(batch.len());
+    let mut second = Vec::with_capacity(batch.len());
+    for segments in batch {
+        let total: u64 = segments.iter().map(|s| s.tokens).sum();
+        let mut left = total / 2;
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for s in segments {
+            let take = s.tokens.min(left);
+            left -= take;
+            if take > 0 {
+                a.push(Segment {
+                    tokens: take,
+                    context: s.context,
+                });
+            }
+            if s.tokens > take {
+                b.push(Segment {
+                    tokens: s.tokens - take,
+                    context: s.context + take,
+                });
+            }
+        }
+        first.push(a);
+        second.push(b);
+    }
+    vec![first, second]
 }
 
 /// Plans the first step once with a throwaway planner, untimed, so the measured solve of step 0

@@ -3,12 +3,15 @@
 
 use super::cost::Segment;
 use super::error::SimError;
-use super::report::{self, BalancerReport, Imbalance, ThroughputReport, TimedTerms};
+use super::report::{
+    self, BalancerReport, Imbalance, ScheduleReport, ThroughputReport, TimedTerms,
+};
 use super::spec::{SimSpec, MAX_STEPS};
 use super::step::{AlgoStep, StepCoster};
 use super::trace::{LoadStream, TraceSource};
 use crate::stats::round_us;
 use rackfill_balancer::LoadMatrix;
+use rackfill_engine::Schedule;
 
 /// A throughput simulation: every rank prefills a full chunk every step.
 #[derive(Debug, Clone)]
@@ -59,7 +62,10 @@ pub fn run_throughput(
         let loads = loads?;
         let batch = step_batch(run, &loads);
         let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
-        totals.ideal.push(coster.ideal(&batch), tokens);
+        let ideal = coster.ideal(&batch);
+        for (acc, step) in totals.ideal.iter_mut().zip(&ideal.schedules) {
+            acc.push(step, tokens);
+        }
         totals.ideal_imbalance += coster.ideal_imbalance(&batch);
         totals.add_step(&coster.step(&batch, &loads)?, tokens);
         progress(totals.steps, run.steps);
@@ -70,13 +76,14 @@ pub fn run_throughput(
     Ok(totals.report(run, routing.layers()))
 }
 
-/// Running sums over the steps of a throughput simulation.
+/// Running sums over the steps of a throughput simulation, per schedule of
+/// [`Schedule::ABLATION`].
 struct Totals {
     steps: usize,
-    ideal: TimedTerms,
+    ideal: [TimedTerms; 3],
     ideal_imbalance: f64,
-    /// Per balancer, in the spec's order: its terms and its other figures.
-    algos: Vec<TimedTerms>,
+    /// Per balancer, in the spec's order: its steps under each schedule and its other figures.
+    algos: Vec<[TimedTerms; 3]>,
     stats: Vec<AlgoStep>,
 }
 
@@ -84,9 +91,9 @@ impl Totals {
     fn new(algos: usize) -> Self {
         Self {
             steps: 0,
-            ideal: TimedTerms::default(),
+            ideal: Default::default(),
             ideal_imbalance: 0.0,
-            algos: vec![TimedTerms::default(); algos],
+            algos: vec![Default::default(); algos],
             stats: vec![AlgoStep::default(); algos],
         }
     }
@@ -94,12 +101,13 @@ impl Totals {
     /// Adds one step's results (one per balancer) that prefilled `tokens` tokens.
     fn add_step(&mut self, results: &[AlgoStep], tokens: u64) {
         for ((acc, stat), result) in self.algos.iter_mut().zip(&mut self.stats).zip(results) {
-            acc.push(result.terms, tokens);
+            for (acc, step) in acc.iter_mut().zip(&result.schedules) {
+                acc.push(step, tokens);
+            }
             stat.imbalance_before += result.imbalance_before;
             stat.imbalance_after += result.imbalance_after;
             stat.replicas += result.replicas;
             stat.max_fanout += result.max_fanout;
-            stat.replica_mb += result.replica_mb;
             stat.solve_us += result.solve_us;
         }
         self.steps += 1;
@@ -111,28 +119,53 @@ impl Totals {
         let spec = &run.spec;
         let n = self.steps as f64;
         let moe_layers = spec.shape.moe_layers() as f64;
-        let ideal = self.ideal;
+        let chosen = Schedule::ABLATION
+            .iter()
+            .position(|s| *s == spec.schedule)
+            .expect("the spec's schedule is one of the ablation's (validated)");
+        let ultraep = 0;
+        let per_schedule = |acc: &[TimedTerms; 3]| -> Vec<ScheduleReport> {
+            Schedule::ABLATION
+                .iter()
+                .zip(acc)
+                .zip(&self.ideal)
+                .map(|((schedule, acc), ideal)| ScheduleReport {
+                    schedule: schedule.name(),
+                    tokens_per_s: acc.tokens_per_s(),
+                    fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
+                    step_ms: acc.total_ms() / n,
+                    layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
+                    replica_mb_busiest_mean: acc.replica_mb / n,
+                })
+                .collect()
+        };
+        let ideal = &self.ideal[chosen];
         let balancers = spec
             .algos
             .iter()
             .zip(&self.algos)
             .zip(&self.stats)
-            .map(|((algo, acc), stat)| BalancerReport {
-                balancer: algo.name().into(),
-                tokens_per_s: acc.tokens_per_s(),
-                fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
-                step_ms: acc.total_ms() / n,
-                breakdown_ms: acc.terms.scaled(1.0 / n),
-                layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
-                mean_imbalance: Imbalance {
-                    before: stat.imbalance_before / n,
-                    after: stat.imbalance_after / n,
-                },
-                replicas_mean: stat.replicas / n,
-                max_fanout_mean: stat.max_fanout / n,
-                replica_mb_busiest_mean: stat.replica_mb / n,
-                solve_us_mean: round_us(stat.solve_us / n),
-                step_ms_series: acc.step_ms.clone(),
+            .map(|((algo, all), stat)| {
+                let acc = &all[chosen];
+                BalancerReport {
+                    balancer: algo.name().into(),
+                    tokens_per_s: acc.tokens_per_s(),
+                    fraction_of_ideal: ideal.total_ms() / acc.total_ms(),
+                    speedup_over_ultraep: acc.tokens_per_s() / all[ultraep].tokens_per_s(),
+                    step_ms: acc.total_ms() / n,
+                    breakdown_ms: acc.terms.scaled(1.0 / n),
+                    layer_ms: acc.terms.scaled(1.0 / (n * moe_layers)),
+                    mean_imbalance: Imbalance {
+                        before: stat.imbalance_before / n,
+                        after: stat.imbalance_after / n,
+                    },
+                    replicas_mean: stat.replicas / n,
+                    max_fanout_mean: stat.max_fanout / n,
+                    replica_mb_busiest_mean: acc.replica_mb / n,
+                    solve_us_mean: round_us(stat.solve_us / n),
+                    schedules: per_schedule(all),
+                    step_ms_series: acc.step_ms.clone(),
+                }
             })
             .collect();
         ThroughputReport {
@@ -152,13 +185,15 @@ impl Totals {
             moe_layers: spec.shape.moe_layers(),
             simulated_layers,
             solve_us_override: spec.solve_us,
+            schedule: spec.schedule.name(),
             ideal: report::IdealReport {
                 tokens_per_s: ideal.tokens_per_s(),
                 step_ms: ideal.total_ms() / n,
                 breakdown_ms: ideal.terms.scaled(1.0 / n),
                 layer_ms: ideal.terms.scaled(1.0 / (n * moe_layers)),
                 imbalance: self.ideal_imbalance / n,
-                step_ms_series: ideal.step_ms,
+                schedules: per_schedule(&self.ideal),
+                step_ms_series: ideal.step_ms.clone(),
             },
             balancers,
         }
