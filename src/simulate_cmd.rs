@@ -17,7 +17,7 @@ use rackfill_bench::simulate::report::{
 use rackfill_bench::simulate::shape::ModelShape;
 use rackfill_bench::simulate::trace::TraceSource;
 use rackfill_bench::simulate::{run_throughput, SimSpec, ThroughputRun};
-use rackfill_engine::{EpConfig, Rack, Schedule};
+use rackfill_engine::{EpConfig, Rack, Schedule, SlotMemory};
 use std::io::Write as _;
 use std::path::PathBuf;
 
@@ -35,6 +35,10 @@ fn simulated_balancers() -> [Algo; 3] {
 }
 
 fn parse_schedule(s: &str) -> Result<Schedule, String> {
+    s.parse()
+}
+
+fn parse_slot_memory(s: &str) -> Result<SlotMemory, String> {
     s.parse()
 }
 
@@ -67,6 +71,11 @@ pub struct SimulateArgs {
     /// (the ablation).
     #[arg(long, default_value = "overlapped", value_parser = parse_schedule)]
     schedule: Schedule,
+    /// Where replicas live between steps: shared (one set of slots for every MoE layer, each
+    /// layer's replicas streamed afresh every step) or per-layer (each layer keeps its slots and
+    /// streams only replicas not already resident; the slot memory times the MoE layers).
+    #[arg(long, default_value = "shared", value_parser = parse_slot_memory)]
+    slot_memory: SlotMemory,
     /// Routing: synthetic-mixed, or a routing trace recorded with --record-routing.
     #[arg(long, default_value = "synthetic-mixed")]
     trace: String,
@@ -177,6 +186,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         chunk_tokens: args.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS),
         seed: args.seed,
         schedule: args.schedule,
+        slot_memory: args.slot_memory,
         shape,
     };
     spec.validate()?;

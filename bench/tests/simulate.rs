@@ -15,7 +15,7 @@ use rackfill_bench::simulate::shape::{Attention, ModelShape};
 use rackfill_bench::simulate::trace::{even_load, TraceSource};
 use rackfill_bench::simulate::{run_throughput, SimError, SimSpec, StepCoster, ThroughputRun};
 use rackfill_engine::cost::{token_traffic, ReplicaTraffic};
-use rackfill_engine::{Rack, Schedule};
+use rackfill_engine::{Rack, Schedule, SlotMemory};
 use std::path::PathBuf;
 
 fn tiny_rack() -> Rack {
@@ -28,6 +28,7 @@ fn tiny_rack() -> Rack {
         bf16_tflops: 1e-6,
         hbm_tbytes_per_s: 1e-6,
         attention_efficiency: 0.5,
+        overlap_compute_efficiency: 1.0,
         gemm_efficiency: vec![[1.0, 1.0], [1e9, 1.0]],
     }
 }
@@ -66,6 +67,7 @@ fn spec(ranks: usize, experts: usize, algos: Vec<Algo>) -> SimSpec {
         seed: 7,
         // The hand-worked terms below add up phase by phase: UltraEP's serial schedule.
         schedule: Schedule::ULTRAEP,
+        slot_memory: SlotMemory::Shared,
     }
 }
 
@@ -448,6 +450,7 @@ fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
             chunk_tokens: 4096,
             seed: 0,
             schedule: Schedule::OVERLAPPED,
+            slot_memory: SlotMemory::Shared,
         },
         trace: TraceSource::SyntheticMixed,
         steps: 3,
@@ -465,6 +468,49 @@ fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
         "{:?}",
         quota.schedules[0]
     );
+}
+
+/// With per-layer slots a replica still resident from the layer's last plan is not streamed
+/// again: the same routing twice streams nothing the second time (shared slots stream it every
+/// step), the solve is still charged, and the report gives the memory it costs.
+#[test]
+fn per_layer_slots_stream_only_new_replicas() {
+    let batch = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 0
+        }];
+        4
+    ];
+    let loads = vec![skewed_load(), skewed_load()];
+    let replicate = |memory: SlotMemory| {
+        let mut s = spec(4, 4, vec![Algo::Quota]);
+        s.solve_us = Some(5.0);
+        s.slot_memory = memory;
+        let mut coster = StepCoster::new(&s, &s.algos).unwrap();
+        let first = coster.step(&batch, &loads).unwrap()[0].schedules[0];
+        let second = coster.step(&batch, &loads).unwrap()[0].schedules[0];
+        (first, second)
+    };
+    let (shared_1, shared_2) = replicate(SlotMemory::Shared);
+    let (layer_1, layer_2) = replicate(SlotMemory::PerLayer);
+    assert!(
+        shared_1.terms.replicate > 0.0,
+        "the skewed load is replicated"
+    );
+    assert_eq!(shared_2.terms.replicate, shared_1.terms.replicate);
+    assert!(layer_1.terms.replicate > 0.0);
+    assert_eq!(
+        layer_2.terms.replicate, 0.0,
+        "every replica is still resident"
+    );
+    assert_eq!(layer_2.replica_mb, 0.0);
+    assert!(close(layer_2.terms.solve, shared_2.terms.solve));
+
+    let mut s = spec(4, 4, vec![Algo::Quota]);
+    s.slot_memory = SlotMemory::PerLayer;
+    // 1 slot x 1 micro-batch x 2 MoE layers x 3 x 8 x 4 x 2 bytes.
+    assert!(close(s.slot_gb_per_gpu(), 2.0 * 192.0 / 1e9));
 }
 
 fn temp_file(name: &str, text: &str) -> PathBuf {
@@ -940,6 +986,7 @@ fn recorded_engine_routing_costs_what_the_engine_reported() {
             chunk_tokens: 4096,
             seed: 0,
             schedule: Schedule::ULTRAEP,
+            slot_memory: SlotMemory::Shared,
         },
         trace: TraceSource::File(trace),
         steps: 1,

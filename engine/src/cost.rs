@@ -308,6 +308,7 @@ mod tests {
             bf16_tflops: 1e-6,
             hbm_tbytes_per_s: 1e-6,
             attention_efficiency: 0.5,
+            overlap_compute_efficiency: 1.0,
             gemm_efficiency: vec![[1.0, 1.0], [1e9, 1.0]],
         }
     }

@@ -48,6 +48,11 @@ pub const LINK_EFFICIENCY: f64 = 0.80;
 /// Assumption: a few microseconds on NVLink; small next to the millisecond terms it is added to.
 pub const LINK_LATENCY_US: f64 = 5.0;
 
+/// Fraction of the compute rate left to GEMMs and attention while communication kernels run
+/// beside them (overlapped schedules). Assumption: DeepEP's normal kernels, what two-batch
+/// overlap runs dispatch and combine with, hold about 20 of an H800's 132 SMs (0.85 left).
+pub const OVERLAP_COMPUTE_EFFICIENCY: f64 = 0.85;
+
 /// A rack's hardware figures; the JSON form of `--rack FILE.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -71,6 +76,10 @@ pub struct Rack {
     /// Fraction of the BF16 peak attention kernels achieve, in (0, 1].
     #[serde(default = "default_attention_efficiency")]
     pub attention_efficiency: f64,
+    /// Fraction of the compute rate left while communication kernels overlap compute (a
+    /// schedule with two micro-batches), in (0, 1].
+    #[serde(default = "default_overlap_compute_efficiency")]
+    pub overlap_compute_efficiency: f64,
     /// GEMM efficiency versus rows (tokens per expert instance): `[tokens, efficiency]` points,
     /// tokens strictly increasing. Omitted: the roofline curve of [`roofline_curve`]; given, at
     /// least one point (an empty list used to be taken for an omitted one).
@@ -103,6 +112,10 @@ fn default_attention_efficiency() -> f64 {
     ATTENTION_EFFICIENCY
 }
 
+fn default_overlap_compute_efficiency() -> f64 {
+    OVERLAP_COMPUTE_EFFICIENCY
+}
+
 impl Rack {
     /// NVL72: 72 GB200-class GPUs on one NVLink domain, with UltraEP Table 2's per-GPU figures
     /// (2250 TFLOP/s BF16, 8 TB/s HBM, 900 GB/s scale-up per direction).
@@ -116,6 +129,7 @@ impl Rack {
             bf16_tflops: 2250.0,
             hbm_tbytes_per_s: 8.0,
             attention_efficiency: ATTENTION_EFFICIENCY,
+            overlap_compute_efficiency: OVERLAP_COMPUTE_EFFICIENCY,
             gemm_efficiency: Vec::new(),
         };
         rack.gemm_efficiency = roofline_curve(rack.bf16_tflops, rack.hbm_tbytes_per_s);
@@ -174,6 +188,10 @@ impl Rack {
         for (name, v) in [
             ("link_efficiency", self.link_efficiency),
             ("attention_efficiency", self.attention_efficiency),
+            (
+                "overlap_compute_efficiency",
+                self.overlap_compute_efficiency,
+            ),
         ] {
             check_fraction(name, v)?;
         }

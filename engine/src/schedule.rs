@@ -108,6 +108,43 @@ impl std::str::FromStr for Schedule {
     }
 }
 
+/// Where replicas live between steps (`--slot-memory`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SlotMemory {
+    /// One set of redundant slots shared by every MoE layer (UltraEP §4.1): every layer's
+    /// replicas are streamed afresh every step.
+    #[default]
+    Shared,
+    /// Each MoE layer keeps its own slots: a replica still resident from the layer's previous
+    /// plan is reused, only new ones are streamed. Costs `moe_layers` times the slot memory.
+    PerLayer,
+}
+
+impl SlotMemory {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Shared => "shared",
+            Self::PerLayer => "per-layer",
+        }
+    }
+}
+
+impl std::str::FromStr for SlotMemory {
+    type Err = String;
+
+    /// `shared` or `per-layer`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shared" => Ok(Self::Shared),
+            "per-layer" => Ok(Self::PerLayer),
+            other => Err(format!(
+                "unknown slot memory '{other}' (expected shared or per-layer)"
+            )),
+        }
+    }
+}
+
 /// Time of each phase of one layer for one micro-batch, milliseconds (0 for a phase the layer
 /// does not have: a dense layer has only `attention` and `dense_ffn`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

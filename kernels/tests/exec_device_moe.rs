@@ -50,6 +50,18 @@ fn expert_weights() -> Vec<Vec<[Vec<f32>; 2]>> {
         .collect()
 }
 
+/// The engine's view of `weights`: slices per expert.
+fn as_slices(weights: &[Vec<[Vec<f32>; 2]>]) -> Vec<Vec<ExpertWeights<'_>>> {
+    weights
+        .iter()
+        .map(|l| {
+            l.iter()
+                .map(|[a, b]| [a.as_slice(), b.as_slice()])
+                .collect()
+        })
+        .collect()
+}
+
 /// Each row's `K` distinct experts (expert 3 is hot: most rows pick it) and their weights.
 fn routing(rows: usize, seed: usize) -> (Vec<u32>, Vec<f32>) {
     let mut experts = Vec::with_capacity(rows * K);
@@ -163,14 +175,7 @@ fn the_device_plane_equals_the_host_reference_for_every_balancer() {
 fn device_plane_equals_host_reference(exec: Arc<dyn Executor>) {
     let layout = Layout::contiguous(RANKS, EXPERTS, 2).unwrap();
     let weights = expert_weights();
-    let layers: Vec<Vec<ExpertWeights<'_>>> = weights
-        .iter()
-        .map(|l| {
-            l.iter()
-                .map(|[a, b]| [a.as_slice(), b.as_slice()])
-                .collect()
-        })
-        .collect();
+    let layers = as_slices(&weights);
     // Relay trees for any expert with more than one replica, streamed in 1 KiB chunks: a relay
     // forwards chunk c while chunk c + 1 is still arriving, so stage-2 tiles wait on flags.
     let relay = RelayConfig {
@@ -264,14 +269,7 @@ fn bad_routing_and_mismatched_plans_are_errors() {
     };
     let layout = Layout::contiguous(RANKS, EXPERTS, 2).unwrap();
     let weights = expert_weights();
-    let layers: Vec<Vec<ExpertWeights<'_>>> = weights
-        .iter()
-        .map(|l| {
-            l.iter()
-                .map(|[a, b]| [a.as_slice(), b.as_slice()])
-                .collect()
-        })
-        .collect();
+    let layers = as_slices(&weights);
     let moe = DeviceMoe::new(
         Arc::clone(&exec),
         &layout,

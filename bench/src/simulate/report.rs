@@ -134,6 +134,10 @@ pub struct ThroughputReport {
     pub solve_us_override: Option<f64>,
     /// The schedule the headline figures are under (`--schedule`).
     pub schedule: String,
+    /// `shared` or `per-layer` (`--slot-memory`).
+    pub slot_memory: String,
+    /// Redundant-slot memory per GPU under the headline schedule, GB.
+    pub slot_gb_per_gpu: f64,
     pub ideal: IdealReport,
     pub balancers: Vec<BalancerReport>,
 }
@@ -207,7 +211,11 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
             None => ", solve measured".into(),
         }
     );
-    let _ = writeln!(out, "schedule: {}", r.schedule);
+    let _ = writeln!(
+        out,
+        "schedule: {}, slot memory: {} ({:.1} GB of redundant slots per GPU)",
+        r.schedule, r.slot_memory, r.slot_gb_per_gpu
+    );
     let _ = writeln!(out);
     let _ = writeln!(
         out,

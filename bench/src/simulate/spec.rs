@@ -7,7 +7,7 @@ use super::shape::ModelShape;
 use crate::synthetic::multilayer::MAX_STEP_COUNTS;
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
-use rackfill_engine::{Rack, Schedule};
+use rackfill_engine::{Rack, Schedule, SlotMemory};
 
 /// Most tokens a rank prefills per step (`--chunk-tokens`): chunked prefill runs a few thousand
 /// to tens of thousands per rank, and synthetic routing samples every token of every rank and
@@ -44,6 +44,8 @@ pub struct SimSpec {
     /// How a step's phases overlap (`--schedule`); the report's headline figures are this
     /// schedule's, the ablation covers every one of [`Schedule::ABLATION`].
     pub schedule: Schedule,
+    /// Where replicas live between steps (`--slot-memory`).
+    pub slot_memory: SlotMemory,
 }
 
 impl SimSpec {
@@ -112,6 +114,18 @@ impl SimSpec {
             )));
         }
         Ok(())
+    }
+
+    /// Redundant-slot memory per GPU, GB (1e9 bytes): a slot per micro-batch of the schedule,
+    /// per MoE layer with [`SlotMemory::PerLayer`].
+    pub fn slot_gb_per_gpu(&self) -> f64 {
+        let layers = match self.slot_memory {
+            SlotMemory::Shared => 1,
+            SlotMemory::PerLayer => self.shape.moe_layers(),
+        };
+        (self.slots * self.schedule.micro_batches * layers) as f64
+            * self.shape.moe_dims().expert_bytes() as f64
+            / 1e9
     }
 
     /// The step cost model on this spec's rack and shape.

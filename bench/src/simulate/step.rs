@@ -11,7 +11,7 @@ use super::trace::{even_load, thin_rows};
 use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_engine::cost::ReplicaTraffic;
-use rackfill_engine::schedule::{makespan, LayerPhases, Schedule};
+use rackfill_engine::schedule::{makespan, LayerPhases, Schedule, SlotMemory};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::time::Instant;
@@ -73,9 +73,11 @@ pub struct StepCoster<'a> {
 
 /// History-based planners keep a placement for many steps; deployments keep those replicas
 /// resident per layer and copy only what changes. Exact-load planners re-plan every layer and
-/// stream into shared slots (UltraEP §4.1).
-fn keeps_replicas(algo: Algo) -> bool {
-    algo == Algo::EplbHistory
+/// stream into shared slots (UltraEP §4.1), unless each layer keeps its own slots
+/// ([`SlotMemory::PerLayer`]): then a replica still resident from the layer's last plan is
+/// reused.
+fn keeps_replicas(algo: Algo, memory: SlotMemory) -> bool {
+    algo == Algo::EplbHistory || memory == SlotMemory::PerLayer
 }
 
 /// A step cut into `n` micro-batches (1 or 2): per micro-batch, each rank's segments and the
@@ -154,7 +156,7 @@ impl<'a> StepCoster<'a> {
             // Every MoE layer alike: one simulated layer standing for all of them.
             let moe = vec![per_micro.iter().map(|p| p[0]).collect()];
             let dense = per_micro.iter().map(|p| p[1]).collect();
-            let layers = self.model_layers(moe, dense);
+            let layers = self.overlap_slowdown(&schedule, self.model_layers(moe, dense));
             *out = ScheduledStep {
                 terms: work(&layers),
                 step_ms: makespan(&schedule, &layers),
@@ -240,7 +242,8 @@ impl<'a> StepCoster<'a> {
                         .map(|per_micro| per_micro.iter().map(|c| c.phases).collect())
                         .collect();
                     let dense_layer = dense[n].iter().map(|d| d[1]).collect();
-                    let layers = self.model_layers(moe, dense_layer);
+                    let layers =
+                        self.overlap_slowdown(&schedule, self.model_layers(moe, dense_layer));
                     let replica_mb: f64 = costed[n]
                         .iter()
                         .map(|per_micro| {
@@ -359,6 +362,25 @@ impl<'a> StepCoster<'a> {
         layers
     }
 
+    /// With two micro-batches communication kernels run beside compute and hold some of the SMs:
+    /// compute phases take `1 / overlap_compute_efficiency` as long (the rack's figure).
+    fn overlap_slowdown(
+        &self,
+        schedule: &Schedule,
+        mut layers: Vec<Vec<LayerPhases>>,
+    ) -> Vec<Vec<LayerPhases>> {
+        if schedule.micro_batches > 1 {
+            let slow = 1.0 / self.spec.rack.overlap_compute_efficiency;
+            for p in layers.iter_mut().flatten() {
+                p.attention *= slow;
+                p.dense_ffn *= slow;
+                p.expert_main *= slow;
+                p.expert_replica *= slow;
+            }
+        }
+        layers
+    }
+
     /// Plans, validates and costs simulated layer `l` of step `step` for one balancer with the
     /// planner of `slot`, on top of the micro-batch's `dense` phases.
     fn cost_layer(
@@ -388,9 +410,10 @@ impl<'a> StepCoster<'a> {
         let bytes = spec.shape.moe_dims().expert_bytes();
         // A history balancer re-plans every few steps and keeps its placement between re-plans:
         // only a step whose placement changed pays its solve and its reloads.
-        let (traffic, replanned) = if keeps_replicas(state.algo) {
+        let (traffic, replanned) = if keeps_replicas(state.algo, spec.slot_memory) {
             let previous = state.previous_slots[slot][l].as_deref();
-            let replanned = previous != Some(plan.slots());
+            // Exact-load planners solve every layer of every step whatever stays resident.
+            let replanned = state.algo != Algo::EplbHistory || previous != Some(plan.slots());
             let traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);
             state.previous_slots[slot][l] = Some(plan.slots().to_vec());
             (traffic, replanned)

@@ -186,6 +186,8 @@ impl Totals {
             simulated_layers,
             solve_us_override: spec.solve_us,
             schedule: spec.schedule.name(),
+            slot_memory: spec.slot_memory.name().into(),
+            slot_gb_per_gpu: spec.slot_gb_per_gpu(),
             ideal: report::IdealReport {
                 tokens_per_s: ideal.tokens_per_s(),
                 step_ms: ideal.total_ms() / n,

@@ -27,7 +27,7 @@ use rackfill_models::{ExpertSelection, Routing};
 use super::on_device::OnDevice;
 use super::{EpRuntime, LayerReport, Solved, StepOutput};
 use crate::error::{EngineError, Result};
-use crate::plane::{expert_weights, PhaseTimes};
+use crate::plane::{expert_weights, received_bytes, PhaseTimes};
 
 /// KV blocks beyond `tokens / BLOCK_TOKENS`: room for the partly filled last block of as many
 /// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
@@ -225,12 +225,7 @@ impl EpRuntime {
             .run_layer(at.ordinal, &plan, &rows, &counted, routed.output())
             .map_err(|e| EngineError::Gpu(format!("layer {layer}: {e}")))?;
         gpu.add_routed(step, &routed)?;
-        let recv_bytes = run
-            .token_recv_bytes
-            .iter()
-            .zip(&run.replica_recv_bytes)
-            .map(|(tokens, replicas)| tokens + replicas)
-            .collect();
+        let recv_bytes = received_bytes(&run.token_recv_bytes, &run.replica_recv_bytes);
         let phases = PhaseTimes {
             route,
             solve,

@@ -141,12 +141,7 @@ fn plane_output(run: LayerRun, hidden: usize) -> Result<PlaneOutput> {
                 .map_err(|e| rackfill_models::ModelError::from(e).into())
         })
         .collect::<Result<_>>()?;
-    let recv_bytes = run
-        .token_recv_bytes
-        .iter()
-        .zip(&run.replica_recv_bytes)
-        .map(|(tokens, replicas)| tokens + replicas)
-        .collect();
+    let recv_bytes = super::received_bytes(&run.token_recv_bytes, &run.replica_recv_bytes);
     let device = run.phases;
     Ok(PlaneOutput {
         routed,

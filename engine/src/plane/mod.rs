@@ -13,6 +13,8 @@ mod work;
 
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::expert_weights;
+#[cfg(feature = "cuda")]
+pub(crate) use work::received_bytes;
 pub use work::PhaseTimes;
 pub(crate) use work::{LayerWork, PlaneConfig, PlaneOutput};
 

@@ -59,3 +59,10 @@ pub(crate) struct PlaneOutput {
     /// The plane's phases (replicate, dispatch, experts, combine); route and solve are zero.
     pub phases: PhaseTimes,
 }
+
+/// Per rank: the token bytes and the replica bytes it received, together (the GPU planes'
+/// accounting).
+#[cfg(feature = "cuda")]
+pub(crate) fn received_bytes(tokens: &[u64], replicas: &[u64]) -> Vec<u64> {
+    tokens.iter().zip(replicas).map(|(t, r)| t + r).collect()
+}

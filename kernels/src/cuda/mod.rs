@@ -34,6 +34,7 @@ mod error;
 mod exchange;
 pub mod exec;
 pub mod gemm;
+mod home_weights;
 mod libs;
 pub mod moe;
 pub mod nccl;

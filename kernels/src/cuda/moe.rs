@@ -24,6 +24,7 @@
 
 use super::exchange::Exchange;
 use super::gemm::{GemmGroup, GroupedGemm, WeightOrder};
+use super::home_weights::{pack_home_weights, HomeWeights};
 use super::permute::{self, Received, Routed};
 use super::replicate::RankBuffers;
 use super::solver::GpuQuotaSolver;
@@ -41,9 +42,7 @@ use rackfill_balancer::{Layout, LoadMatrix, Plan, PlanViolation};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// One expert's weights as the engine stores them: `[H, 2I]` gate-up (gate columns first), then
-/// `[I, H]` down, row-major f32.
-pub type ExpertWeights<'a> = [&'a [f32]; 2];
+pub use super::home_weights::ExpertWeights;
 
 /// One source rank's routed batch, in host memory.
 #[derive(Debug, Clone, Copy)]
@@ -130,31 +129,13 @@ impl GpuMoe {
             }
             .into());
         }
-        let (gate_up, down) = (hidden * 2 * inter, inter * hidden);
-        let expert_bytes = ((gate_up + down) * 4) as u64;
-        let mut homes: Vec<Vec<u8>> = vec![Vec::new(); layout.ranks()];
-        let mut home_offsets = Vec::with_capacity(layers.len());
-        for experts in layers {
-            if experts.len() != layout.experts() {
-                return Err(KernelError::Length {
-                    what: "experts of a MoE layer",
-                    len: experts.len(),
-                    expected: layout.experts(),
-                }
-                .into());
-            }
-            let mut offsets = vec![0u64; layout.experts()];
-            for (rank, home) in homes.iter_mut().enumerate() {
-                for &e in layout.main_experts(rank) {
-                    let [w_gate_up, w_down] = experts[e as usize];
-                    check_len("expert gate-up weights", w_gate_up.len(), gate_up)?;
-                    check_len("expert down weights", w_down.len(), down)?;
-                    offsets[e as usize] = home.len() as u64;
-                    home.extend(w_gate_up.iter().chain(w_down).flat_map(|v| v.to_ne_bytes()));
-                }
-            }
-            home_offsets.push(offsets);
-        }
+        let expert_bytes = ((hidden * 2 * inter + inter * hidden) * 4) as u64;
+        let HomeWeights {
+            bytes: homes,
+            offsets: home_offsets,
+        } = pack_home_weights(layout, layers, (hidden, inter), |w, out| {
+            out.extend(w.to_ne_bytes())
+        })?;
         let geometry = TileGeometry {
             expert_bytes,
             slot_bytes: expert_bytes,

@@ -26,6 +26,7 @@ use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Layout, Plan, PlanViolation};
 
 use super::super::exec::{bf16_to_f32, f32_to_bf16, DeviceBuffer, Executor, ExecutorExt};
+use super::super::home_weights::{pack_home_weights, HomeWeights};
 use super::super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::super::CudaError;
 use super::routes::{check, Routes};
@@ -33,9 +34,7 @@ use super::steps::{Source, Steps};
 use crate::weights::{weight_source, WeightSource};
 use crate::KernelError;
 
-/// One expert's weights as the engine stores them: `[H, 2I]` gate-up (gate columns first), then
-/// `[I, H]` down, row-major f32 (rounded to bf16 once, on upload).
-pub type ExpertWeights<'a> = [&'a [f32]; 2];
+pub use super::super::home_weights::ExpertWeights;
 
 /// A batch's routed rows on the device, every local rank's rows one after another (what the
 /// GPU model's router left there).
@@ -111,29 +110,13 @@ impl DeviceMoe {
             }
             .into());
         }
-        let (gate_up, down) = (hidden * 2 * inter, inter * hidden);
-        let mut homes: Vec<Vec<u8>> = vec![Vec::new(); layout.ranks()];
-        let mut home_offsets = Vec::with_capacity(layers.len());
-        for experts in layers {
-            check("experts of a MoE layer", experts.len(), layout.experts())?;
-            let mut offsets = vec![0u64; layout.experts()];
-            for (rank, home) in homes.iter_mut().enumerate() {
-                for &e in layout.main_experts(rank) {
-                    let [w_gate_up, w_down] = experts[e as usize];
-                    check("expert gate-up weights", w_gate_up.len(), gate_up)?;
-                    check("expert down weights", w_down.len(), down)?;
-                    offsets[e as usize] = home.len() as u64;
-                    home.extend(
-                        w_gate_up
-                            .iter()
-                            .chain(w_down)
-                            .flat_map(|&v| f32_to_bf16(v).to_le_bytes()),
-                    );
-                }
-            }
-            home_offsets.push(offsets);
-        }
-        let expert_bytes = (gate_up + down) * 2;
+        let expert_bytes = (hidden * 2 * inter + inter * hidden) * 2;
+        let HomeWeights {
+            bytes: homes,
+            offsets: home_offsets,
+        } = pack_home_weights(layout, layers, (hidden, inter), |w, out| {
+            out.extend(f32_to_bf16(w).to_le_bytes())
+        })?;
         let homes = homes
             .iter()
             .map(|bytes| exec.upload(bytes))
