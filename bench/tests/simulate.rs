@@ -416,9 +416,9 @@ fn overlapping_micro_batches_hides_balancing_behind_compute() {
         // Overlap hides work, never removes it: the step is shorter than its phases summed.
         assert!(b.step_ms < b.breakdown_ms.total(), "{b:?}");
     }
-    let (quota, none) = (&r.balancers[0], &r.balancers[2]);
-    // The tiny shape's attention outweighs its experts, so what balancing buys is hidden too:
-    // the ranking is held on a real shape below.
+    // (The tiny shape's attention outweighs its experts, so what balancing buys is hidden too:
+    // the ranking is held on a real shape below.)
+    let quota = &r.balancers[0];
     // Each micro-batch has its own plan and replicas: the two together move more than one plan.
     assert!(
         quota.schedules[2].replica_mb_busiest_mean > quota.schedules[0].replica_mb_busiest_mean

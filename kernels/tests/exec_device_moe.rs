@@ -67,7 +67,7 @@ fn routing(rows: usize, seed: usize) -> (Vec<u32>, Vec<f32>) {
     let mut experts = Vec::with_capacity(rows * K);
     for r in 0..rows {
         let mut picked = vec![3u32];
-        if (r + seed) % 4 == 0 {
+        if (r + seed).is_multiple_of(4) {
             picked[0] = ((r * 7 + seed) % EXPERTS) as u32;
         }
         let mut next = (r * 5 + seed * 3) % EXPERTS;
@@ -88,7 +88,7 @@ fn routing(rows: usize, seed: usize) -> (Vec<u32>, Vec<f32>) {
 
 /// `silu(x · W_gu)` gated, rounded to bf16 (the device's activation), times `W_down`, in f32.
 fn expert_mlp(x: &[f32], [gate_up, down]: &[Vec<f32>; 2]) -> Vec<f32> {
-    let mut gu = vec![0f32; 2 * I];
+    let mut gu = [0f32; 2 * I];
     for (j, out) in gu.iter_mut().enumerate() {
         *out = (0..H).map(|h| x[h] * gate_up[h * 2 * I + j]).sum();
     }
