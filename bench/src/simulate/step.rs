@@ -414,7 +414,15 @@ impl<'a> StepCoster<'a> {
             let previous = state.previous_slots[slot][l].as_deref();
             // Exact-load planners solve every layer of every step whatever stays resident.
             let replanned = state.algo != Algo::EplbHistory || previous != Some(plan.slots());
-            let traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);
+            let mut traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);
+            if state.algo != Algo::EplbHistory {
+                // New replicas go directly from their home; when that loads the busiest rank
+                // more than streaming the whole plan over its relay trees, stream it all.
+                let relayed = ReplicaTraffic::planned(&plan, bytes, &spec.relay);
+                if busiest_bytes(&relayed) < busiest_bytes(&traffic) {
+                    traffic = relayed;
+                }
+            }
             state.previous_slots[slot][l] = Some(plan.slots().to_vec());
             (traffic, replanned)
         } else {
@@ -425,7 +433,7 @@ impl<'a> StepCoster<'a> {
             _ if !replanned => 0.0,
             _ => spec.solve_us.unwrap_or(measured_us),
         };
-        let busiest = traffic.send.iter().chain(&traffic.recv).copied().max();
+        let busiest = busiest_bytes(&traffic);
         let cost = spec.cost();
         let moe = cost.moe_layer(load, &plan, &traffic, spec.relay.chunk_bytes);
         let (main, _) = cost.moe().expert_split_ms(&plan);
@@ -439,7 +447,7 @@ impl<'a> StepCoster<'a> {
                 combine: moe.combine,
                 ..dense
             },
-            replica_bytes: busiest.unwrap_or(0),
+            replica_bytes: busiest,
             imbalance_before: imbalance(&main_rank_loads(&self.layout, &load.expert_totals())),
             imbalance_after: imbalance(&plan.rank_loads()),
             replicas: plan.replicas(),
@@ -459,6 +467,17 @@ struct LayerCost {
     replicas: usize,
     max_fanout: usize,
     solve_us: f64,
+}
+
+/// Replica bytes the busiest rank sends or receives.
+fn busiest_bytes(traffic: &ReplicaTraffic) -> u64 {
+    traffic
+        .send
+        .iter()
+        .chain(&traffic.recv)
+        .copied()
+        .max()
+        .unwrap_or(0)
 }
 
 /// Every phase of `layers` summed per term (the work, whatever overlaps).
