@@ -76,7 +76,9 @@ pub struct SimulateArgs {
     /// streams only replicas not already resident; the slot memory times the MoE layers).
     #[arg(long, default_value = "shared", value_parser = parse_slot_memory)]
     slot_memory: SlotMemory,
-    /// Routing: synthetic-mixed, or a routing trace recorded with --record-routing.
+    /// Routing: synthetic-mixed (the default), synthetic-stationary, synthetic-drifting,
+    /// synthetic-switching (the same popularity with one kind of dynamics each), or a routing
+    /// trace recorded with --record-routing.
     #[arg(long, default_value = "synthetic-mixed")]
     trace: String,
     /// Rack: nvl72, or a rack JSON file (see docs/simulate.md).
@@ -192,7 +194,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     spec.validate()?;
     let stderr = std::io::stderr();
     if let Some(path) = &args.requests {
-        if trace != TraceSource::SyntheticMixed {
+        if trace != TraceSource::SYNTHETIC_MIXED {
             bail!("--requests simulates routing; it needs --trace synthetic-mixed");
         }
         let run = RequestRun {

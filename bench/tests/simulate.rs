@@ -329,7 +329,7 @@ fn tiny_run(seed: u64) -> ThroughputRun {
     s.solve_us = Some(12.5);
     ThroughputRun {
         spec: s,
-        trace: TraceSource::SyntheticMixed,
+        trace: TraceSource::SYNTHETIC_MIXED,
         steps: 4,
         context_tokens: 0,
     }
@@ -452,7 +452,7 @@ fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
             schedule: Schedule::OVERLAPPED,
             slot_memory: SlotMemory::Shared,
         },
-        trace: TraceSource::SyntheticMixed,
+        trace: TraceSource::SYNTHETIC_MIXED,
         steps: 3,
         context_tokens: 0,
     };

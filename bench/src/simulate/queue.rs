@@ -27,6 +27,7 @@ use super::trace::{thin_rows, LoadStream};
 use crate::serve::arrivals::{schedule, Arrivals, RequestRate};
 use crate::serve::dataset::RequestSpec;
 use crate::serve::report::percentile;
+use crate::synthetic::multilayer::TracePattern;
 use rackfill_balancer::{Algo, LoadMatrix};
 use rackfill_engine::Schedule;
 use rand::rngs::StdRng;
@@ -258,15 +259,7 @@ pub fn run_requests(
             });
         }
     }
-    let mut routing = LoadStream::synthetic_mixed(
-        spec.ep,
-        spec.shape.experts,
-        spec.shape.top_k,
-        spec.sim_layers,
-        spec.chunk_tokens,
-        usize::MAX,
-        spec.seed,
-    )?;
+    let mut routing = LoadStream::synthetic(TracePattern::Mixed, spec, usize::MAX)?;
     let mut step = 0;
     while timelines.iter().any(|t| !t.done) {
         let loads = if timelines.iter().any(|t| !t.done && t.algo.is_some()) {

@@ -42,15 +42,7 @@ pub fn run_throughput(
     }
     spec.validate()?;
     let mut routing = match &run.trace {
-        TraceSource::SyntheticMixed => LoadStream::synthetic_mixed(
-            spec.ep,
-            spec.shape.experts,
-            spec.shape.top_k,
-            spec.sim_layers,
-            spec.chunk_tokens,
-            run.steps,
-            spec.seed,
-        )?,
+        TraceSource::Synthetic(pattern) => LoadStream::synthetic(*pattern, spec, run.steps)?,
         TraceSource::File(path) => LoadStream::recorded(path, spec.ep, spec.shape.experts)?,
     };
     let mut coster = StepCoster::with_layers(spec, &spec.algos, routing.layers())?;
@@ -177,7 +169,7 @@ impl Totals {
             steps: self.steps,
             seed: spec.seed,
             chunk_tokens: match run.trace {
-                TraceSource::SyntheticMixed => Some(spec.chunk_tokens),
+                TraceSource::Synthetic(_) => Some(spec.chunk_tokens),
                 TraceSource::File(_) => None,
             },
             tokens_per_rank_mean: ideal.tokens as f64 / (n * spec.ep as f64),
@@ -207,7 +199,7 @@ impl Totals {
 fn step_batch(run: &ThroughputRun, loads: &[LoadMatrix]) -> Vec<Vec<Segment>> {
     let spec = &run.spec;
     match run.trace {
-        TraceSource::SyntheticMixed => vec![
+        TraceSource::Synthetic(_) => vec![
             vec![Segment {
                 tokens: spec.chunk_tokens,
                 context: run.context_tokens,

@@ -12,6 +12,7 @@
 //!   (the trace's per-source split is dropped, its per-expert load kept).
 
 use super::error::SimError;
+use super::spec::SimSpec;
 use crate::synthetic::multilayer::{TraceGenerator, TracePattern, TraceSpec};
 use crate::synthetic::Popularity;
 use rackfill_balancer::LoadMatrix;
@@ -34,24 +35,27 @@ pub const MIXED_LAYER_SKEW_SIGMA: f64 = 0.5;
 /// The `--trace` argument.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TraceSource {
-    SyntheticMixed,
+    /// `synthetic-stationary`, `-drifting`, `-switching` or `-mixed`: the multi-layer generator
+    /// with that pattern's dynamics and `synthetic-mixed`'s popularity calibration.
+    Synthetic(TracePattern),
     File(PathBuf),
 }
 
 impl TraceSource {
-    /// `synthetic-mixed` or a file path.
+    /// The default routing, `synthetic-mixed`.
+    pub const SYNTHETIC_MIXED: Self = Self::Synthetic(TracePattern::Mixed);
+
+    /// `synthetic-PATTERN` or a file path.
     pub fn parse(s: &str) -> Self {
-        if s == "synthetic-mixed" {
-            Self::SyntheticMixed
-        } else {
-            Self::File(PathBuf::from(s))
-        }
+        s.strip_prefix("synthetic-")
+            .and_then(|name| TracePattern::ALL.into_iter().find(|p| p.name() == name))
+            .map_or_else(|| Self::File(PathBuf::from(s)), Self::Synthetic)
     }
 
     /// The name used in reports.
     pub fn label(&self) -> String {
         match self {
-            Self::SyntheticMixed => "synthetic-mixed".into(),
+            Self::Synthetic(pattern) => format!("synthetic-{}", pattern.name()),
             Self::File(path) => path.display().to_string(),
         }
     }
@@ -69,25 +73,16 @@ pub enum LoadStream {
 }
 
 impl LoadStream {
-    /// `synthetic-mixed` routing: `layers` MoE layers of `ranks x experts`, `tokens_per_rank`
-    /// tokens per rank and step, `steps` steps.
-    pub fn synthetic_mixed(
-        ranks: usize,
-        experts: usize,
-        top_k: usize,
-        layers: usize,
-        tokens_per_rank: u64,
+    /// Synthetic routing with `pattern`'s dynamics for `spec`'s EP ranks, experts, top-k and
+    /// simulated layers: `spec.chunk_tokens` tokens per rank and step, `steps` steps.
+    pub fn synthetic(
+        pattern: TracePattern,
+        spec: &SimSpec,
         steps: usize,
-        seed: u64,
     ) -> Result<Self, SimError> {
-        let mut spec = TraceSpec::new(
-            TracePattern::Mixed,
-            ranks,
-            experts,
-            layers,
-            steps,
-            tokens_per_rank,
-        );
+        let (ranks, experts, top_k) = (spec.ep, spec.shape.experts, spec.shape.top_k);
+        let (layers, tokens_per_rank, seed) = (spec.sim_layers, spec.chunk_tokens, spec.seed);
+        let mut spec = TraceSpec::new(pattern, ranks, experts, layers, steps, tokens_per_rank);
         spec.top_k = top_k;
         spec.family = MIXED_FAMILY;
         spec.layer_skew_sigma = MIXED_LAYER_SKEW_SIGMA;
@@ -235,6 +230,20 @@ pub fn thin_rows(
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn synthetic_patterns_parse_by_name_and_anything_else_is_a_file() {
+        for pattern in TracePattern::ALL {
+            let name = format!("synthetic-{}", pattern.name());
+            assert_eq!(TraceSource::parse(&name), TraceSource::Synthetic(pattern));
+            assert_eq!(TraceSource::parse(&name).label(), name);
+        }
+        assert_eq!(TraceSource::SYNTHETIC_MIXED.label(), "synthetic-mixed");
+        assert_eq!(
+            TraceSource::parse("synthetic-bursty"),
+            TraceSource::File(PathBuf::from("synthetic-bursty"))
+        );
+    }
 
     #[test]
     fn even_load_is_even_and_keeps_every_pair() {
