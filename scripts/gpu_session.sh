@@ -5,6 +5,9 @@
 # tests.log, kernels-bench.txt, bench-ep.txt and sanitizer-*.txt to ${OUT:-target/gpu-session};
 # bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs), bench-attention.txt;
 # exits non-zero if any test binary or sanitizer run failed.
+# Time bounds, for short leases: RACKFILL_SESSION_TEST_S (each test binary, default 300 s; a
+# timeout counts as a failure) and RACKFILL_SESSION_SANITIZER_S (each sanitizer tool, default 240 s;
+# 0 skips them); RACKFILL_SESSION_SANITIZERS lists the tools (default memcheck racecheck synccheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(mktemp -d)
@@ -20,7 +23,7 @@ export RACKFILL_REQUIRE_GPU=1
 failed=()
 for t in "$bundle"/tests/*; do
   echo "== $(basename "$t")" | tee -a "$out/tests.log"
-  "$t" --test-threads 1 2>&1 | tee -a "$out/tests.log"
+  timeout "${RACKFILL_SESSION_TEST_S:-300}" "$t" --test-threads 1 2>&1 | tee -a "$out/tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$(basename "$t")")
 done
 "$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
@@ -47,9 +50,10 @@ fi
 # gets a minute before tile_stream calls the stream broken (RACKFILL_TILE_STALL_MS; default 5 s).
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 replicate=$(ls "$bundle"/tests/cuda_replicate-* 2>/dev/null | head -1)
-if [ -n "$sanitizer" ] && [ -n "$replicate" ]; then
-  for tool in memcheck racecheck synccheck; do
-    RACKFILL_TILE_STALL_MS=60000 timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
+sanitizer_s=${RACKFILL_SESSION_SANITIZER_S:-240}
+if [ -n "$sanitizer" ] && [ -n "$replicate" ] && [ "$sanitizer_s" -gt 0 ]; then
+  for tool in ${RACKFILL_SESSION_SANITIZERS:-memcheck racecheck synccheck}; do
+    RACKFILL_TILE_STALL_MS=60000 timeout "$sanitizer_s" "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
       > "$out/sanitizer-$tool.txt" 2>&1
     status=$?
     echo "compute-sanitizer --tool $tool: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" \
@@ -57,7 +61,7 @@ if [ -n "$sanitizer" ] && [ -n "$replicate" ]; then
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || failed+=("sanitizer-$tool")
   done
 else
-  echo "compute-sanitizer not found: the sanitizer runs are skipped" | tee -a "$out/tests.log"
+  echo "compute-sanitizer not found or RACKFILL_SESSION_SANITIZER_S=0: the sanitizer runs are skipped" | tee -a "$out/tests.log"
 fi
 if [ "${#failed[@]}" -ne 0 ]; then
   echo "failed test binaries: ${failed[*]}" | tee -a "$out/tests.log"

@@ -92,6 +92,12 @@ pub struct EpArgs {
     #[arg(long, value_delimiter = ',', default_value = "cpu", aliases = DATA_PLANE_ALIASES)]
     pub data_plane: Vec<DataPlane>,
 
+    /// Micro-batches per step to run every configuration with, comma-separated: 1, or 2 (each
+    /// rank's sequences split in two halves, one communicating while the other computes; the
+    /// CPU data plane only).
+    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = crate::flags::parse_micro_batches)]
+    pub micro_batches: Vec<usize>,
+
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).
     #[arg(long, default_value = "nvl72")]
@@ -188,11 +194,14 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
     for &data_plane in &args.data_plane {
         for ep_size in dedup(&args.ep_size) {
             for &balancer in &args.balancer {
-                cases.push(EpCase {
-                    ep_size,
-                    balancer,
-                    data_plane,
-                });
+                for micro_batches in dedup(&args.micro_batches) {
+                    cases.push(EpCase {
+                        ep_size,
+                        balancer,
+                        data_plane,
+                        micro_batches,
+                    });
+                }
             }
         }
     }

@@ -36,6 +36,16 @@ pub(crate) fn parse_positive(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Micro-batches per engine step: 1 or 2.
+pub(crate) fn parse_micro_batches(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n @ 1..=2) => Ok(n),
+        _ => Err(format!(
+            "invalid value '{s}': a step runs 1 or 2 micro-batches"
+        )),
+    }
+}
+
 /// A byte count: an integer with an optional binary suffix `K`, `M`, `G` or `T` (`512M` is
 /// 512 x 2^20).
 pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {

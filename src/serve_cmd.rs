@@ -95,6 +95,12 @@ pub struct ServeArgs {
     /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
     #[arg(long, default_value = "auto")]
     pub(crate) data_plane: String,
+    /// Micro-batches each engine step is split into: 1, or 2 (two-batch overlap: each rank's
+    /// sequences in two halves, one communicating while the other computes, each with its own
+    /// plan and replica slots; the CPU data plane and --device cpu only).
+    #[arg(long, default_value_t = EpConfig::default().micro_batches,
+          value_parser = crate::flags::parse_micro_batches)]
+    pub(crate) micro_batches: usize,
     /// Where each rank's model (embedding, attention and its KV cache, norms, dense and shared
     /// MLPs, LM head) runs: `auto` (the GPU when the binary has the GPU path and a device is
     /// visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's local rank under
@@ -172,6 +178,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
             redundant_slots: args.redundant_slots,
             balancer: args.balancer,
             data_plane,
+            micro_batches: args.micro_batches,
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {

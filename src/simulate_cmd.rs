@@ -38,6 +38,23 @@ fn parse_schedule(s: &str) -> Result<Schedule, String> {
     s.parse()
 }
 
+/// `--reuse-tolerance`: a fraction, or `None` for `off`.
+#[derive(Debug, Clone, Copy)]
+struct ReuseTolerance(Option<f64>);
+
+/// `off`, or a non-negative fraction.
+fn parse_reuse_tolerance(s: &str) -> Result<ReuseTolerance, String> {
+    if s == "off" {
+        return Ok(ReuseTolerance(None));
+    }
+    match s.parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(ReuseTolerance(Some(t))),
+        _ => Err(format!(
+            "invalid value '{s}': expected off or a non-negative fraction (0.02 is 2%)"
+        )),
+    }
+}
+
 fn parse_slot_memory(s: &str) -> Result<SlotMemory, String> {
     s.parse()
 }
@@ -76,6 +93,11 @@ pub struct SimulateArgs {
     /// streams only replicas not already resident; the slot memory times the MoE layers).
     #[arg(long, default_value = "shared", value_parser = parse_slot_memory)]
     slot_memory: SlotMemory,
+    /// With --slot-memory per-layer: quota plans move replicas onto ranks that still hold the
+    /// same expert while the busiest rank's load stays within this fraction of the solved
+    /// plan's (0.02: 2% more); `off` keeps the plans as solved.
+    #[arg(long, default_value = "0.02", value_parser = parse_reuse_tolerance)]
+    reuse_tolerance: ReuseTolerance,
     /// Routing: synthetic-mixed (the default), synthetic-stationary, synthetic-drifting,
     /// synthetic-switching (the same popularity with one kind of dynamics each), or a routing
     /// trace recorded with --record-routing.
@@ -189,6 +211,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         seed: args.seed,
         schedule: args.schedule,
         slot_memory: args.slot_memory,
+        reuse_tolerance: args.reuse_tolerance.0,
         shape,
     };
     spec.validate()?;

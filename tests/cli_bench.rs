@@ -88,6 +88,11 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     let doc: Value = serde_json::from_slice(&rackfill(&args).stdout).unwrap();
     assert_eq!(doc["schedule"], "ultraep");
     assert_eq!(doc["balancers"][0]["speedup_over_ultraep"], 1.0);
+    // Per-layer slots report the tolerance resident replicas are preferred within.
+    assert_eq!(doc["reuse_tolerance"], Value::Null);
+    args.extend(["--slot-memory", "per-layer", "--reuse-tolerance", "0.05"]);
+    let doc: Value = serde_json::from_slice(&rackfill(&args).stdout).unwrap();
+    assert_eq!(doc["reuse_tolerance"], 0.05, "{doc}");
     for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
         let mut args = base.to_vec();
         args.extend(flag);
@@ -119,6 +124,13 @@ fn simulate_refuses_what_it_cannot_run() {
         &with(&["--schedule", "three-batch"]),
         "unknown schedule 'three-batch'",
     );
+    for bad in [
+        "--reuse-tolerance=-0.1",
+        "--reuse-tolerance=inf",
+        "--reuse-tolerance=some",
+    ] {
+        refused(&with(&[bad]), "expected off or a non-negative fraction");
+    }
     refused(
         &with(&["--balancer", "eplb-history", "--history-window", "0"]),
         "expected a positive integer",
@@ -283,6 +295,50 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
         ],
         "cannot read rack file",
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench ep --micro-batches 1,2` runs every configuration both ways, side by side: two
+/// micro-batches report both micro-batches' replicas; 0 or 3 micro-batches are one-line errors.
+#[test]
+fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
+    // Its own directory: other tests remove the shared one when they finish.
+    let dir = std::env::temp_dir().join(format!("rackfill-cli-micro-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("micro.json");
+    let args = [
+        "bench",
+        "ep",
+        "--model",
+        "rackfill-tiny-moe",
+        "--prompts",
+        "models/builtin/skew.json",
+        "--ep-size",
+        "4",
+        "--balancer",
+        "quota",
+        "--micro-batches",
+        "1,2",
+        "--rounds",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    let report = json_report(&args, &json);
+    let results = report["results"].as_array().unwrap();
+    let cases: Vec<u64> = results[1..]
+        .iter()
+        .map(|r| r["case"]["micro_batches"].as_u64().unwrap())
+        .collect();
+    assert_eq!(cases, [1, 2], "{report}");
+    let replicas = |i: usize| results[i]["replicas"].as_u64().unwrap();
+    assert!(replicas(1) > 0 && replicas(2) > replicas(1), "{report}");
+    for bad in ["0", "3"] {
+        refused(
+            &["bench", "ep", "--micro-batches", bad],
+            "a step runs 1 or 2 micro-batches",
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

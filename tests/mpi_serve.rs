@@ -131,6 +131,46 @@ fn four_processes_equal_one_on_every_family_for_every_balancer() {
     }
 }
 
+/// Two micro-batches a step across four processes (each process's collectives issued by one
+/// micro-batch at a time, in the same order everywhere): the same tokens and logprobs as one
+/// process at EP 1, under quota and eplb-exact; `--micro-batches 3` is refused with one line.
+#[test]
+fn four_processes_with_two_micro_batches_equal_one_process() {
+    if !mpirun_available() {
+        return;
+    }
+    let model = "rackfill-tiny-moe";
+    let requests = scoring_requests(512);
+    let dense = Served::single(&["--model", model, "--ep-size", "1"]);
+    let reference = dense.complete_all(&requests);
+    dense.stop_with_sigterm();
+    for balancer in ["quota", "eplb-exact"] {
+        let flags = [
+            "--model",
+            model,
+            "--balancer",
+            balancer,
+            "--micro-batches",
+            "2",
+        ];
+        let group = Group::start(4, &flags, &[]);
+        let spread = group.complete_all(&requests);
+        group.stop_with_sigterm();
+        assert_same_completions(
+            &format!("-np 4 {balancer}, two micro-batches, vs one process at EP 1"),
+            &spread,
+            &reference,
+        );
+    }
+    let out = Group::run_to_end(2, &["--micro-batches", "3"]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("a step runs 1 or 2 micro-batches"),
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn a_mislaunched_group_fails_at_start_with_one_line() {
     if !mpirun_available() {

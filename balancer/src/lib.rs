@@ -30,6 +30,7 @@ mod plan;
 pub mod quota;
 pub mod relay;
 mod reroute;
+pub mod reuse;
 
 pub use assignment::TokenAssignment;
 pub use instance::Instance;

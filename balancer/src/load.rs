@@ -108,6 +108,25 @@ impl LoadMatrix {
         }
     }
 
+    /// `self + other`, element by element: the load of two micro-batches of one step (the
+    /// shapes must match).
+    pub fn sum(&self, other: &LoadMatrix) -> Result<LoadMatrix, BalanceError> {
+        if (self.ranks, self.experts) != (other.ranks, other.experts) {
+            return Err(BalanceError::LoadSize {
+                len: other.counts.len(),
+                ranks: self.ranks,
+                experts: self.experts,
+            });
+        }
+        let counts = self
+            .counts
+            .iter()
+            .zip(&other.counts)
+            .map(|(a, b)| a.checked_add(*b).ok_or(BalanceError::TooLarge))
+            .collect::<Result<_, _>>()?;
+        Self::from_flat(self.ranks, self.experts, counts)
+    }
+
     /// Sum of all token-expert pairs.
     pub fn total(&self) -> u64 {
         self.counts.iter().sum()

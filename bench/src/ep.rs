@@ -95,6 +95,8 @@ pub struct EpCase {
     /// Where the MoE data plane runs (`cpu`, `gpu:N`).
     #[serde(serialize_with = "plane_name")]
     pub data_plane: DataPlane,
+    /// Micro-batches per step (2: two-batch overlap).
+    pub micro_batches: usize,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
@@ -179,6 +181,7 @@ pub fn run_ep(
                     redundant_slots,
                     balancer: c.balancer,
                     data_plane: c.data_plane,
+                    micro_batches: c.micro_batches,
                     ..EpConfig::default()
                 },
             )?;
@@ -299,10 +302,16 @@ impl EpReport {
         for r in &self.results {
             let name = match r.case {
                 None => "dense (1 device)".to_string(),
-                Some(c) => match c.data_plane {
-                    DataPlane::Cpu => format!("EP {} {}", c.ep_size, c.balancer.name()),
-                    gpu => format!("EP {} {} ({gpu})", c.ep_size, c.balancer.name()),
-                },
+                Some(c) => {
+                    let mut name = format!("EP {} {}", c.ep_size, c.balancer.name());
+                    if c.micro_batches > 1 {
+                        name += &format!(" x{} micro-batches", c.micro_batches);
+                    }
+                    if c.data_plane != DataPlane::Cpu {
+                        name += &format!(" ({})", c.data_plane);
+                    }
+                    name
+                }
             };
             let (imb, sim) = match r.case {
                 None => ("-".to_string(), "-".to_string()),

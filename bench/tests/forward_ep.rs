@@ -54,6 +54,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
             ep_size,
             balancer: Algo::Quota,
             data_plane: DataPlane::Cpu,
+            micro_batches: 1,
         };
         let err = run_ep(
             Arc::clone(&model),
@@ -77,6 +78,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
         ep_size: 2,
         balancer: Algo::Quota,
         data_plane: DataPlane::Cpu,
+        micro_batches: 1,
     };
     let report = run_ep(model, "tiny", &prompts, &[case], 2, &Rack::nvl72(), 1).unwrap();
     assert_eq!(report.tokens_per_step, 8);

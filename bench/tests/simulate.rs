@@ -68,6 +68,7 @@ fn spec(ranks: usize, experts: usize, algos: Vec<Algo>) -> SimSpec {
         // The hand-worked terms below add up phase by phase: UltraEP's serial schedule.
         schedule: Schedule::ULTRAEP,
         slot_memory: SlotMemory::Shared,
+        reuse_tolerance: None,
     }
 }
 
@@ -451,6 +452,7 @@ fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
             seed: 0,
             schedule: Schedule::OVERLAPPED,
             slot_memory: SlotMemory::Shared,
+            reuse_tolerance: None,
         },
         trace: TraceSource::SYNTHETIC_MIXED,
         steps: 3,
@@ -987,6 +989,7 @@ fn recorded_engine_routing_costs_what_the_engine_reported() {
             seed: 0,
             schedule: Schedule::ULTRAEP,
             slot_memory: SlotMemory::Shared,
+            reuse_tolerance: None,
         },
         trace: TraceSource::File(trace),
         steps: 1,
@@ -1005,4 +1008,55 @@ fn recorded_engine_routing_costs_what_the_engine_reported() {
     assert!(engine_balanced > 0.0 && engine_unbalanced > 0.0);
     assert!(close(moe_ms(&quota.layer_ms) * 1e3, engine_balanced));
     assert!(close(moe_ms(&none.layer_ms) * 1e3, engine_unbalanced));
+}
+
+/// On a routing trace recorded from the built-in model serving 120 requests at EP 8
+/// (`bench/data/builtin-ep8-routing.jsonl`, `rackfill serve --record-routing`), under UltraEP's
+/// schedule: per-layer slots stream fewer replica bytes than shared ones, preferring resident
+/// replicas within 2% of the peak streams fewer still, and the imbalance after balancing rises by
+/// at most those 2%.
+#[test]
+fn preferring_resident_replicas_streams_less_on_a_recorded_trace() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let shape =
+        ModelShape::load(root.join("../models/builtin/config.json").to_str().unwrap()).unwrap();
+    let run_with = |slot_memory: SlotMemory, reuse_tolerance: Option<f64>| {
+        let run = ThroughputRun {
+            spec: SimSpec {
+                rack: Rack::nvl72(),
+                sim_layers: shape.moe_layers(),
+                shape: shape.clone(),
+                ep: 8,
+                slots: 2,
+                algos: vec![Algo::Quota],
+                settings: Settings::default(),
+                relay: RelayConfig::default(),
+                solve_us: Some(111.0),
+                chunk_tokens: 4096,
+                seed: 0,
+                schedule: Schedule::ULTRAEP,
+                slot_memory,
+                reuse_tolerance,
+            },
+            trace: TraceSource::File(root.join("data/builtin-ep8-routing.jsonl")),
+            steps: 100,
+            context_tokens: 0,
+        };
+        let report = run_throughput(&run, |_, _| {}).unwrap();
+        let quota = &report.balancers[0];
+        (quota.replica_mb_busiest_mean, quota.mean_imbalance.after)
+    };
+    let (shared_mb, shared_imbalance) = run_with(SlotMemory::Shared, None);
+    let (kept_mb, kept_imbalance) = run_with(SlotMemory::PerLayer, None);
+    let (preferred_mb, preferred_imbalance) = run_with(SlotMemory::PerLayer, Some(0.02));
+    assert!(
+        preferred_mb < kept_mb && kept_mb < shared_mb,
+        "{preferred_mb} < {kept_mb} < {shared_mb}"
+    );
+    assert_eq!(
+        kept_imbalance, shared_imbalance,
+        "reuse alone keeps the plans"
+    );
+    assert!(preferred_imbalance <= kept_imbalance * 1.02 + 1e-9);
+    assert!(preferred_imbalance > 1.0);
 }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use rackfill_balancer::LoadMatrix;
 use rackfill_models::{MoeModel, Tokenizer};
 use tokio::sync::mpsc as events;
 
@@ -333,12 +334,30 @@ pub(crate) fn record_routing(
     output: &StepOutput,
 ) {
     if let Some(active) = recorder {
-        let layers = output.layers.iter().map(|l| (l.layer, &l.load));
+        let loads = step_loads(output);
+        let layers = loads.iter().map(|(layer, load)| (*layer, load));
         if let Err(stopped) = active.record(step, layers) {
             tracing::warn!("{stopped}");
             *recorder = None;
         }
     }
+}
+
+/// Each MoE layer's load over the whole step, in layer order: with two micro-batches a layer is
+/// reported once per micro-batch, and the trace records their sum (what the step routed).
+fn step_loads(output: &StepOutput) -> Vec<(usize, LoadMatrix)> {
+    let mut loads: Vec<(usize, LoadMatrix)> = Vec::new();
+    for report in &output.layers {
+        match loads.last_mut() {
+            Some((layer, load)) if *layer == report.layer => {
+                if let Ok(sum) = load.sum(&report.load) {
+                    *load = sum;
+                }
+            }
+            _ => loads.push((report.layer, report.load.clone())),
+        }
+    }
+    loads
 }
 
 /// The engine thread's state.

@@ -18,14 +18,14 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Tensor;
 use rayon::prelude::*;
 
 use rackfill_balancer::metrics::{evaluate, PlanMetrics};
 use rackfill_balancer::relay::RelayConfig;
-use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
+use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Settings};
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
 use rackfill_models::{
     ExpertSelection, FeedForward, KvCache, LogitsFor, ModelConfig, MoeModel, Routing, SeqChunk,
@@ -43,6 +43,10 @@ use crate::rack::Rack;
 mod device;
 #[cfg(feature = "cuda")]
 mod on_device;
+mod overlap;
+mod planning;
+
+use planning::{check_plans_agree, solve_on_host, Finished, Solved};
 
 /// How the runtime is laid out and balanced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -61,6 +65,10 @@ pub struct EpConfig {
     /// compiler's.
     pub verify_plans: bool,
     pub data_plane: DataPlane,
+    /// Micro-batches each step's sequences are split into (1 or 2). With 2, one micro-batch
+    /// communicates while the other computes, each with its own load, plan and replica slots
+    /// (`ep/overlap.rs`; the CPU data plane only).
+    pub micro_batches: usize,
 }
 
 impl Default for EpConfig {
@@ -73,6 +81,7 @@ impl Default for EpConfig {
             relay: RelayConfig::default(),
             verify_plans: false,
             data_plane: DataPlane::Cpu,
+            micro_batches: 1,
         }
     }
 }
@@ -81,6 +90,8 @@ impl Default for EpConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerReport {
     pub layer: usize,
+    /// The micro-batch of the step this report is for (0 with one micro-batch a step).
+    pub micro_batch: usize,
     /// The exact load the plan was solved on (`load[r][e]`, token-expert pairs).
     pub load: LoadMatrix,
     pub metrics: PlanMetrics,
@@ -125,13 +136,6 @@ pub struct EpRuntime {
     device: Option<on_device::OnDevice>,
 }
 
-/// One MoE layer's plan and the load it was solved on.
-struct Solved {
-    plan: Plan,
-    load: LoadMatrix,
-    took: Duration,
-}
-
 impl EpRuntime {
     /// Lays `model` out over `config.ep_size` ranks, all in this process (the in-process
     /// fabric).
@@ -149,6 +153,12 @@ impl EpRuntime {
         fabric: Box<dyn Fabric>,
     ) -> Result<Self> {
         let local = fabric.local_ranks();
+        if !(1..=2).contains(&config.micro_batches) {
+            return Err(EngineError::Config(format!(
+                "a step runs 1 or 2 micro-batches, not {}",
+                config.micro_batches
+            )));
+        }
         if config.ep_size == 0
             || fabric.world_size() != config.ep_size
             || local.is_empty()
@@ -180,6 +190,7 @@ impl EpRuntime {
             balancer: config.balancer,
             u_min: config.settings.u_min,
             verify: config.verify_plans,
+            micro_batches: config.micro_batches,
         };
         let plane = Plane::open(config.data_plane, &model, &layout, local, &plane_config)?;
         Ok(Self {
@@ -304,18 +315,20 @@ impl EpRuntime {
         self.fabric.bytes_moved()
     }
 
-    /// A copy of local rank `rank`'s redundant slot `slot` (what the last layer streamed there;
-    /// read back from the device on a GPU plane, widened from bf16 on the device's own).
-    pub fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
+    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch` (what
+    /// that micro-batch's last MoE layer streamed there; read back from the device on a GPU
+    /// plane, widened from bf16 on the device's own; those have one micro-batch).
+    pub fn slot_contents(&self, micro_batch: usize, rank: usize, slot: usize) -> Option<Vec<f32>> {
         #[cfg(feature = "cuda")]
         if let Some(slots) = self
             .device
             .as_ref()
+            .filter(|_| micro_batch == 0)
             .and_then(|d| d.slot_contents(rank, slot))
         {
             return slots;
         }
-        self.plane.slot_contents(rank, slot)
+        self.plane.slot_contents(micro_batch, rank, slot)
     }
 
     /// Whether the replica slots hold bf16 weights (the device's own data plane: what
@@ -342,67 +355,27 @@ impl EpRuntime {
         if self.device.is_some() {
             return self.forward_on_device(batches, which);
         }
+        if self.config.micro_batches > 1 {
+            return self.forward_overlapped(batches, which);
+        }
         let model = Arc::clone(&self.model);
-        let mut xs: Vec<Option<Tensor>> = batches
-            .iter()
-            .map(|batch| {
-                let tokens: Vec<u32> = batch
-                    .iter()
-                    .flat_map(|s| s.tokens.iter().copied())
-                    .collect();
-                (!tokens.is_empty())
-                    .then(|| model.embed(&tokens))
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()?;
+        let mut seqs: Vec<&mut [SequenceInput<'_>]> =
+            batches.iter_mut().map(Vec::as_mut_slice).collect();
+        let mut xs = embed_ranks(&model, &seqs)?;
         let mut reports = Vec::new();
         for (index, layer) in model.layers().iter().enumerate() {
-            // Data-parallel attention: every rank on its own sequences.
-            let hs: Vec<Option<Tensor>> = xs
-                .par_iter()
-                .zip(batches.par_iter_mut())
-                .map(|(x, batch)| {
-                    let Some(x) = x else { return Ok(None) };
-                    let mut chunks: Vec<SeqChunk<'_>> = batch
-                        .iter_mut()
-                        .map(|s| SeqChunk {
-                            len: s.tokens.len(),
-                            cache: &mut s.cache.layers[index],
-                        })
-                        .collect();
-                    layer.attention_residual(x, &mut chunks).map(Some)
-                })
-                .collect::<Result<_, _>>()?;
-            let inputs: Vec<Option<Tensor>> = hs
-                .iter()
-                .map(|h| h.as_ref().map(|h| layer.ffn_input(h)).transpose())
-                .collect::<Result<_, _>>()?;
+            let (hs, inputs) = attention_ranks(&model, index, &xs, &mut seqs)?;
             let outs = match layer.ffn() {
-                FeedForward::Dense(mlp) => inputs
-                    .iter()
-                    .map(|x| {
-                        x.as_ref()
-                            .map(|x| candle_core::Module::forward(mlp, x))
-                            .transpose()
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(rackfill_models::ModelError::from)?,
+                FeedForward::Dense(mlp) => dense_ranks(mlp, &inputs)?,
                 FeedForward::Moe(block) => {
                     let (outs, report) = self.moe_layer(index, block, &inputs)?;
                     reports.push(report);
                     outs
                 }
             };
-            xs = hs
-                .into_iter()
-                .zip(outs)
-                .map(|(h, out)| match (h, out) {
-                    (Some(h), Some(out)) => Ok(Some((h + out)?)),
-                    _ => Ok(None),
-                })
-                .collect::<Result<_, candle_core::Error>>()
-                .map_err(rackfill_models::ModelError::from)?;
+            xs = add_residual(hs, outs)?;
         }
+        drop(seqs);
         let logits = xs
             .into_iter()
             .zip(batches.iter())
@@ -480,7 +453,7 @@ impl EpRuntime {
             .collect();
         let gathered = self.fabric.all_gather(&counts)?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
-        self.check_plans_agree(layer, &plan)?;
+        check_plans_agree(&*self.fabric, layer, &plan)?;
         let solve_time = started.elapsed();
 
         // 4-7. Replicas, token assignment and dispatch, expert compute, combine.
@@ -511,35 +484,30 @@ impl EpRuntime {
             .collect::<Result<_>>()?;
         let shared_time = started.elapsed();
 
-        let phases = PhaseTimes {
-            route: route_time,
-            solve: solve_time,
-            combine: phases.combine + shared_time,
-            ..phases
-        };
-        let report = self.layer_report(
+        let finished = Finished {
             layer,
-            load,
-            &plan,
-            took,
-            (replica_bytes, recv_bytes),
-            phases,
-        );
-        Ok((outs, report))
+            solved: Solved { plan, load, took },
+            bytes: (replica_bytes, recv_bytes),
+            phases: PhaseTimes {
+                route: route_time,
+                solve: solve_time,
+                combine: phases.combine + shared_time,
+                ..phases
+            },
+        };
+        Ok((outs, self.layer_report(finished, 0)))
     }
 
-    /// What one MoE layer of a step did: its exact load, the plan's metrics and slots, the plan
-    /// costed on the runtime's rack, the solve time, what the data plane moved (replica bytes,
-    /// bytes received per local rank) and its phase times.
-    fn layer_report(
-        &self,
-        layer: usize,
-        load: LoadMatrix,
-        plan: &Plan,
-        took: Duration,
-        (replica_bytes, recv_bytes): (u64, Vec<u64>),
-        phases: PhaseTimes,
-    ) -> LayerReport {
+    /// What one MoE layer of micro-batch `micro_batch` did: its exact load, the plan's metrics
+    /// and slots, the plan costed on the runtime's rack, the solve time, what the data plane
+    /// moved (replica bytes, bytes received per local rank) and its phase times.
+    fn layer_report(&self, finished: Finished, micro_batch: usize) -> LayerReport {
+        let Finished {
+            layer,
+            solved: Solved { plan, load, took },
+            bytes: (replica_bytes, recv_bytes),
+            phases,
+        } = finished;
         let mc = self.model.config();
         let cost = MoeCost {
             rack: &self.rack,
@@ -550,8 +518,9 @@ impl EpRuntime {
         };
         LayerReport {
             layer,
-            metrics: evaluate(&self.layout, &load, plan),
-            simulated: cost.makespan(&self.layout, &load, plan, &self.config.relay),
+            micro_batch,
+            metrics: evaluate(&self.layout, &load, &plan),
+            simulated: cost.makespan(&self.layout, &load, &plan, &self.config.relay),
             slots: (0..plan.ranks())
                 .map(|r| plan.rank_slots(r).to_vec())
                 .collect(),
@@ -573,7 +542,7 @@ impl EpRuntime {
         if let Some(plan) = self.plane.solve_on_device(layer, &load)? {
             let took = started.elapsed();
             if self.config.verify_plans {
-                let host = self.solve_on_host(layer, &load)?;
+                let host = self.planners_solve(layer, &load)?;
                 if host.plan != plan {
                     return Err(EngineError::Gpu(format!(
                         "layer {layer}: the GPU solver's plan differs from the host planner's"
@@ -582,63 +551,21 @@ impl EpRuntime {
             }
             return Ok(Solved { plan, load, took });
         }
-        self.solve_on_host(layer, &load)
+        self.planners_solve(layer, &load)
     }
 
-    /// Fails on every process unless all solved the same `plan` (one all-gather of a 64-bit
-    /// digest per layer): the plan decides where every token and replica goes, so processes that
-    /// disagree would exchange garbage. Run whatever the layout, so one process holding every
-    /// rank moves the same bytes as one process per rank (`verify_plans` also checks a
-    /// process's own planners against each other).
-    fn check_plans_agree(&self, layer: usize, plan: &Plan) -> Result<()> {
-        let local = self.fabric.local_ranks();
-        let mut hasher = std::hash::DefaultHasher::new();
-        std::hash::Hash::hash(plan, &mut hasher);
-        let digest = std::hash::Hasher::finish(&hasher);
-        let digests = self.fabric.all_gather(&vec![vec![digest]; local.len()])?;
-        match digests.iter().position(|d| d != &digests[0]) {
-            None => Ok(()),
-            Some(rank) => Err(EngineError::Fabric(format!(
-                "layer {layer}: rank {rank} solved a different plan than rank 0 (digest \
-                 {:016x}, not {:016x}): the ranks no longer agree",
-                digests[rank][0], digests[0][0]
-            ))),
-        }
-    }
-
-    /// [`Self::solve`] with the host planners.
-    fn solve_on_host(&mut self, layer: usize, load: &LoadMatrix) -> Result<Solved> {
+    /// [`solve_on_host`] with this runtime's planners of `layer`.
+    fn planners_solve(&mut self, layer: usize, load: &LoadMatrix) -> Result<Solved> {
         let planners = self.planners[layer]
             .as_mut()
             .ok_or_else(|| EngineError::Config(format!("layer {layer} has no planner")))?;
-        let local = self.fabric.local_ranks();
-        let mut first: Option<Solved> = None;
-        for (rank, planner) in local.zip(planners.iter_mut()) {
-            // Every rank plans from its own copy, as separate hosts would.
-            let copy = load.clone();
-            let started = Instant::now();
-            let mine = planner.plan(&self.layout, &copy)?;
-            let took = started.elapsed();
-            match &first {
-                None => {
-                    mine.validate(&self.layout, &copy, planner.u_min())
-                        .map_err(|violation| EngineError::InvalidPlan { layer, violation })?;
-                    first = Some(Solved {
-                        plan: mine,
-                        load: copy,
-                        took,
-                    });
-                }
-                Some(solved) if solved.plan != mine => {
-                    return Err(EngineError::Fabric(format!(
-                        "layer {layer}: rank {rank} solved a different plan than the first \
-                         local rank"
-                    )));
-                }
-                Some(_) => {}
-            }
-        }
-        first.ok_or_else(|| EngineError::Config(format!("layer {layer} has no planner")))
+        solve_on_host(
+            planners,
+            &self.layout,
+            self.fabric.local_ranks(),
+            layer,
+            load,
+        )
     }
 }
 
@@ -677,6 +604,74 @@ fn check_home_experts(model: &MoeModel, layout: &Layout, local: Range<usize>) ->
         }
     }
     Ok(())
+}
+
+/// Per local rank: a tensor, or `None` for a rank without tokens.
+type RankTensors = Vec<Option<Tensor>>;
+
+/// Every local rank's tokens embedded, its sequences' tokens in order.
+fn embed_ranks(model: &MoeModel, seqs: &[&mut [SequenceInput<'_>]]) -> Result<RankTensors> {
+    seqs.iter()
+        .map(|seqs| {
+            let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+            (!tokens.is_empty())
+                .then(|| model.embed(&tokens))
+                .transpose()
+        })
+        .collect::<Result<_, _>>()
+        .map_err(EngineError::from)
+}
+
+/// Data-parallel attention of model layer `layer`: every rank on its own sequences, each
+/// continuing its KV cache. Returns the residual stream after attention and the FFN input.
+fn attention_ranks(
+    model: &MoeModel,
+    layer: usize,
+    xs: &[Option<Tensor>],
+    seqs: &mut [&mut [SequenceInput<'_>]],
+) -> Result<(RankTensors, RankTensors)> {
+    let block = &model.layers()[layer];
+    let hs: RankTensors = xs
+        .par_iter()
+        .zip(seqs.par_iter_mut())
+        .map(|(x, seqs)| {
+            let Some(x) = x else { return Ok(None) };
+            let mut chunks: Vec<SeqChunk<'_>> = seqs
+                .iter_mut()
+                .map(|s| SeqChunk {
+                    len: s.tokens.len(),
+                    cache: &mut s.cache.layers[layer],
+                })
+                .collect();
+            block.attention_residual(x, &mut chunks).map(Some)
+        })
+        .collect::<Result<_, _>>()?;
+    let inputs = hs
+        .iter()
+        .map(|h| h.as_ref().map(|h| block.ffn_input(h)).transpose())
+        .collect::<Result<_, _>>()?;
+    Ok((hs, inputs))
+}
+
+/// A dense MLP on every rank's FFN input.
+fn dense_ranks(mlp: &impl candle_core::Module, inputs: &[Option<Tensor>]) -> Result<RankTensors> {
+    inputs
+        .iter()
+        .map(|x| x.as_ref().map(|x| mlp.forward(x)).transpose())
+        .collect::<Result<_, _>>()
+        .map_err(|e| rackfill_models::ModelError::from(e).into())
+}
+
+/// The residual stream after a layer: `h + out` on every rank with tokens.
+fn add_residual(hs: RankTensors, outs: RankTensors) -> Result<RankTensors> {
+    hs.into_iter()
+        .zip(outs)
+        .map(|(h, out)| match (h, out) {
+            (Some(h), Some(out)) => Ok(Some((h + out)?)),
+            _ => Ok(None),
+        })
+        .collect::<Result<_, candle_core::Error>>()
+        .map_err(|e| rackfill_models::ModelError::from(e).into())
 }
 
 /// The router on every local rank: each rank's FFN input rows and their top-k routing (empty

@@ -150,11 +150,28 @@ fn try_ep_logits(
 }
 
 /// After a step, every replica slot of the last MoE layer on the runtime's ranks holds that
-/// layer's home expert's weights exactly (rounded to bf16 on the device's own data plane).
+/// layer's home expert's weights exactly (rounded to bf16 on the device's own data plane), in
+/// each micro-batch's own slots.
 fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_engine::StepOutput) {
-    let Some(last) = step.layers.last() else {
+    let Some(last_layer) = step.layers.last().map(|l| l.layer) else {
         return;
     };
+    let lasts: Vec<&LayerReport> = step
+        .layers
+        .iter()
+        .filter(|l| l.layer == last_layer)
+        .collect();
+    assert_eq!(
+        lasts.iter().map(|l| l.micro_batch).collect::<Vec<_>>(),
+        (0..runtime.config().micro_batches).collect::<Vec<_>>(),
+        "one report per micro-batch, in order"
+    );
+    for last in lasts {
+        check_micro_batch_slots(runtime, model, last);
+    }
+}
+
+fn check_micro_batch_slots(runtime: &EpRuntime, model: &MoeModel, last: &LayerReport) {
     let rackfill_models::FeedForward::Moe(block) = model.layers()[last.layer].ffn() else {
         panic!("reported layer {} is not an MoE layer", last.layer);
     };
@@ -163,7 +180,7 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
     for (rank, slots) in last.slots.iter().enumerate() {
         if !local.contains(&rank) {
             assert!(
-                runtime.slot_contents(rank, 0).is_none(),
+                runtime.slot_contents(last.micro_batch, rank, 0).is_none(),
                 "rank {rank} is not here"
             );
             continue;
@@ -171,7 +188,7 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
         for (slot, expert) in slots.iter().enumerate() {
             let Some(expert) = expert else { continue };
             let [gate_up, down] = block.experts.get(*expert).unwrap().weights();
-            let held = runtime.slot_contents(rank, slot).unwrap();
+            let held = runtime.slot_contents(last.micro_batch, rank, slot).unwrap();
             let stored = |v: f32| -> f32 {
                 #[cfg(feature = "cuda")]
                 if runtime.slots_in_bf16() {
@@ -213,7 +230,7 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
 fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize], chunk: usize) {
     check_on(
         model,
-        DataPlane::Cpu,
+        (DataPlane::Cpu, 1),
         TOLERANCE,
         ep_sizes,
         algos,
@@ -222,9 +239,11 @@ fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize
     );
 }
 
+/// The EP runtime on `data_plane` with `micro_batches` a step, every EP size and balancer,
+/// against the dense logits.
 fn check_on(
     model: Arc<MoeModel>,
-    data_plane: DataPlane,
+    (data_plane, micro_batches): (DataPlane, usize),
     tolerance: f32,
     ep_sizes: &[usize],
     algos: &[Algo],
@@ -241,6 +260,7 @@ fn check_on(
                 balancer,
                 verify_plans: true,
                 data_plane,
+                micro_batches,
                 ..EpConfig::default()
             };
             let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
@@ -252,7 +272,8 @@ fn check_on(
             let diff = max_abs_diff(&run.logits, &want);
             assert!(
                 diff <= tolerance,
-                "EP {ep_size} with {balancer} on {data_plane:?}: max abs logit difference {diff}"
+                "EP {ep_size} with {balancer} on {data_plane:?}, {micro_batches} micro-batches: \
+                 max abs logit difference {diff}"
             );
         }
     }
@@ -286,6 +307,84 @@ fn shared_experts_and_dense_layers_match_dense() {
     }
 }
 
+/// Two micro-batches in flight (one communicates while the other computes), each with its own
+/// load, plan and replica slots: the dense logits within [`TOLERANCE`] for every balancer, on the
+/// built-in model (ranks with one sequence, whose second micro-batch is empty, included) and on
+/// fixtures with shared experts and dense layers; every micro-batch's slots hold its replicas'
+/// exact bytes.
+#[test]
+fn two_micro_batches_match_dense_for_every_balancer() {
+    check_on(
+        builtin(),
+        (DataPlane::Cpu, 2),
+        TOLERANCE,
+        &[1, 3, 8],
+        &Algo::ALL,
+        &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+        24,
+    );
+    for family in ["deepseek_v3", "qwen2_moe"] {
+        check_on(
+            fixture(family),
+            (DataPlane::Cpu, 2),
+            TOLERANCE,
+            &[3],
+            &[Algo::Quota, Algo::EplbExact],
+            &[19, 7, 30, 12, 9, 14],
+            8,
+        );
+    }
+}
+
+/// With two micro-batches each MoE layer is reported twice, micro-batch 0 then 1; their loads
+/// add up to the step's whole load (what one micro-batch would have planned on), and each plan
+/// is solved on its own micro-batch's load.
+#[test]
+fn two_micro_batches_split_the_load_and_plan_each_half() {
+    let model = builtin();
+    let prompts = prompts(model.config().vocab_size, &[40, 25, 31, 18, 22, 35]);
+    let run_with = |micro_batches| {
+        let config = EpConfig {
+            ep_size: 3,
+            micro_batches,
+            verify_plans: true,
+            ..EpConfig::default()
+        };
+        let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
+        ep_logits(&mut runtime, &model, &prompts, 64)
+    };
+    let (one, two) = (run_with(1), run_with(2));
+    assert_eq!(two.layers.len(), 2 * one.layers.len());
+    for (whole, halves) in one.layers.iter().zip(two.layers.chunks(2)) {
+        assert_eq!(
+            (halves[0].layer, halves[1].layer),
+            (whole.layer, whole.layer)
+        );
+        assert_eq!((halves[0].micro_batch, halves[1].micro_batch), (0, 1));
+        let summed = halves[0].load.sum(&halves[1].load).unwrap();
+        assert_eq!(summed, whole.load, "layer {}", whole.layer);
+        assert!(
+            halves.iter().all(|h| h.load.total() > 0),
+            "both halves carry tokens"
+        );
+    }
+    assert_eq!(max_abs_diff(&one.logits, &two.logits), 0.0);
+}
+
+/// A step of three micro-batches is refused when the runtime is built.
+#[test]
+fn three_micro_batches_are_refused() {
+    let config = EpConfig {
+        micro_batches: 3,
+        ..EpConfig::default()
+    };
+    let err = EpRuntime::new(builtin(), config)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("1 or 2 micro-batches, not 3"), "{err}");
+}
+
 /// One process per group of ranks: EP 4 split over three runtimes holding ranks {0}, {1, 2} and
 /// {3}, each on its own thread over one in-process fabric group, exactly as processes of one MPI
 /// job would run. Together they compute the dense logits, and every process reports the layers
@@ -298,12 +397,13 @@ fn ranks_split_over_processes_match_dense() {
         &[70, 5, 33, 64, 1, 48, 90, 17, 25],
     );
     let want = dense_logits(&model, &prompts);
-    for balancer in [Algo::Quota, Algo::EplbExact] {
+    for (balancer, micro_batches) in [(Algo::Quota, 1), (Algo::EplbExact, 1), (Algo::Quota, 2)] {
         let config = EpConfig {
             ep_size: 4,
             redundant_slots: 2,
             balancer,
             verify_plans: true,
+            micro_batches,
             ..EpConfig::default()
         };
         let mut whole = EpRuntime::new(Arc::clone(&model), config).unwrap();
@@ -507,7 +607,7 @@ fn gpu_data_plane_matches_dense() {
     let gpu = DataPlane::Gpu { ordinal: 0 };
     check_on(
         builtin(),
-        gpu,
+        (gpu, 1),
         GPU_TOLERANCE,
         &[1, 2, 4, 8],
         &Algo::ALL,
@@ -517,7 +617,7 @@ fn gpu_data_plane_matches_dense() {
     for family in ["qwen2_moe", "deepseek_v3", "mixtral", "qwen3_moe"] {
         check_on(
             fixture(family),
-            gpu,
+            (gpu, 1),
             GPU_TOLERANCE,
             &[3, 4],
             &[Algo::Quota, Algo::EplbExact],

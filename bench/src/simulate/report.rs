@@ -136,6 +136,9 @@ pub struct ThroughputReport {
     pub schedule: String,
     /// `shared` or `per-layer` (`--slot-memory`).
     pub slot_memory: String,
+    /// With per-layer slots: how much more load the busiest rank may take for quota plans to
+    /// reuse resident replicas (`--reuse-tolerance`); `None`: plans as solved.
+    pub reuse_tolerance: Option<f64>,
     /// Redundant-slot memory per GPU under the headline schedule, GB.
     pub slot_gb_per_gpu: f64,
     pub ideal: IdealReport,
@@ -213,8 +216,17 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
     );
     let _ = writeln!(
         out,
-        "schedule: {}, slot memory: {} ({:.1} GB of redundant slots per GPU)",
-        r.schedule, r.slot_memory, r.slot_gb_per_gpu
+        "schedule: {}, slot memory: {} ({:.1} GB of redundant slots per GPU){}",
+        r.schedule,
+        r.slot_memory,
+        r.slot_gb_per_gpu,
+        match r.reuse_tolerance {
+            Some(t) => format!(
+                ", resident replicas preferred within {:.1}% of the peak",
+                t * 100.0
+            ),
+            None => String::new(),
+        }
     );
     let _ = writeln!(out);
     let _ = writeln!(

@@ -46,9 +46,20 @@ pub struct SimSpec {
     pub schedule: Schedule,
     /// Where replicas live between steps (`--slot-memory`).
     pub slot_memory: SlotMemory,
+    /// With [`SlotMemory::PerLayer`], quota plans move replicas onto ranks that still hold the
+    /// same expert while the busiest rank's load stays within this fraction of the unconstrained
+    /// plan's (`rackfill_balancer::reuse::prefer_resident`); `None`: plans as solved.
+    pub reuse_tolerance: Option<f64>,
 }
 
 impl SimSpec {
+    /// The tolerance quota plans reuse resident replicas within: only with per-layer slots.
+    pub fn resident_preference(&self) -> Option<f64> {
+        (self.slot_memory == SlotMemory::PerLayer)
+            .then_some(self.reuse_tolerance)
+            .flatten()
+    }
+
     /// Checks the combination before anything runs.
     pub fn validate(&self) -> Result<(), SimError> {
         let bad = |s: String| Err(SimError::Input(s));

@@ -9,6 +9,7 @@ use super::error::SimError;
 use super::spec::SimSpec;
 use super::trace::{even_load, thin_rows};
 use rackfill_balancer::metrics::imbalance;
+use rackfill_balancer::reuse::prefer_resident;
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_engine::cost::ReplicaTraffic;
 use rackfill_engine::schedule::{makespan, LayerPhases, Schedule, SlotMemory};
@@ -382,7 +383,8 @@ impl<'a> StepCoster<'a> {
     }
 
     /// Plans, validates and costs simulated layer `l` of step `step` for one balancer with the
-    /// planner of `slot`, on top of the micro-batch's `dense` phases.
+    /// planner of `slot`, on top of the micro-batch's `dense` phases (quota plans moved onto
+    /// resident replicas first, with per-layer slots and a reuse tolerance).
     fn cost_layer(
         &self,
         state: &mut AlgoState,
@@ -401,9 +403,15 @@ impl<'a> StepCoster<'a> {
         };
         let planner = &mut state.planners[slot][l];
         let started = Instant::now();
-        let plan = planner
+        let mut plan = planner
             .plan(&self.layout, load)
             .map_err(|e| fail(e.to_string()))?;
+        let previous = state.previous_slots[slot][l].as_deref();
+        if let (Some(tolerance), Some(resident), Algo::Quota | Algo::QuotaPaper) =
+            (self.spec.resident_preference(), previous, state.algo)
+        {
+            plan = prefer_resident(&self.layout, load, &plan, resident, tolerance);
+        }
         let measured_us = started.elapsed().as_secs_f64() * 1e6;
         plan.validate(&self.layout, load, planner.u_min())
             .map_err(|e| fail(e.to_string()))?;
@@ -411,7 +419,6 @@ impl<'a> StepCoster<'a> {
         // A history balancer re-plans every few steps and keeps its placement between re-plans:
         // only a step whose placement changed pays its solve and its reloads.
         let (traffic, replanned) = if keeps_replicas(state.algo, spec.slot_memory) {
-            let previous = state.previous_slots[slot][l].as_deref();
             // Exact-load planners solve every layer of every step whatever stays resident.
             let replanned = state.algo != Algo::EplbHistory || previous != Some(plan.slots());
             let mut traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);

@@ -179,6 +179,7 @@ impl Totals {
             solve_us_override: spec.solve_us,
             schedule: spec.schedule.name(),
             slot_memory: spec.slot_memory.name().into(),
+            reuse_tolerance: spec.resident_preference(),
             slot_gb_per_gpu: spec.slot_gb_per_gpu(),
             ideal: report::IdealReport {
                 tokens_per_s: ideal.tokens_per_s(),

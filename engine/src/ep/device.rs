@@ -25,7 +25,7 @@ use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
 use rackfill_models::{ExpertSelection, Routing};
 
 use super::on_device::OnDevice;
-use super::{EpRuntime, LayerReport, Solved, StepOutput};
+use super::{EpRuntime, Finished, LayerReport, Solved, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::plane::{expert_weights, received_bytes, PhaseTimes};
 
@@ -51,6 +51,12 @@ impl EpRuntime {
         exec: Arc<dyn Executor>,
         kv_tokens_per_rank: usize,
     ) -> Result<()> {
+        if self.config.micro_batches > 1 {
+            return Err(EngineError::Config(
+                "two micro-batches run on the CPU path only: --micro-batches 1 with --device"
+                    .into(),
+            ));
+        }
         let ranks = self.fabric.local_ranks().len();
         let tokens = kv_tokens_per_rank
             .saturating_mul(ranks)
@@ -218,7 +224,7 @@ impl EpRuntime {
         let started = Instant::now();
         let gathered = self.fabric.all_gather(&counted.counts)?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
-        self.check_plans_agree(layer, &plan)?;
+        super::check_plans_agree(&*self.fabric, layer, &plan)?;
         let solve = started.elapsed();
 
         let run = moe
@@ -235,13 +241,15 @@ impl EpRuntime {
             combine: run.combine,
         };
         let replica_bytes = run.replica_recv_bytes.iter().sum();
+        let solved = Solved { plan, load, took };
         Ok(self.layer_report(
-            layer,
-            load,
-            &plan,
-            took,
-            (replica_bytes, recv_bytes),
-            phases,
+            Finished {
+                layer,
+                solved,
+                bytes: (replica_bytes, recv_bytes),
+                phases,
+            },
+            0,
         ))
     }
 
@@ -251,15 +259,16 @@ impl EpRuntime {
     fn report_routed_on_device(&mut self, layer: usize, routing: &Routing) -> Result<LayerReport> {
         let counts = routing.expert_counts(self.layout.experts());
         let gathered = self.fabric.all_gather(&[counts])?;
-        let Solved { plan, load, took } = self.solve(layer, gathered)?;
+        let solved = self.solve(layer, gathered)?;
         let received = vec![0; self.fabric.local_ranks().len()];
         Ok(self.layer_report(
-            layer,
-            load,
-            &plan,
-            took,
-            (0, received),
-            PhaseTimes::default(),
+            Finished {
+                layer,
+                solved,
+                bytes: (0, received),
+                phases: PhaseTimes::default(),
+            },
+            0,
         ))
     }
 }

@@ -26,70 +26,145 @@ use super::work::{LayerWork, PhaseTimes, PlaneOutput};
 use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, Message, ReplicaBuffers};
 
-/// The local ranks' redundant slots in host memory.
+/// The local ranks' redundant slots in host memory, one set per micro-batch.
 pub(crate) struct CpuPlane {
+    shape: Shape,
+    /// Per micro-batch, per local rank: `n_slot` slots of `expert_floats` f32s, reused by every
+    /// layer (two micro-batches' layers are in flight together, so each has its own).
+    slots: Vec<Vec<Vec<f32>>>,
+}
+
+/// What every micro-batch's share of the plane has in common.
+struct Shape {
     layout: Layout,
     /// The ranks whose slots live here (the fabric's local ranks).
     local: Range<usize>,
     relay: RelayConfig,
     inter: usize,
-    /// Per local rank: `n_slot` slots of `expert_floats` f32s, reused by every layer.
-    slots: Vec<Vec<f32>>,
     /// Floats of one expert: `[H, 2I]` gate-up then `[I, H]` down.
     expert_floats: usize,
     gate_up_floats: usize,
 }
 
-/// What the dispatch left for the expert step and the combine, per local rank.
-struct Dispatched {
+/// One micro-batch's share of the CPU plane: the plane's shape and that micro-batch's own slots.
+/// A layer runs through it in three steps, [`MicroPlane::send`] (replicas and dispatch, over the
+/// fabric), [`MicroPlane::compute`] (expert compute, local) and [`MicroPlane::combine`] (over the
+/// fabric), so that one micro-batch can compute while the other communicates.
+pub(crate) struct MicroPlane<'p> {
+    shape: &'p Shape,
+    slots: &'p mut [Vec<f32>],
+}
+
+/// A layer whose replicas are streamed and whose rows are dispatched, before its experts run.
+pub(crate) struct Sent {
+    router: InstanceRouter,
     /// `[i][src]`: the rows local rank `i` received from world rank `src`.
     received: Vec<Vec<Message>>,
-    /// `[i][src]`: how many rows that was.
+    exchanged: Exchanged,
+    phases: PhaseTimes,
+}
+
+/// A layer whose experts ran, before its combine.
+pub(crate) struct Computed {
+    /// `[i][src]`: local rank `i`'s outputs for the rows it received from `src`.
+    replies: Vec<Vec<Message>>,
+    exchanged: Exchanged,
+    phases: PhaseTimes,
+}
+
+/// What a layer's dispatch moved, kept for the combine and the byte accounting.
+struct Exchanged {
+    /// `[i][src]`: how many rows local rank `i` received from `src`.
     received_rows: Vec<Vec<usize>>,
     /// `[i][dst]`: the pair indices local rank `i` sent to `dst`, in send order.
     sent_pairs: Vec<Vec<Vec<u32>>>,
+    /// Per local rank: replica weight bytes received.
+    replica_recv: Vec<u64>,
 }
 
+/// A dispatch's result per local rank: the rows received from each source, how many, and the
+/// pairs sent to each destination.
+type Dispatch = (Vec<Vec<Message>>, Vec<Vec<usize>>, Vec<Vec<Vec<u32>>>);
+
 impl CpuPlane {
-    /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`.
+    /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`, one
+    /// set for each of `micro_batches`.
     pub(crate) fn new(
         layout: &Layout,
         local: Range<usize>,
         relay: RelayConfig,
-        hidden: usize,
-        inter: usize,
+        (hidden, inter): (usize, usize),
+        micro_batches: usize,
     ) -> Self {
         let gate_up_floats = hidden * 2 * inter;
         let expert_floats = gate_up_floats + inter * hidden;
-        Self {
-            layout: layout.clone(),
-            slots: local
+        let set = || -> Vec<Vec<f32>> {
+            local
                 .clone()
                 .map(|_| vec![0f32; layout.slots_per_rank() * expert_floats])
-                .collect(),
-            local,
-            relay,
-            inter,
-            expert_floats,
-            gate_up_floats,
+                .collect()
+        };
+        Self {
+            slots: (0..micro_batches.max(1)).map(|_| set()).collect(),
+            shape: Shape {
+                layout: layout.clone(),
+                local,
+                relay,
+                inter,
+                expert_floats,
+                gate_up_floats,
+            },
         }
     }
 
-    /// The contents of local rank `rank`'s redundant slot `slot`.
-    pub(crate) fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
-        let start = slot.checked_mul(self.expert_floats)?;
+    /// The contents of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`.
+    pub(crate) fn slot_contents(
+        &self,
+        micro_batch: usize,
+        rank: usize,
+        slot: usize,
+    ) -> Option<Vec<f32>> {
+        let floats = self.shape.expert_floats;
+        let start = slot.checked_mul(floats)?;
         self.slots
-            .get(rank.checked_sub(self.local.start)?)?
-            .get(start..start.checked_add(self.expert_floats)?)
+            .get(micro_batch)?
+            .get(rank.checked_sub(self.shape.local.start)?)?
+            .get(start..start.checked_add(floats)?)
             .map(<[f32]>::to_vec)
     }
 
-    /// Replication, dispatch, expert compute and combine of one layer.
+    /// Each micro-batch's share, in order.
+    pub(crate) fn micro_planes(&mut self) -> Vec<MicroPlane<'_>> {
+        self.slots
+            .iter_mut()
+            .map(|slots| MicroPlane {
+                shape: &self.shape,
+                slots,
+            })
+            .collect()
+    }
+
+    /// Replication, dispatch, expert compute and combine of one layer (the first micro-batch's
+    /// slots).
     pub(crate) fn run_layer(
         &mut self,
         fabric: &dyn Fabric,
         work: &LayerWork<'_>,
     ) -> Result<PlaneOutput> {
+        let mut micro = MicroPlane {
+            shape: &self.shape,
+            slots: &mut self.slots[0],
+        };
+        let sent = micro.send(fabric, work)?;
+        let computed = micro.compute(work, sent)?;
+        micro.combine(fabric, work, computed)
+    }
+}
+
+impl MicroPlane<'_> {
+    /// Streams the layer's replicas into this micro-batch's slots, assigns every local source's
+    /// tokens to instances by cumulative quotas and dispatches them.
+    pub(crate) fn send(&mut self, fabric: &dyn Fabric, work: &LayerWork<'_>) -> Result<Sent> {
         let mut phases = PhaseTimes::default();
         let started = Instant::now();
         let replica_recv = self.stream_replicas(fabric, work.block, work.plan)?;
@@ -97,27 +172,62 @@ impl CpuPlane {
 
         let started = Instant::now();
         let router = InstanceRouter::new(work.plan);
-        let Dispatched {
-            received,
-            received_rows,
-            sent_pairs,
-        } = self.dispatch(fabric, work, &router)?;
+        let (received, received_rows, sent_pairs) = self.dispatch(fabric, work, &router)?;
         phases.dispatch = started.elapsed();
+        Ok(Sent {
+            router,
+            received,
+            exchanged: Exchanged {
+                received_rows,
+                sent_pairs,
+                replica_recv,
+            },
+            phases,
+        })
+    }
 
+    /// Grouped expert compute on every local rank, main and replica instances; nothing crosses
+    /// the fabric.
+    pub(crate) fn compute(&self, work: &LayerWork<'_>, sent: Sent) -> Result<Computed> {
+        let Sent {
+            router,
+            received,
+            exchanged,
+            mut phases,
+        } = sent;
         let started = Instant::now();
         let replies = self.compute_experts(work, &router, received)?;
         phases.experts = started.elapsed();
+        Ok(Computed {
+            replies,
+            exchanged,
+            phases,
+        })
+    }
 
+    /// Returns every output to its source and sums each token's outputs in top-k order.
+    pub(crate) fn combine(
+        &self,
+        fabric: &dyn Fabric,
+        work: &LayerWork<'_>,
+        computed: Computed,
+    ) -> Result<PlaneOutput> {
+        let Computed {
+            replies,
+            exchanged,
+            mut phases,
+        } = computed;
         let started = Instant::now();
         let returned = fabric.all_to_all_v(replies)?;
-        let routed = combine_on_sources(work, &returned, &sent_pairs)?;
+        let routed = combine_on_sources(work, &returned, &exchanged.sent_pairs)?;
         phases.combine = started.elapsed();
 
         let recv_bytes = self
+            .shape
             .local
             .clone()
-            .zip(received_rows.iter().zip(&sent_pairs))
-            .zip(&replica_recv)
+            .zip(exchanged.received_rows.iter().zip(&exchanged.sent_pairs))
+            .zip(&exchanged.replica_recv)
             .map(|((rank, (rows_from, pairs_to)), replicas)| {
                 let rows_to: Vec<usize> = pairs_to.iter().map(Vec::len).collect();
                 remote_recv_bytes(rank, rows_from, &rows_to, work.hidden) + replicas
@@ -126,7 +236,7 @@ impl CpuPlane {
         Ok(PlaneOutput {
             routed,
             recv_bytes,
-            replica_bytes: replica_recv.iter().sum(),
+            replica_bytes: exchanged.replica_recv.iter().sum(),
             phases,
         })
     }
@@ -140,15 +250,15 @@ impl CpuPlane {
         plan: &Plan,
     ) -> Result<Vec<u64>> {
         if plan.replicas() == 0 {
-            return Ok(vec![0; self.local.len()]);
+            return Ok(vec![0; self.shape.local.len()]);
         }
-        let expert_bytes = (self.expert_floats * 4) as u64;
-        let schedule = plan_transfers(plan, expert_bytes, &self.relay);
+        let expert_bytes = (self.shape.expert_floats * 4) as u64;
+        let schedule = plan_transfers(plan, expert_bytes, &self.shape.relay);
         // The fabric reads only the local ranks' home experts; each one replicated is resolved
         // here first, so one this process did not load is an error, not an empty source.
         for expert in 0..plan.experts() {
             if let [main, _, ..] = plan.instances(expert) {
-                if self.local.contains(&(main.rank as usize)) {
+                if self.shape.local.contains(&(main.rank as usize)) {
                     block.experts.get(expert as u32)?;
                 }
             }
@@ -164,7 +274,7 @@ impl CpuPlane {
                 },
             )
         };
-        let slot_bytes = self.expert_floats * 4;
+        let slot_bytes = self.shape.expert_floats * 4;
         fabric.stream_replicas(
             plan,
             &schedule,
@@ -188,8 +298,9 @@ impl CpuPlane {
         fabric: &dyn Fabric,
         work: &LayerWork<'_>,
         router: &InstanceRouter,
-    ) -> Result<Dispatched> {
+    ) -> Result<Dispatch> {
         let permuted: Vec<Vec<DispatchBuffers>> = self
+            .shape
             .local
             .clone()
             .into_par_iter()
@@ -222,11 +333,7 @@ impl CpuPlane {
                     .collect()
             })
             .collect();
-        Ok(Dispatched {
-            received,
-            received_rows,
-            sent_pairs,
-        })
+        Ok((received, received_rows, sent_pairs))
     }
 
     /// Grouped expert compute on every local rank, main and replica instances; returns each
@@ -237,7 +344,8 @@ impl CpuPlane {
         router: &InstanceRouter,
         received: Vec<Vec<Message>>,
     ) -> Result<Vec<Vec<Message>>> {
-        self.local
+        self.shape
+            .local
             .clone()
             .into_par_iter()
             .zip(received.into_par_iter())
@@ -262,7 +370,7 @@ impl CpuPlane {
                         Ok(gated_mlp_rows(
                             weights,
                             work.hidden,
-                            self.inter,
+                            self.shape.inter,
                             input,
                             group.rows.len(),
                         ))
@@ -290,12 +398,13 @@ impl CpuPlane {
         expert: u32,
         instance: u32,
     ) -> Result<[&'b [f32]; 2]> {
-        match weight_source(&self.layout, plan, rank, expert, instance) {
+        match weight_source(&self.shape.layout, plan, rank, expert, instance) {
             Some(WeightSource::Home { .. }) => Ok(block.experts.get(expert)?.weights()),
             Some(WeightSource::Slot { slot }) => {
-                let slots = &self.slots[rank - self.local.start];
-                let floats = &slots[slot * self.expert_floats..(slot + 1) * self.expert_floats];
-                let (gate_up, down) = floats.split_at(self.gate_up_floats);
+                let slots = &self.slots[rank - self.shape.local.start];
+                let floats =
+                    &slots[slot * self.shape.expert_floats..(slot + 1) * self.shape.expert_floats];
+                let (gate_up, down) = floats.split_at(self.shape.gate_up_floats);
                 Ok([gate_up, down])
             }
             None => Err(EngineError::Fabric(format!(

@@ -11,6 +11,7 @@ mod cpu;
 mod gpu;
 mod work;
 
+pub(crate) use cpu::{Computed, MicroPlane, Sent};
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::expert_weights;
 #[cfg(feature = "cuda")]
@@ -93,8 +94,15 @@ impl Plane {
                     layout,
                     local,
                     config.relay,
-                    mc.hidden_size,
-                    mc.moe.intermediate_size,
+                    (mc.hidden_size, mc.moe.intermediate_size),
+                    config.micro_batches,
+                ))
+            }
+            DataPlane::Gpu { .. } if config.micro_batches > 1 => {
+                return Err(EngineError::Config(
+                    "two micro-batches run on the CPU data plane only (--micro-batches 1 with \
+                     --data-plane gpu)"
+                        .into(),
                 ))
             }
             DataPlane::Gpu { .. } if local.len() != layout.ranks() => {
@@ -153,13 +161,33 @@ impl Plane {
         .map_err(|e| at_layer(work.layer, e))
     }
 
-    /// A copy of local rank `rank`'s redundant slot `slot` (what the last layer streamed there;
-    /// read back from the device on the GPU plane).
-    pub(crate) fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
-        match &self.backend {
-            Backend::Cpu(cpu) => cpu.slot_contents(rank, slot),
+    /// Each micro-batch's share of the plane, for layers of two micro-batches in flight
+    /// together; only the CPU plane splits so.
+    pub(crate) fn micro_planes(&mut self) -> Result<Vec<MicroPlane<'_>>> {
+        match &mut self.backend {
+            Backend::Cpu(cpu) => Ok(cpu.micro_planes()),
             #[cfg(feature = "cuda")]
-            Backend::Gpu(gpu) => gpu.slot_contents(rank, slot),
+            Backend::Gpu(_) => Err(EngineError::Config(
+                "two micro-batches run on the CPU data plane only".into(),
+            )),
+        }
+    }
+
+    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch` (what
+    /// the last layer streamed there; read back from the device on the GPU plane, which has one
+    /// micro-batch).
+    pub(crate) fn slot_contents(
+        &self,
+        micro_batch: usize,
+        rank: usize,
+        slot: usize,
+    ) -> Option<Vec<f32>> {
+        match &self.backend {
+            Backend::Cpu(cpu) => cpu.slot_contents(micro_batch, rank, slot),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(gpu) => (micro_batch == 0)
+                .then(|| gpu.slot_contents(rank, slot))
+                .flatten(),
         }
     }
 }

@@ -32,6 +32,8 @@ pub(crate) struct PlaneConfig {
     pub u_min: u64,
     /// Check what the plane built on a device against the host reference (slow; tests).
     pub verify: bool,
+    /// Micro-batches of a step in flight together: each holds its own redundant slots.
+    pub micro_batches: usize,
 }
 
 /// One MoE layer's work for the local ranks, after the plan is known.
