@@ -474,14 +474,7 @@ impl EpRuntime {
 
         // Shared experts on the source ranks (timed with the combine, as they finish the layer).
         let started = Instant::now();
-        let outs = inputs
-            .par_iter()
-            .zip(routed_out)
-            .map(|(x, routed)| match (x, routed) {
-                (Some(x), Some(routed)) => Ok(Some(block.add_shared(x, routed)?)),
-                _ => Ok(None),
-            })
-            .collect::<Result<_>>()?;
+        let outs = add_shared_ranks(block, inputs, routed_out)?;
         let shared_time = started.elapsed();
 
         let finished = Finished {
@@ -660,6 +653,23 @@ fn dense_ranks(mlp: &impl candle_core::Module, inputs: &[Option<Tensor>]) -> Res
         .map(|x| x.as_ref().map(|x| mlp.forward(x)).transpose())
         .collect::<Result<_, _>>()
         .map_err(|e| rackfill_models::ModelError::from(e).into())
+}
+
+/// The routed experts' output plus the shared experts' (on the FFN input) on every rank with
+/// tokens.
+fn add_shared_ranks(
+    block: &MoeBlock,
+    inputs: &[Option<Tensor>],
+    routed: RankTensors,
+) -> Result<RankTensors> {
+    inputs
+        .par_iter()
+        .zip(routed)
+        .map(|(x, routed)| match (x, routed) {
+            (Some(x), Some(routed)) => Ok(Some(block.add_shared(x, routed)?)),
+            _ => Ok(None),
+        })
+        .collect()
 }
 
 /// The residual stream after a layer: `h + out` on every rank with tokens.

@@ -19,15 +19,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use rayon::prelude::*;
 
 use rackfill_balancer::{Balancer, Layout};
 use rackfill_models::layers::moe::MoeBlock;
 use rackfill_models::{FeedForward, LogitsFor, MoeModel, Routing, SequenceInput};
 
 use super::{
-    add_residual, attention_ranks, check_plans_agree, dense_ranks, embed_ranks, route,
-    solve_on_host, EpRuntime, Finished, Solved, StepOutput,
+    add_residual, add_shared_ranks, attention_ranks, check_plans_agree, dense_ranks, embed_ranks,
+    route, solve_on_host, EpRuntime, Finished, Solved, StepOutput,
 };
 use crate::error::{EngineError, Result};
 use crate::fabric::Fabric;
@@ -418,16 +417,7 @@ fn combine(
         phases,
     } = plane.combine(fabric, &layer_work(model, layer, &flight)?, computed)?;
     let started = Instant::now();
-    let block = moe_block(model, layer)?;
-    let outs: Vec<Option<Tensor>> = flight
-        .inputs
-        .par_iter()
-        .zip(routed)
-        .map(|(x, routed)| match (x, routed) {
-            (Some(x), Some(routed)) => Ok(Some(block.add_shared(x, routed)?)),
-            _ => Ok(None),
-        })
-        .collect::<Result<_>>()?;
+    let outs = add_shared_ranks(moe_block(model, layer)?, &flight.inputs, routed)?;
     let shared_time = started.elapsed();
     micro.xs = add_residual(std::mem::take(&mut micro.xs), outs)?;
     let (solved, solve_time) = flight
