@@ -1060,3 +1060,39 @@ fn preferring_resident_replicas_streams_less_on_a_recorded_trace() {
     assert!(preferred_imbalance <= kept_imbalance * 1.02 + 1e-9);
     assert!(preferred_imbalance > 1.0);
 }
+
+/// A coster of the chosen schedule only (request mode) plans only that schedule's micro-batch
+/// count, and costs it exactly as the full ablation does; the other count stays zero.
+#[test]
+fn costing_the_chosen_schedule_only_gives_the_same_step() {
+    let batch = vec![
+        vec![Segment {
+            tokens: 4,
+            context: 0
+        }];
+        4
+    ];
+    let loads = vec![skewed_load(), skewed_load()];
+    for schedule in [Schedule::ULTRAEP, Schedule::OVERLAPPED] {
+        let mut s = spec(4, 4, vec![Algo::Quota, Algo::EplbHistory]);
+        s.schedule = schedule;
+        let mut full = StepCoster::new(&s, &s.algos).unwrap();
+        let mut chosen = StepCoster::chosen_schedule_only(&s, &s.algos).unwrap();
+        for _ in 0..3 {
+            let (all, only) = (
+                full.step(&batch, &loads).unwrap(),
+                chosen.step(&batch, &loads).unwrap(),
+            );
+            for (a, o) in all.iter().zip(&only) {
+                for (i, sched) in Schedule::ABLATION.iter().enumerate() {
+                    if sched.micro_batches == schedule.micro_batches {
+                        assert_eq!(a.schedules[i], o.schedules[i], "{}", sched.name());
+                    } else {
+                        assert_eq!(o.schedules[i].step_ms, 0.0, "{} not planned", sched.name());
+                    }
+                }
+                assert_eq!(a.imbalance_after, o.imbalance_after);
+            }
+        }
+    }
+}

@@ -238,7 +238,7 @@ pub fn run_requests(
         for algo in algos {
             let index = timelines.len() as u64;
             timelines.push(Timeline {
-                coster: StepCoster::new(spec, algo.as_slice())?,
+                coster: StepCoster::chosen_schedule_only(spec, algo.as_slice())?,
                 algo,
                 rate: *rate,
                 arrivals: arrivals.clone(),

@@ -65,6 +65,9 @@ pub struct IdealStep {
 /// planner slot and balancer, the ideal beside them).
 pub struct StepCoster<'a> {
     spec: &'a SimSpec,
+    /// Cost every schedule of [`Schedule::ABLATION`] (the throughput report's ablation), or only
+    /// the spec's (request mode: the other micro-batch count is never planned).
+    ablation: bool,
     /// Load matrices every step brings (one planner per layer and algorithm).
     layers: usize,
     layout: Layout,
@@ -117,7 +120,16 @@ impl<'a> StepCoster<'a> {
             layout,
             states,
             step: 0,
+            ablation: true,
         })
+    }
+
+    /// A coster of the spec's schedule only ([`AlgoStep::schedules`] of the other micro-batch
+    /// count stay zero): half to a third of the planning, for runs that report one schedule.
+    pub fn chosen_schedule_only(spec: &'a SimSpec, algos: &[Algo]) -> Result<Self, SimError> {
+        let mut coster = Self::new(spec, algos)?;
+        coster.ablation = false;
+        Ok(coster)
     }
 
     /// The force-balanced ideal of a step in which rank `r` prefills `batch[r]`, under every
@@ -194,18 +206,27 @@ impl<'a> StepCoster<'a> {
         }
         let step = self.step;
         self.step += 1;
+        let chosen_micro = self.spec.schedule.micro_batches;
+        // Per micro-batch count (1, 2): whether this run costs it.
+        let needed = [1, 2].map(|n| self.ablation || n == chosen_micro);
         let split = [
             MicroBatches {
                 batches: vec![batch.to_vec()],
                 loads: vec![loads.to_vec()],
             },
-            self.split_loads(batch, loads, step),
+            if needed[1] {
+                self.split_loads(batch, loads, step)
+            } else {
+                MicroBatches {
+                    batches: Vec::new(),
+                    loads: Vec::new(),
+                }
+            },
         ];
         let dense: Vec<Vec<[LayerPhases; 2]>> = split
             .iter()
             .map(|mb| mb.batches.iter().map(|b| self.dense_phases(b)).collect())
             .collect();
-        let chosen_micro = self.spec.schedule.micro_batches;
         let mut states = std::mem::take(&mut self.states);
         let out = states
             .iter_mut()
@@ -217,7 +238,7 @@ impl<'a> StepCoster<'a> {
                 let mut costed: Vec<Vec<Vec<LayerCost>>> = Vec::with_capacity(2);
                 for (n, mb) in split.iter().enumerate() {
                     let mut layers = Vec::with_capacity(self.layers);
-                    for l in 0..self.layers {
+                    for l in (0..self.layers).filter(|_| needed[n]) {
                         let per_micro = (0..=n)
                             .map(|m| {
                                 let slot = if n == 0 { 0 } else { 1 + m };
@@ -238,6 +259,9 @@ impl<'a> StepCoster<'a> {
                 let mut result = AlgoStep::default();
                 for (out, schedule) in result.schedules.iter_mut().zip(Schedule::ABLATION) {
                     let n = schedule.micro_batches - 1;
+                    if !needed[n] {
+                        continue;
+                    }
                     let moe: Vec<Vec<LayerPhases>> = costed[n]
                         .iter()
                         .map(|per_micro| per_micro.iter().map(|c| c.phases).collect())
