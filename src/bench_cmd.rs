@@ -98,6 +98,13 @@ pub struct EpArgs {
     #[arg(long, value_delimiter = ',', default_value = "1", value_parser = crate::flags::parse_micro_batches)]
     pub micro_batches: Vec<usize>,
 
+    /// Replica slot memory to run every configuration with, comma-separated: `shared` (one set
+    /// for every MoE layer), `per-layer` (each layer keeps its replicas resident between steps,
+    /// quota plans moved onto them within 2%; the CPU data plane only).
+    #[arg(long, value_delimiter = ',', default_value = "shared",
+          value_parser = crate::flags::parse_slot_memory)]
+    pub slot_memory: Vec<rackfill_engine::SlotMemory>,
+
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).
     #[arg(long, default_value = "nvl72")]
@@ -195,12 +202,15 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         for ep_size in dedup(&args.ep_size) {
             for &balancer in &args.balancer {
                 for micro_batches in dedup(&args.micro_batches) {
-                    cases.push(EpCase {
-                        ep_size,
-                        balancer,
-                        data_plane,
-                        micro_batches,
-                    });
+                    for slot_memory in dedup(&args.slot_memory) {
+                        cases.push(EpCase {
+                            ep_size,
+                            balancer,
+                            data_plane,
+                            micro_batches,
+                            slot_memory,
+                        });
+                    }
                 }
             }
         }

@@ -36,6 +36,28 @@ pub(crate) fn parse_positive(s: &str) -> Result<usize, String> {
     }
 }
 
+/// `--reuse-tolerance`: a fraction, or `None` for `off`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReuseTolerance(pub(crate) Option<f64>);
+
+/// `off`, or a non-negative fraction.
+pub(crate) fn parse_reuse_tolerance(s: &str) -> Result<ReuseTolerance, String> {
+    if s == "off" {
+        return Ok(ReuseTolerance(None));
+    }
+    match s.parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(ReuseTolerance(Some(t))),
+        _ => Err(format!(
+            "invalid value '{s}': expected off or a non-negative fraction (0.02 is 2%)"
+        )),
+    }
+}
+
+/// `shared` or `per-layer`.
+pub(crate) fn parse_slot_memory(s: &str) -> Result<rackfill_engine::SlotMemory, String> {
+    s.parse()
+}
+
 /// Micro-batches per engine step: 1 or 2.
 pub(crate) fn parse_micro_batches(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {

@@ -101,6 +101,17 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = EpConfig::default().micro_batches,
           value_parser = crate::flags::parse_micro_batches)]
     pub(crate) micro_batches: usize,
+    /// Where replicas live between steps: `shared` (one set of redundant slots for every MoE
+    /// layer, streamed afresh every layer) or `per-layer` (each MoE layer keeps its slots and
+    /// streams only replicas not already resident; the slot memory times the MoE layers; the
+    /// CPU data plane and --device cpu only).
+    #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
+    pub(crate) slot_memory: rackfill_engine::SlotMemory,
+    /// With --slot-memory per-layer and a quota balancer: move replicas onto ranks that still
+    /// hold the same expert while the busiest rank's load stays within this fraction of the
+    /// solved plan's (0.02: 2% more); `off` keeps the plans as solved.
+    #[arg(long, default_value = "0.02", value_parser = crate::flags::parse_reuse_tolerance)]
+    pub(crate) reuse_tolerance: crate::flags::ReuseTolerance,
     /// Where each rank's model (embedding, attention and its KV cache, norms, dense and shared
     /// MLPs, LM head) runs: `auto` (the GPU when the binary has the GPU path and a device is
     /// visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's local rank under
@@ -179,6 +190,8 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
             balancer: args.balancer,
             data_plane,
             micro_batches: args.micro_batches,
+            slot_memory: args.slot_memory,
+            reuse_tolerance: args.reuse_tolerance.0,
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {

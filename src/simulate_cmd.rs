@@ -38,27 +38,6 @@ fn parse_schedule(s: &str) -> Result<Schedule, String> {
     s.parse()
 }
 
-/// `--reuse-tolerance`: a fraction, or `None` for `off`.
-#[derive(Debug, Clone, Copy)]
-struct ReuseTolerance(Option<f64>);
-
-/// `off`, or a non-negative fraction.
-fn parse_reuse_tolerance(s: &str) -> Result<ReuseTolerance, String> {
-    if s == "off" {
-        return Ok(ReuseTolerance(None));
-    }
-    match s.parse::<f64>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(ReuseTolerance(Some(t))),
-        _ => Err(format!(
-            "invalid value '{s}': expected off or a non-negative fraction (0.02 is 2%)"
-        )),
-    }
-}
-
-fn parse_slot_memory(s: &str) -> Result<SlotMemory, String> {
-    s.parse()
-}
-
 /// Arguments of `rackfill simulate`.
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
@@ -91,13 +70,13 @@ pub struct SimulateArgs {
     /// Where replicas live between steps: shared (one set of slots for every MoE layer, each
     /// layer's replicas streamed afresh every step) or per-layer (each layer keeps its slots and
     /// streams only replicas not already resident; the slot memory times the MoE layers).
-    #[arg(long, default_value = "shared", value_parser = parse_slot_memory)]
+    #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
     slot_memory: SlotMemory,
     /// With --slot-memory per-layer: quota plans move replicas onto ranks that still hold the
     /// same expert while the busiest rank's load stays within this fraction of the solved
     /// plan's (0.02: 2% more); `off` keeps the plans as solved.
-    #[arg(long, default_value = "0.02", value_parser = parse_reuse_tolerance)]
-    reuse_tolerance: ReuseTolerance,
+    #[arg(long, default_value = "0.02", value_parser = crate::flags::parse_reuse_tolerance)]
+    reuse_tolerance: crate::flags::ReuseTolerance,
     /// Routing: synthetic-mixed (the default), synthetic-stationary, synthetic-drifting,
     /// synthetic-switching (the same popularity with one kind of dynamics each), or a routing
     /// trace recorded with --record-routing.

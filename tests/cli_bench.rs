@@ -298,8 +298,9 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `bench ep --micro-batches 1,2` runs every configuration both ways, side by side: two
-/// micro-batches report both micro-batches' replicas; 0 or 3 micro-batches are one-line errors.
+/// `bench ep --micro-batches 1,2 --slot-memory shared,per-layer` runs every configuration each
+/// way, side by side: two micro-batches report both micro-batches' replicas; 0 or 3
+/// micro-batches are one-line errors.
 #[test]
 fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     // Its own directory: other tests remove the shared one when they finish.
@@ -311,14 +312,18 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
         "ep",
         "--model",
         "rackfill-tiny-moe",
-        "--prompts",
-        "models/builtin/skew.json",
+        "--sequences",
+        "8",
+        "--tokens",
+        "24",
         "--ep-size",
         "4",
         "--balancer",
         "quota",
         "--micro-batches",
         "1,2",
+        "--slot-memory",
+        "shared,per-layer",
         "--rounds",
         "1",
         "--json",
@@ -326,13 +331,32 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     ];
     let report = json_report(&args, &json);
     let results = report["results"].as_array().unwrap();
-    let cases: Vec<u64> = results[1..]
+    let cases: Vec<(u64, &str)> = results[1..]
         .iter()
-        .map(|r| r["case"]["micro_batches"].as_u64().unwrap())
+        .map(|r| {
+            let case = &r["case"];
+            (
+                case["micro_batches"].as_u64().unwrap(),
+                case["slot_memory"].as_str().unwrap(),
+            )
+        })
         .collect();
-    assert_eq!(cases, [1, 2], "{report}");
+    assert_eq!(
+        cases,
+        [
+            (1, "shared"),
+            (1, "per-layer"),
+            (2, "shared"),
+            (2, "per-layer")
+        ],
+        "{report}"
+    );
     let replicas = |i: usize| results[i]["replicas"].as_u64().unwrap();
-    assert!(replicas(1) > 0 && replicas(2) > replicas(1), "{report}");
+    assert!(replicas(1) > 0 && replicas(3) > replicas(1), "{report}");
+    // Every round repeats the prompts: per-layer slots still hold the replicas from the warm-up.
+    let streamed = |i: usize| results[i]["replica_bytes"].as_u64().unwrap();
+    assert!(streamed(1) > 0 && streamed(3) > 0, "{report}");
+    assert_eq!((streamed(2), streamed(4)), (0, 0), "{report}");
     for bad in ["0", "3"] {
         refused(
             &["bench", "ep", "--micro-batches", bad],

@@ -133,7 +133,8 @@ fn four_processes_equal_one_on_every_family_for_every_balancer() {
 
 /// Two micro-batches a step across four processes (each process's collectives issued by one
 /// micro-batch at a time, in the same order everywhere): the same tokens and logprobs as one
-/// process at EP 1, under quota and eplb-exact; `--micro-batches 3` is refused with one line.
+/// process at EP 1, under quota and eplb-exact, and with per-layer slots (resident replicas kept,
+/// only new ones streamed over MPI); `--micro-batches 3` is refused with one line.
 #[test]
 fn four_processes_with_two_micro_batches_equal_one_process() {
     if !mpirun_available() {
@@ -144,7 +145,11 @@ fn four_processes_with_two_micro_batches_equal_one_process() {
     let dense = Served::single(&["--model", model, "--ep-size", "1"]);
     let reference = dense.complete_all(&requests);
     dense.stop_with_sigterm();
-    for balancer in ["quota", "eplb-exact"] {
+    for (balancer, slots) in [
+        ("quota", "shared"),
+        ("eplb-exact", "shared"),
+        ("quota", "per-layer"),
+    ] {
         let flags = [
             "--model",
             model,
@@ -152,12 +157,14 @@ fn four_processes_with_two_micro_batches_equal_one_process() {
             balancer,
             "--micro-batches",
             "2",
+            "--slot-memory",
+            slots,
         ];
         let group = Group::start(4, &flags, &[]);
         let spread = group.complete_all(&requests);
         group.stop_with_sigterm();
         assert_same_completions(
-            &format!("-np 4 {balancer}, two micro-batches, vs one process at EP 1"),
+            &format!("-np 4 {balancer}, two micro-batches, {slots} slots, vs one process at EP 1"),
             &spread,
             &reference,
         );

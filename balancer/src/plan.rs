@@ -165,6 +165,20 @@ impl Plan {
         Ok(plan)
     }
 
+    /// The plan with the slots `filled(rank, expert)` says are filled already left empty: what a
+    /// replica stream must still fill (its instances, quotas and split unchanged). Not a plan to
+    /// dispatch with: [`Plan::validate`] refuses its instances without slots.
+    pub(crate) fn without_filled_slots(&self, filled: impl Fn(usize, u32) -> bool) -> Plan {
+        let n_slot = self.slots_per_rank;
+        let mut stream = self.clone();
+        for (i, slot) in stream.slots.iter_mut().enumerate() {
+            if slot.is_some_and(|expert| filled(i / n_slot.max(1), expert)) {
+                *slot = None;
+            }
+        }
+        stream
+    }
+
     /// Number of ranks the plan was made for.
     pub fn ranks(&self) -> usize {
         self.ranks

@@ -258,7 +258,7 @@ fn chunk_transfers(
 }
 
 /// Per-rank send and receive bytes, summed from the transfers themselves.
-fn tally_bytes(ranks: usize, transfers: &[Transfer]) -> (Vec<u64>, Vec<u64>) {
+pub(crate) fn tally_bytes(ranks: usize, transfers: &[Transfer]) -> (Vec<u64>, Vec<u64>) {
     let mut send = vec![0u64; ranks];
     let mut recv = vec![0u64; ranks];
     for t in transfers {

@@ -14,6 +14,7 @@
 //!    recomputed locality-first for the new ranks).
 
 use crate::plan::{Replica, SplitPolicy};
+use crate::relay::{plan_transfers, tally_bytes, RelayConfig, TransferSchedule};
 use crate::{Layout, LoadMatrix, Plan};
 
 /// Moves `plan`'s replicas onto ranks whose slots already hold the same expert (`resident`: the
@@ -80,6 +81,66 @@ pub fn prefer_resident(
         &mut replicas,
         SplitPolicy::LocalityFirst,
     )
+}
+
+/// What streams a plan's replicas into slots that may hold some already: the plan the stream
+/// fills and its transfer schedule.
+pub struct ReplicaStream {
+    /// The plan itself, or with the slots of replicas already resident left empty (they are
+    /// filled; a stream must not be asked to fill them). For the stream only: dispatch with the
+    /// plan itself.
+    pub plan: Plan,
+    pub schedule: TransferSchedule,
+}
+
+/// The replica stream of `plan` when the slots already hold `previous` (the layer's last plan's
+/// slots, `R x n_slot`; `None`: nothing is resident): the whole plan over its relay trees, or only
+/// the replicas not resident on their rank, sent directly from their homes, whichever loads the
+/// busiest rank (sending or receiving) less; ties go to the direct one. Every rank computes the
+/// same stream from the same plan.
+pub fn replica_stream(
+    plan: &Plan,
+    previous: Option<&[Option<u32>]>,
+    expert_bytes: u64,
+    relay: &RelayConfig,
+) -> ReplicaStream {
+    let whole = || ReplicaStream {
+        plan: plan.clone(),
+        schedule: plan_transfers(plan, expert_bytes, relay),
+    };
+    let n_slot = plan.slots_per_rank();
+    let Some(previous) = previous.filter(|p| p.len() == plan.ranks() * n_slot) else {
+        return whole();
+    };
+    let resident = |rank: usize, expert: u32| {
+        previous[rank * n_slot..(rank + 1) * n_slot].contains(&Some(expert))
+    };
+    let direct = RelayConfig {
+        threshold: usize::MAX,
+        ..*relay
+    };
+    let mut fresh = plan_transfers(plan, expert_bytes, &direct);
+    fresh
+        .transfers
+        .retain(|t| !resident(t.dst as usize, t.expert));
+    (fresh.send_bytes, fresh.recv_bytes) = tally_bytes(plan.ranks(), &fresh.transfers);
+    let relayed = whole();
+    let busiest = |s: &TransferSchedule| {
+        s.send_bytes
+            .iter()
+            .chain(&s.recv_bytes)
+            .copied()
+            .max()
+            .unwrap_or(0)
+    };
+    if busiest(&fresh) <= busiest(&relayed.schedule) {
+        ReplicaStream {
+            plan: plan.without_filled_slots(resident),
+            schedule: fresh,
+        }
+    } else {
+        relayed
+    }
 }
 
 /// Every replica of `plan` (its instances past the main one), by expert then rank.

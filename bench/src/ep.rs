@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, Rack, StepOutput};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, Rack, SlotMemory, StepOutput};
 use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
@@ -97,6 +97,8 @@ pub struct EpCase {
     pub data_plane: DataPlane,
     /// Micro-batches per step (2: two-batch overlap).
     pub micro_batches: usize,
+    /// One set of replica slots for every MoE layer, or one each (resident replicas reused).
+    pub slot_memory: SlotMemory,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
@@ -182,6 +184,7 @@ pub fn run_ep(
                     balancer: c.balancer,
                     data_plane: c.data_plane,
                     micro_batches: c.micro_batches,
+                    slot_memory: c.slot_memory,
                     ..EpConfig::default()
                 },
             )?;
@@ -306,6 +309,9 @@ impl EpReport {
                     let mut name = format!("EP {} {}", c.ep_size, c.balancer.name());
                     if c.micro_batches > 1 {
                         name += &format!(" x{} micro-batches", c.micro_batches);
+                    }
+                    if c.slot_memory != SlotMemory::Shared {
+                        name += &format!(", {} slots", c.slot_memory.name());
                     }
                     if c.data_plane != DataPlane::Cpu {
                         name += &format!(" ({})", c.data_plane);

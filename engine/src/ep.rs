@@ -25,7 +25,8 @@ use rayon::prelude::*;
 
 use rackfill_balancer::metrics::{evaluate, PlanMetrics};
 use rackfill_balancer::relay::RelayConfig;
-use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Settings};
+use rackfill_balancer::reuse::prefer_resident;
+use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
 use rackfill_models::{
     ExpertSelection, FeedForward, KvCache, LogitsFor, ModelConfig, MoeModel, Routing, SeqChunk,
@@ -38,6 +39,7 @@ use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, LocalFabric};
 use crate::plane::{DataPlane, LayerWork, PhaseTimes, Plane, PlaneConfig, PlaneOutput};
 use crate::rack::Rack;
+use crate::schedule::SlotMemory;
 
 #[cfg(feature = "cuda")]
 mod device;
@@ -69,6 +71,13 @@ pub struct EpConfig {
     /// communicates while the other computes, each with its own load, plan and replica slots
     /// (`ep/overlap.rs`; the CPU data plane only).
     pub micro_batches: usize,
+    /// One set of redundant slots shared by every MoE layer (UltraEP §4.1), or one set per MoE
+    /// layer (`PerLayer`, the CPU data plane only), keeping replicas resident between steps.
+    pub slot_memory: SlotMemory,
+    /// With per-layer slots and a quota balancer: move replicas onto ranks that still hold the
+    /// same expert while the busiest rank's load stays within this fraction of the solved
+    /// plan's (`rackfill_balancer::reuse::prefer_resident`); `None`: plans as solved.
+    pub reuse_tolerance: Option<f64>,
 }
 
 impl Default for EpConfig {
@@ -82,6 +91,8 @@ impl Default for EpConfig {
             verify_plans: false,
             data_plane: DataPlane::Cpu,
             micro_batches: 1,
+            slot_memory: SlotMemory::Shared,
+            reuse_tolerance: Some(0.02),
         }
     }
 }
@@ -191,6 +202,7 @@ impl EpRuntime {
             u_min: config.settings.u_min,
             verify: config.verify_plans,
             micro_batches: config.micro_batches,
+            slot_memory: config.slot_memory,
         };
         let plane = Plane::open(config.data_plane, &model, &layout, local, &plane_config)?;
         Ok(Self {
@@ -315,10 +327,15 @@ impl EpRuntime {
         self.fabric.bytes_moved()
     }
 
-    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch` (what
-    /// that micro-batch's last MoE layer streamed there; read back from the device on a GPU
+    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`, in the
+    /// slots model layer `layer` uses (what that micro-batch's last plan streamed there; read back from the device on a GPU
     /// plane, widened from bf16 on the device's own; those have one micro-batch).
-    pub fn slot_contents(&self, micro_batch: usize, rank: usize, slot: usize) -> Option<Vec<f32>> {
+    pub fn slot_contents(
+        &self,
+        (micro_batch, layer): (usize, usize),
+        rank: usize,
+        slot: usize,
+    ) -> Option<Vec<f32>> {
         #[cfg(feature = "cuda")]
         if let Some(slots) = self
             .device
@@ -328,7 +345,7 @@ impl EpRuntime {
         {
             return slots;
         }
-        self.plane.slot_contents(micro_batch, rank, slot)
+        self.plane.slot_contents((micro_batch, layer), rank, slot)
     }
 
     /// Whether the replica slots hold bf16 weights (the device's own data plane: what
@@ -453,6 +470,8 @@ impl EpRuntime {
             .collect();
         let gathered = self.fabric.all_gather(&counts)?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
+        let resident = self.plane.resident(layer);
+        let plan = self.reuse_resident(&load, plan, resident.as_deref());
         check_plans_agree(&*self.fabric, layer, &plan)?;
         let solve_time = started.elapsed();
 
@@ -523,6 +542,18 @@ impl EpRuntime {
             solve_us: took.as_secs_f64() * 1e6,
             phases,
         }
+    }
+
+    /// `plan` with its replicas moved onto ranks that still hold the same expert (`resident`,
+    /// the layer's last plan's slots), within [`EpConfig::reuse_tolerance`]; quota balancers
+    /// only (their split is locality-first), and as solved otherwise.
+    fn reuse_resident(
+        &self,
+        load: &LoadMatrix,
+        plan: Plan,
+        resident: Option<&[Option<u32>]>,
+    ) -> Plan {
+        reuse_resident(&self.config, &self.layout, load, plan, resident)
     }
 
     /// Solves the layer's plan from the gathered load: where the data plane's data lives when it
@@ -597,6 +628,22 @@ fn check_home_experts(model: &MoeModel, layout: &Layout, local: Range<usize>) ->
         }
     }
     Ok(())
+}
+
+/// [`EpRuntime::reuse_resident`] from the runtime's parts (the overlapped step holds them apart).
+fn reuse_resident(
+    config: &EpConfig,
+    layout: &Layout,
+    load: &LoadMatrix,
+    plan: Plan,
+    resident: Option<&[Option<u32>]>,
+) -> Plan {
+    match (config.reuse_tolerance, resident, config.balancer) {
+        (Some(tolerance), Some(resident), Algo::Quota | Algo::QuotaPaper) => {
+            prefer_resident(layout, load, &plan, resident, tolerance)
+        }
+        _ => plan,
+    }
 }
 
 /// Per local rank: a tensor, or `None` for a rank without tokens.

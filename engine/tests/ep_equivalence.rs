@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rackfill_balancer::Algo;
 use rackfill_engine::fabric::LocalFabric;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport, SlotMemory};
 use rackfill_models::{KvCache, LogitsFor, ModelBundle, MoeModel, SequenceInput};
 
 /// Max abs logit difference allowed between EP and dense (f32 on CPU; the combine is done in the
@@ -151,11 +151,12 @@ fn try_ep_logits(
 
 /// After a step, every replica slot of the last MoE layer on the runtime's ranks holds that
 /// layer's home expert's weights exactly (rounded to bf16 on the device's own data plane), in
-/// each micro-batch's own slots.
+/// each micro-batch's own slots; with per-layer slots, every MoE layer's.
 fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_engine::StepOutput) {
     let Some(last_layer) = step.layers.last().map(|l| l.layer) else {
         return;
     };
+    let per_layer = runtime.config().slot_memory == SlotMemory::PerLayer;
     let lasts: Vec<&LayerReport> = step
         .layers
         .iter()
@@ -166,8 +167,10 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
         (0..runtime.config().micro_batches).collect::<Vec<_>>(),
         "one report per micro-batch, in order"
     );
-    for last in lasts {
-        check_micro_batch_slots(runtime, model, last);
+    for report in &step.layers {
+        if per_layer || report.layer == last_layer {
+            check_micro_batch_slots(runtime, model, report);
+        }
     }
 }
 
@@ -180,7 +183,9 @@ fn check_micro_batch_slots(runtime: &EpRuntime, model: &MoeModel, last: &LayerRe
     for (rank, slots) in last.slots.iter().enumerate() {
         if !local.contains(&rank) {
             assert!(
-                runtime.slot_contents(last.micro_batch, rank, 0).is_none(),
+                runtime
+                    .slot_contents((last.micro_batch, last.layer), rank, 0)
+                    .is_none(),
                 "rank {rank} is not here"
             );
             continue;
@@ -188,7 +193,9 @@ fn check_micro_batch_slots(runtime: &EpRuntime, model: &MoeModel, last: &LayerRe
         for (slot, expert) in slots.iter().enumerate() {
             let Some(expert) = expert else { continue };
             let [gate_up, down] = block.experts.get(*expert).unwrap().weights();
-            let held = runtime.slot_contents(last.micro_batch, rank, slot).unwrap();
+            let held = runtime
+                .slot_contents((last.micro_batch, last.layer), rank, slot)
+                .unwrap();
             let stored = |v: f32| -> f32 {
                 #[cfg(feature = "cuda")]
                 if runtime.slots_in_bf16() {
@@ -230,7 +237,7 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
 fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize], chunk: usize) {
     check_on(
         model,
-        (DataPlane::Cpu, 1),
+        EpConfig::default(),
         TOLERANCE,
         ep_sizes,
         algos,
@@ -239,11 +246,11 @@ fn check(model: Arc<MoeModel>, ep_sizes: &[usize], algos: &[Algo], lens: &[usize
     );
 }
 
-/// The EP runtime on `data_plane` with `micro_batches` a step, every EP size and balancer,
-/// against the dense logits.
+/// The EP runtime configured as `base` (its data plane, micro-batches and slot memory) at every
+/// EP size and balancer, 2 redundant slots, plans verified, against the dense logits.
 fn check_on(
     model: Arc<MoeModel>,
-    (data_plane, micro_batches): (DataPlane, usize),
+    base: EpConfig,
     tolerance: f32,
     ep_sizes: &[usize],
     algos: &[Algo],
@@ -259,9 +266,7 @@ fn check_on(
                 redundant_slots: 2,
                 balancer,
                 verify_plans: true,
-                data_plane,
-                micro_batches,
-                ..EpConfig::default()
+                ..base
             };
             let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
             let run = ep_logits(&mut runtime, &model, &prompts, chunk);
@@ -272,8 +277,11 @@ fn check_on(
             let diff = max_abs_diff(&run.logits, &want);
             assert!(
                 diff <= tolerance,
-                "EP {ep_size} with {balancer} on {data_plane:?}, {micro_batches} micro-batches: \
-                 max abs logit difference {diff}"
+                "EP {ep_size} with {balancer} on {:?}, {} micro-batches, {} slots: max abs \
+                 logit difference {diff}",
+                base.data_plane,
+                base.micro_batches,
+                base.slot_memory.name()
             );
         }
     }
@@ -316,7 +324,7 @@ fn shared_experts_and_dense_layers_match_dense() {
 fn two_micro_batches_match_dense_for_every_balancer() {
     check_on(
         builtin(),
-        (DataPlane::Cpu, 2),
+        two_micro_batches(),
         TOLERANCE,
         &[1, 3, 8],
         &Algo::ALL,
@@ -326,7 +334,7 @@ fn two_micro_batches_match_dense_for_every_balancer() {
     for family in ["deepseek_v3", "qwen2_moe"] {
         check_on(
             fixture(family),
-            (DataPlane::Cpu, 2),
+            two_micro_batches(),
             TOLERANCE,
             &[3],
             &[Algo::Quota, Algo::EplbExact],
@@ -334,6 +342,79 @@ fn two_micro_batches_match_dense_for_every_balancer() {
             8,
         );
     }
+}
+
+fn two_micro_batches() -> EpConfig {
+    EpConfig {
+        micro_batches: 2,
+        ..EpConfig::default()
+    }
+}
+
+/// Per-layer replica slots (resident replicas kept between steps, quota plans moved onto them
+/// within 2%), with one and two micro-batches: the dense logits within [`TOLERANCE`] for every
+/// balancer, and every layer's slots hold their replicas' exact bytes after every step.
+#[test]
+fn per_layer_slots_with_reuse_match_dense_for_every_balancer() {
+    for micro_batches in [1, 2] {
+        check_on(
+            builtin(),
+            EpConfig {
+                micro_batches,
+                slot_memory: SlotMemory::PerLayer,
+                ..EpConfig::default()
+            },
+            TOLERANCE,
+            &[3, 8],
+            &Algo::ALL,
+            &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+            24,
+        );
+    }
+    check_on(
+        fixture("deepseek_v3"),
+        EpConfig {
+            slot_memory: SlotMemory::PerLayer,
+            ..EpConfig::default()
+        },
+        TOLERANCE,
+        &[3],
+        &[Algo::Quota],
+        &[19, 7, 30, 12],
+        8,
+    );
+}
+
+/// The same prompts twice, each time with fresh caches (so the same routing and the same plans):
+/// with per-layer slots the second pass streams no replica byte, with shared slots it streams
+/// them all again; the logits are the same either way.
+#[test]
+fn resident_replicas_are_not_streamed_again() {
+    let model = builtin();
+    let prompts = prompts(model.config().vocab_size, &[40, 25, 31, 18, 22, 35]);
+    let twice = |slot_memory| {
+        let config = EpConfig {
+            ep_size: 4,
+            slot_memory,
+            verify_plans: true,
+            ..EpConfig::default()
+        };
+        let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
+        let first = ep_logits(&mut runtime, &model, &prompts, 64);
+        let second = ep_logits(&mut runtime, &model, &prompts, 64);
+        assert_eq!(max_abs_diff(&first.logits, &second.logits), 0.0);
+        let bytes = |run: &EpRun| run.layers.iter().map(|l| l.replica_bytes).sum::<u64>();
+        (bytes(&first), bytes(&second), first.replicas)
+    };
+    let (shared_first, shared_second, replicas) = twice(SlotMemory::Shared);
+    assert!(replicas > 0 && shared_first > 0, "quota made replicas");
+    assert_eq!(
+        shared_second, shared_first,
+        "shared slots stream every step"
+    );
+    let (kept_first, kept_second, _) = twice(SlotMemory::PerLayer);
+    assert!(kept_first > 0);
+    assert_eq!(kept_second, 0, "every replica is still resident");
 }
 
 /// With two micro-batches each MoE layer is reported twice, micro-batch 0 then 1; their loads
@@ -397,13 +478,19 @@ fn ranks_split_over_processes_match_dense() {
         &[70, 5, 33, 64, 1, 48, 90, 17, 25],
     );
     let want = dense_logits(&model, &prompts);
-    for (balancer, micro_batches) in [(Algo::Quota, 1), (Algo::EplbExact, 1), (Algo::Quota, 2)] {
+    for (balancer, micro_batches, slot_memory) in [
+        (Algo::Quota, 1, SlotMemory::Shared),
+        (Algo::EplbExact, 1, SlotMemory::Shared),
+        (Algo::Quota, 2, SlotMemory::Shared),
+        (Algo::Quota, 2, SlotMemory::PerLayer),
+    ] {
         let config = EpConfig {
             ep_size: 4,
             redundant_slots: 2,
             balancer,
             verify_plans: true,
             micro_batches,
+            slot_memory,
             ..EpConfig::default()
         };
         let mut whole = EpRuntime::new(Arc::clone(&model), config).unwrap();
@@ -607,7 +694,10 @@ fn gpu_data_plane_matches_dense() {
     let gpu = DataPlane::Gpu { ordinal: 0 };
     check_on(
         builtin(),
-        (gpu, 1),
+        EpConfig {
+            data_plane: gpu,
+            ..EpConfig::default()
+        },
         GPU_TOLERANCE,
         &[1, 2, 4, 8],
         &Algo::ALL,
@@ -617,7 +707,10 @@ fn gpu_data_plane_matches_dense() {
     for family in ["qwen2_moe", "deepseek_v3", "mixtral", "qwen3_moe"] {
         check_on(
             fixture(family),
-            (gpu, 1),
+            EpConfig {
+                data_plane: gpu,
+                ..EpConfig::default()
+            },
             GPU_TOLERANCE,
             &[3, 4],
             &[Algo::Quota, Algo::EplbExact],

@@ -57,6 +57,13 @@ impl EpRuntime {
                     .into(),
             ));
         }
+        if self.config.slot_memory != crate::schedule::SlotMemory::Shared {
+            return Err(EngineError::Config(
+                "per-layer replica slots live on the CPU path only: --slot-memory shared with \
+                 --device"
+                    .into(),
+            ));
+        }
         let ranks = self.fabric.local_ranks().len();
         let tokens = kv_tokens_per_rank
             .saturating_mul(ranks)

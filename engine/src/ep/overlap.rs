@@ -26,7 +26,7 @@ use rackfill_models::{FeedForward, LogitsFor, MoeModel, Routing, SequenceInput};
 
 use super::{
     add_residual, add_shared_ranks, attention_ranks, check_plans_agree, dense_ranks, embed_ranks,
-    route, solve_on_host, EpRuntime, Finished, Solved, StepOutput,
+    reuse_resident, route, solve_on_host, EpConfig, EpRuntime, Finished, Solved, StepOutput,
 };
 use crate::error::{EngineError, Result};
 use crate::fabric::Fabric;
@@ -103,6 +103,7 @@ struct Comm<'r> {
     fabric: &'r dyn Fabric,
     planners: &'r mut [Option<Vec<Box<dyn Balancer>>>],
     layout: &'r Layout,
+    config: &'r EpConfig,
 }
 
 impl EpRuntime {
@@ -131,12 +132,14 @@ impl EpRuntime {
                 plane,
                 fabric,
                 layout,
+                config,
                 ..
             } = self;
             let mut comm = Comm {
                 fabric: &**fabric,
                 planners,
                 layout,
+                config,
             };
             let mut planes = plane.micro_planes()?;
             let (first_plane, second_plane) = planes.split_at_mut(1);
@@ -365,13 +368,20 @@ fn send(
     let planners = comm.planners[layer]
         .as_mut()
         .ok_or_else(|| EngineError::Config(format!("layer {layer} has no planner")))?;
-    let solved = solve_on_host(
+    let mut solved = solve_on_host(
         planners,
         comm.layout,
         comm.fabric.local_ranks(),
         layer,
         &load,
     )?;
+    solved.plan = reuse_resident(
+        comm.config,
+        comm.layout,
+        &load,
+        solved.plan,
+        plane.resident(layer),
+    );
     check_plans_agree(comm.fabric, layer, &solved.plan)?;
     flight.solved = Some((solved, started.elapsed()));
     let sent = plane.send(comm.fabric, &layer_work(model, layer, flight)?)?;

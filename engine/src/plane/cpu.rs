@@ -13,25 +13,26 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use rackfill_balancer::relay::{plan_transfers, RelayConfig};
-use rackfill_balancer::{Layout, Plan};
+use rackfill_balancer::relay::RelayConfig;
+use rackfill_balancer::reuse::{replica_stream, ReplicaStream};
+use rackfill_balancer::Layout;
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, remote_recv_bytes, scatter_pairs, weight_source,
     DispatchBuffers, InstanceRouter, KernelError, WeightSource,
 };
 use rackfill_models::layers::gated_mlp_rows;
-use rackfill_models::layers::moe::MoeBlock;
 
-use super::work::{LayerWork, PhaseTimes, PlaneOutput};
+use super::slots::SlotSets;
+use super::work::{LayerWork, PhaseTimes, PlaneConfig, PlaneOutput};
 use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, Message, ReplicaBuffers};
 
-/// The local ranks' redundant slots in host memory, one set per micro-batch.
+/// The local ranks' redundant slots in host memory, one set (or one per MoE layer) per
+/// micro-batch: two micro-batches' layers are in flight together, so each has its own.
 pub(crate) struct CpuPlane {
     shape: Shape,
-    /// Per micro-batch, per local rank: `n_slot` slots of `expert_floats` f32s, reused by every
-    /// layer (two micro-batches' layers are in flight together, so each has its own).
-    slots: Vec<Vec<Vec<f32>>>,
+    /// Per micro-batch.
+    slots: Vec<SlotSets>,
 }
 
 /// What every micro-batch's share of the plane has in common.
@@ -52,7 +53,7 @@ struct Shape {
 /// fabric), so that one micro-batch can compute while the other communicates.
 pub(crate) struct MicroPlane<'p> {
     shape: &'p Shape,
-    slots: &'p mut [Vec<f32>],
+    slots: &'p mut SlotSets,
 }
 
 /// A layer whose replicas are streamed and whose rows are dispatched, before its experts run.
@@ -87,25 +88,31 @@ struct Exchanged {
 type Dispatch = (Vec<Vec<Message>>, Vec<Vec<usize>>, Vec<Vec<Vec<u32>>>);
 
 impl CpuPlane {
-    /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`, one
-    /// set for each of `micro_batches`.
+    /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`, for
+    /// each of `config.micro_batches`, shared by the MoE layers `moe_layers` marks or one set
+    /// each (`config.slot_memory`).
     pub(crate) fn new(
         layout: &Layout,
         local: Range<usize>,
-        relay: RelayConfig,
         (hidden, inter): (usize, usize),
-        micro_batches: usize,
+        moe_layers: &[bool],
+        config: &PlaneConfig,
     ) -> Self {
         let gate_up_floats = hidden * 2 * inter;
         let expert_floats = gate_up_floats + inter * hidden;
-        let set = || -> Vec<Vec<f32>> {
-            local
-                .clone()
-                .map(|_| vec![0f32; layout.slots_per_rank() * expert_floats])
-                .collect()
-        };
+        let relay = config.relay;
         Self {
-            slots: (0..micro_batches.max(1)).map(|_| set()).collect(),
+            slots: (0..config.micro_batches.max(1))
+                .map(|_| {
+                    SlotSets::new(
+                        config.slot_memory,
+                        moe_layers,
+                        local.clone(),
+                        layout.slots_per_rank(),
+                        expert_floats,
+                    )
+                })
+                .collect(),
             shape: Shape {
                 layout: layout.clone(),
                 local,
@@ -117,20 +124,19 @@ impl CpuPlane {
         }
     }
 
-    /// The contents of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`.
+    /// The contents of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`,
+    /// in the set model layer `layer` uses.
     pub(crate) fn slot_contents(
         &self,
-        micro_batch: usize,
+        (micro_batch, layer): (usize, usize),
         rank: usize,
         slot: usize,
     ) -> Option<Vec<f32>> {
-        let floats = self.shape.expert_floats;
-        let start = slot.checked_mul(floats)?;
-        self.slots
-            .get(micro_batch)?
-            .get(rank.checked_sub(self.shape.local.start)?)?
-            .get(start..start.checked_add(floats)?)
-            .map(<[f32]>::to_vec)
+        self.slots.get(micro_batch)?.contents(
+            layer,
+            rank.checked_sub(self.shape.local.start)?,
+            slot,
+        )
     }
 
     /// Each micro-batch's share, in order.
@@ -162,12 +168,18 @@ impl CpuPlane {
 }
 
 impl MicroPlane<'_> {
+    /// Every rank's slots as model layer `layer`'s last plan left them in this micro-batch's
+    /// per-layer set; `None` with shared slots or before the layer's first plan.
+    pub(crate) fn resident(&self, layer: usize) -> Option<&[Option<u32>]> {
+        self.slots.resident(layer)
+    }
+
     /// Streams the layer's replicas into this micro-batch's slots, assigns every local source's
     /// tokens to instances by cumulative quotas and dispatches them.
     pub(crate) fn send(&mut self, fabric: &dyn Fabric, work: &LayerWork<'_>) -> Result<Sent> {
         let mut phases = PhaseTimes::default();
         let started = Instant::now();
-        let replica_recv = self.stream_replicas(fabric, work.block, work.plan)?;
+        let replica_recv = self.stream_replicas(fabric, work)?;
         phases.replicate = started.elapsed();
 
         let started = Instant::now();
@@ -243,17 +255,27 @@ impl MicroPlane<'_> {
 
     /// Streams every replica's weights from its home expert into its slot; returns the bytes
     /// each local rank received.
-    fn stream_replicas(
-        &mut self,
-        fabric: &dyn Fabric,
-        block: &MoeBlock,
-        plan: &Plan,
-    ) -> Result<Vec<u64>> {
-        if plan.replicas() == 0 {
+    fn stream_replicas(&mut self, fabric: &dyn Fabric, work: &LayerWork<'_>) -> Result<Vec<u64>> {
+        let (block, plan, layer) = (work.block, work.plan, work.layer);
+        let expert_bytes = (self.shape.expert_floats * 4) as u64;
+        // With per-layer slots, what this layer's last plan left stays: resident replicas move
+        // to their new slot numbers on their rank, and only the others are streamed (or the
+        // whole plan over its relay trees, when that loads the busiest rank less).
+        let ReplicaStream {
+            plan: stream_plan,
+            schedule,
+        } = replica_stream(
+            plan,
+            self.slots.resident(layer),
+            expert_bytes,
+            &self.shape.relay,
+        );
+        self.slots.keep_resident(layer, plan, &self.shape.local);
+        self.slots.mark_streamed(layer, plan);
+        if schedule.transfers.is_empty() {
+            // The same on every process: the plan and what was resident agree everywhere.
             return Ok(vec![0; self.shape.local.len()]);
         }
-        let expert_bytes = (self.shape.expert_floats * 4) as u64;
-        let schedule = plan_transfers(plan, expert_bytes, &self.shape.relay);
         // The fabric reads only the local ranks' home experts; each one replicated is resolved
         // here first, so one this process did not load is an error, not an empty source.
         for expert in 0..plan.experts() {
@@ -276,12 +298,13 @@ impl MicroPlane<'_> {
         };
         let slot_bytes = self.shape.expert_floats * 4;
         fabric.stream_replicas(
-            plan,
+            &stream_plan,
             &schedule,
             ReplicaBuffers {
                 source: &source,
                 slots: self
                     .slots
+                    .buffers_mut(layer)?
                     .iter_mut()
                     .map(|s| bytemuck::cast_slice_mut(s))
                     .collect(),
@@ -359,13 +382,8 @@ impl MicroPlane<'_> {
                     .groups()
                     .par_iter()
                     .map(|group| {
-                        let weights = self.instance_weights(
-                            work.block,
-                            work.plan,
-                            rank,
-                            group.expert,
-                            group.instance,
-                        )?;
+                        let weights =
+                            self.instance_weights(work, rank, group.expert, group.instance)?;
                         let input = batches.block(group).unwrap_or_default();
                         Ok(gated_mlp_rows(
                             weights,
@@ -392,16 +410,15 @@ impl MicroPlane<'_> {
     /// or the redundant slot the plan streamed it into.
     fn instance_weights<'b>(
         &'b self,
-        block: &'b MoeBlock,
-        plan: &Plan,
+        work: &LayerWork<'b>,
         rank: usize,
         expert: u32,
         instance: u32,
     ) -> Result<[&'b [f32]; 2]> {
-        match weight_source(&self.shape.layout, plan, rank, expert, instance) {
-            Some(WeightSource::Home { .. }) => Ok(block.experts.get(expert)?.weights()),
+        match weight_source(&self.shape.layout, work.plan, rank, expert, instance) {
+            Some(WeightSource::Home { .. }) => Ok(work.block.experts.get(expert)?.weights()),
             Some(WeightSource::Slot { slot }) => {
-                let slots = &self.slots[rank - self.shape.local.start];
+                let slots = &self.slots.buffers(work.layer)?[rank - self.shape.local.start];
                 let floats =
                     &slots[slot * self.shape.expert_floats..(slot + 1) * self.shape.expert_floats];
                 let (gate_up, down) = floats.split_at(self.shape.gate_up_floats);

@@ -9,6 +9,7 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod slots;
 mod work;
 
 pub(crate) use cpu::{Computed, MicroPlane, Sent};
@@ -26,6 +27,7 @@ use rackfill_models::MoeModel;
 
 use crate::error::{EngineError, Result};
 use crate::fabric::Fabric;
+use crate::schedule::SlotMemory;
 
 /// Where the MoE layers' data plane (replica streaming, dispatch, expert compute, combine) runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -90,18 +92,30 @@ impl Plane {
         let backend = match choice {
             DataPlane::Cpu => {
                 let mc = model.config();
+                let moe_layers: Vec<bool> = model
+                    .layers()
+                    .iter()
+                    .map(|l| matches!(l.ffn(), rackfill_models::FeedForward::Moe(_)))
+                    .collect();
                 Backend::Cpu(cpu::CpuPlane::new(
                     layout,
                     local,
-                    config.relay,
                     (mc.hidden_size, mc.moe.intermediate_size),
-                    config.micro_batches,
+                    &moe_layers,
+                    config,
                 ))
             }
             DataPlane::Gpu { .. } if config.micro_batches > 1 => {
                 return Err(EngineError::Config(
                     "two micro-batches run on the CPU data plane only (--micro-batches 1 with \
                      --data-plane gpu)"
+                        .into(),
+                ))
+            }
+            DataPlane::Gpu { .. } if config.slot_memory != SlotMemory::Shared => {
+                return Err(EngineError::Config(
+                    "per-layer replica slots live on the CPU data plane only (--slot-memory \
+                     shared with --data-plane gpu)"
                         .into(),
                 ))
             }
@@ -173,21 +187,31 @@ impl Plane {
         }
     }
 
-    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch` (what
-    /// the last layer streamed there; read back from the device on the GPU plane, which has one
-    /// micro-batch).
+    /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`, in the
+    /// set model layer `layer` uses (what its last plan streamed there; read back from the
+    /// device on the GPU plane, which has one micro-batch and one set).
     pub(crate) fn slot_contents(
         &self,
-        micro_batch: usize,
+        (micro_batch, layer): (usize, usize),
         rank: usize,
         slot: usize,
     ) -> Option<Vec<f32>> {
         match &self.backend {
-            Backend::Cpu(cpu) => cpu.slot_contents(micro_batch, rank, slot),
+            Backend::Cpu(cpu) => cpu.slot_contents((micro_batch, layer), rank, slot),
             #[cfg(feature = "cuda")]
             Backend::Gpu(gpu) => (micro_batch == 0)
                 .then(|| gpu.slot_contents(rank, slot))
                 .flatten(),
+        }
+    }
+
+    /// Every rank's slots as model layer `layer`'s last plan left them in micro-batch 0's
+    /// per-layer set; `None` with shared slots, before the layer's first plan, or on a GPU.
+    pub(crate) fn resident(&mut self, layer: usize) -> Option<Vec<Option<u32>>> {
+        match &mut self.backend {
+            Backend::Cpu(cpu) => cpu.micro_planes()[0].resident(layer).map(<[_]>::to_vec),
+            #[cfg(feature = "cuda")]
+            Backend::Gpu(_) => None,
         }
     }
 }

@@ -10,6 +10,8 @@ use rackfill_balancer::{Algo, Plan};
 use rackfill_models::layers::moe::MoeBlock;
 use rackfill_models::Routing;
 
+use crate::schedule::SlotMemory;
+
 /// Wall time of each phase of one MoE layer.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PhaseTimes {
@@ -34,6 +36,8 @@ pub(crate) struct PlaneConfig {
     pub verify: bool,
     /// Micro-batches of a step in flight together: each holds its own redundant slots.
     pub micro_batches: usize,
+    /// One set of redundant slots for every MoE layer, or one each (resident replicas reused).
+    pub slot_memory: SlotMemory,
 }
 
 /// One MoE layer's work for the local ranks, after the plan is known.
