@@ -12,6 +12,9 @@
 //!    itself, if the bound holds on both ranks;
 //! 4. the plan is assembled again from the main quotas and the moved replicas (the split `Q`
 //!    recomputed locality-first for the new ranks).
+//!
+//! [`replica_stream`] then says what must still move: the replicas not resident, directly from
+//! their homes, or the whole plan over its relay trees, whichever loads the busiest rank less.
 
 use crate::plan::{Replica, SplitPolicy};
 use crate::relay::{plan_transfers, tally_bytes, RelayConfig, TransferSchedule};
@@ -280,6 +283,38 @@ mod tests {
         // With no tolerance, a move that raises the peak is refused.
         let tight = prefer_resident(&layout, &load, &plan, &resident, 0.0);
         assert!(*tight.rank_loads().iter().max().unwrap() <= peak);
+    }
+
+    #[test]
+    fn only_replicas_not_resident_are_streamed() {
+        let (layout, load) = setup();
+        let plan = quota_plan(&layout, &load);
+        let relay = RelayConfig::default();
+        let whole = replica_stream(&plan, None, 1000, &relay);
+        assert_eq!(whole.plan, plan);
+        assert_eq!(whole.schedule, plan_transfers(&plan, 1000, &relay));
+        // Everything resident: nothing to stream, no slot left to fill.
+        let all = replica_stream(&plan, Some(plan.slots()), 1000, &relay);
+        assert!(all.schedule.transfers.is_empty());
+        assert!(all.plan.slots().iter().all(Option::is_none));
+        // One replica missing: only its bytes move, into its slot.
+        let (missing, expert) = plan
+            .slots()
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.map(|e| (i, e)))
+            .unwrap();
+        let mut previous = plan.slots().to_vec();
+        previous[missing] = None;
+        let one = replica_stream(&plan, Some(&previous), 1000, &relay);
+        let rank = missing / plan.slots_per_rank();
+        assert!(one
+            .schedule
+            .transfers
+            .iter()
+            .all(|t| (t.dst as usize, t.expert) == (rank, expert)));
+        assert_eq!(one.schedule.recv_bytes[rank], 1000);
+        assert_eq!(one.plan.rank_slots(rank).iter().flatten().count(), 1);
     }
 
     #[test]
