@@ -18,7 +18,13 @@
 
 use crate::plan::{Replica, SplitPolicy};
 use crate::relay::{plan_transfers, tally_bytes, RelayConfig, TransferSchedule};
-use crate::{Layout, LoadMatrix, Plan};
+use crate::{Algo, Layout, LoadMatrix, Plan};
+
+/// Whether [`prefer_resident`] may move `algo`'s plans: the quota planners', whose reroute split
+/// is locality-first (the split it recomputes); others keep their plans.
+pub fn moves_replicas_of(algo: Algo) -> bool {
+    matches!(algo, Algo::Quota | Algo::QuotaPaper)
+}
 
 /// Moves `plan`'s replicas onto ranks whose slots already hold the same expert (`resident`: the
 /// layer's last plan's slots, `R x n_slot` row-major as [`Plan::slots`]) when the busiest rank's
@@ -96,11 +102,12 @@ pub struct ReplicaStream {
     pub schedule: TransferSchedule,
 }
 
-/// The replica stream of `plan` when the slots already hold `previous` (the layer's last plan's
-/// slots, `R x n_slot`; `None`: nothing is resident): the whole plan over its relay trees, or only
+/// The replica stream of `plan` into slots that hold `previous` (the layer's last plan's slots,
+/// `R x n_slot`, all `None` before its first plan): the whole plan over its relay trees, or only
 /// the replicas not resident on their rank, sent directly from their homes, whichever loads the
-/// busiest rank (sending or receiving) less; ties go to the direct one. Every rank computes the
-/// same stream from the same plan.
+/// busiest rank (sending or receiving) less; ties go to the direct one. `None`: slots no one
+/// tracks (shared by every layer), so the whole plan over its relay trees. Every rank computes
+/// the same stream from the same plan.
 pub fn replica_stream(
     plan: &Plan,
     previous: Option<&[Option<u32>]>,
@@ -221,7 +228,7 @@ fn swap_with_unreused(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algo, Settings};
+    use crate::Settings;
 
     /// 4 ranks, 8 experts (2 per rank), 1 slot: expert 0 hot.
     fn setup() -> (Layout, LoadMatrix) {

@@ -21,6 +21,7 @@
 //! precision the host computes in.
 
 use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
+use rackfill_balancer::reuse::replica_stream;
 use rackfill_balancer::{Layout, LoadMatrix, Plan};
 use serde::Serialize;
 
@@ -259,6 +260,23 @@ impl ReplicaTraffic {
             ..*relay
         };
         Self::streamed(&plan_transfers(plan, expert_bytes, &whole))
+    }
+
+    /// Replicas into per-layer slots that hold `previous` (the layer's last plan's slots, all
+    /// `None` before its first plan): what [`replica_stream`] streams, the new replicas directly
+    /// or the whole plan over its relay trees, whichever loads the busiest rank less (the engine's
+    /// rule with `--slot-memory per-layer`). Planned with whole copies, as [`Self::planned`].
+    pub fn reused(
+        plan: &Plan,
+        previous: &[Option<u32>],
+        expert_bytes: u64,
+        relay: &RelayConfig,
+    ) -> Self {
+        let whole = RelayConfig {
+            chunk_bytes: 0,
+            ..*relay
+        };
+        Self::streamed(&replica_stream(plan, Some(previous), expert_bytes, &whole).schedule)
     }
 
     /// Replicas kept per layer between steps (history-based placement, as EPLB deployments keep

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use rackfill_balancer::metrics::{evaluate, PlanMetrics};
 use rackfill_balancer::relay::RelayConfig;
-use rackfill_balancer::reuse::prefer_resident;
+use rackfill_balancer::reuse::{moves_replicas_of, prefer_resident};
 use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_models::layers::moe::{rows_of, MoeBlock};
 use rackfill_models::{
@@ -638,8 +638,8 @@ fn reuse_resident(
     plan: Plan,
     resident: Option<&[Option<u32>]>,
 ) -> Plan {
-    match (config.reuse_tolerance, resident, config.balancer) {
-        (Some(tolerance), Some(resident), Algo::Quota | Algo::QuotaPaper) => {
+    match (config.reuse_tolerance, resident) {
+        (Some(tolerance), Some(resident)) if moves_replicas_of(config.balancer) => {
             prefer_resident(layout, load, &plan, resident, tolerance)
         }
         _ => plan,

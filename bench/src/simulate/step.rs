@@ -9,7 +9,7 @@ use super::error::SimError;
 use super::spec::SimSpec;
 use super::trace::{even_load, thin_rows};
 use rackfill_balancer::metrics::imbalance;
-use rackfill_balancer::reuse::prefer_resident;
+use rackfill_balancer::reuse::{moves_replicas_of, prefer_resident};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_engine::cost::ReplicaTraffic;
 use rackfill_engine::schedule::{makespan, LayerPhases, Schedule, SlotMemory};
@@ -431,10 +431,10 @@ impl<'a> StepCoster<'a> {
             .plan(&self.layout, load)
             .map_err(|e| fail(e.to_string()))?;
         let previous = state.previous_slots[slot][l].as_deref();
-        if let (Some(tolerance), Some(resident), Algo::Quota | Algo::QuotaPaper) =
-            (self.spec.resident_preference(), previous, state.algo)
-        {
-            plan = prefer_resident(&self.layout, load, &plan, resident, tolerance);
+        if let (Some(tolerance), Some(resident)) = (self.spec.resident_preference(), previous) {
+            if moves_replicas_of(state.algo) {
+                plan = prefer_resident(&self.layout, load, &plan, resident, tolerance);
+            }
         }
         let measured_us = started.elapsed().as_secs_f64() * 1e6;
         plan.validate(&self.layout, load, planner.u_min())
@@ -445,15 +445,14 @@ impl<'a> StepCoster<'a> {
         let (traffic, replanned) = if keeps_replicas(state.algo, spec.slot_memory) {
             // Exact-load planners solve every layer of every step whatever stays resident.
             let replanned = state.algo != Algo::EplbHistory || previous != Some(plan.slots());
-            let mut traffic = ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes);
-            if state.algo != Algo::EplbHistory {
-                // New replicas go directly from their home; when that loads the busiest rank
-                // more than streaming the whole plan over its relay trees, stream it all.
-                let relayed = ReplicaTraffic::planned(&plan, bytes, &spec.relay);
-                if busiest_bytes(&relayed) < busiest_bytes(&traffic) {
-                    traffic = relayed;
-                }
-            }
+            let traffic = if state.algo == Algo::EplbHistory {
+                ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes)
+            } else {
+                // New replicas go directly from their home, or the whole plan over its relay
+                // trees when that loads the busiest rank less (the engine's rule).
+                let nothing = vec![None; plan.slots().len()];
+                ReplicaTraffic::reused(&plan, previous.unwrap_or(&nothing), bytes, &spec.relay)
+            };
             state.previous_slots[slot][l] = Some(plan.slots().to_vec());
             (traffic, replanned)
         } else {

@@ -107,7 +107,7 @@ impl CpuPlane {
                     SlotSets::new(
                         config.slot_memory,
                         moe_layers,
-                        local.clone(),
+                        (local.clone(), layout.ranks()),
                         layout.slots_per_rank(),
                         expert_floats,
                     )
@@ -139,6 +139,11 @@ impl CpuPlane {
         )
     }
 
+    /// Micro-batch 0's [`MicroPlane::resident`] (the serial step's).
+    pub(crate) fn resident(&self, layer: usize) -> Option<&[Option<u32>]> {
+        self.slots[0].resident(layer)
+    }
+
     /// Each micro-batch's share, in order.
     pub(crate) fn micro_planes(&mut self) -> Vec<MicroPlane<'_>> {
         self.slots
@@ -168,8 +173,8 @@ impl CpuPlane {
 }
 
 impl MicroPlane<'_> {
-    /// Every rank's slots as model layer `layer`'s last plan left them in this micro-batch's
-    /// per-layer set; `None` with shared slots or before the layer's first plan.
+    /// Every rank's slots as model layer `layer`'s last stream left them in this micro-batch's
+    /// per-layer set (all `None` before the first); `None` with shared slots.
     pub(crate) fn resident(&self, layer: usize) -> Option<&[Option<u32>]> {
         self.slots.resident(layer)
     }
@@ -271,9 +276,9 @@ impl MicroPlane<'_> {
             &self.shape.relay,
         );
         self.slots.keep_resident(layer, plan, &self.shape.local);
-        self.slots.mark_streamed(layer, plan);
         if schedule.transfers.is_empty() {
             // The same on every process: the plan and what was resident agree everywhere.
+            self.slots.mark_streamed(layer, plan);
             return Ok(vec![0; self.shape.local.len()]);
         }
         // The fabric reads only the local ranks' home experts; each one replicated is resolved
@@ -297,7 +302,7 @@ impl MicroPlane<'_> {
             )
         };
         let slot_bytes = self.shape.expert_floats * 4;
-        fabric.stream_replicas(
+        let received = fabric.stream_replicas(
             &stream_plan,
             &schedule,
             ReplicaBuffers {
@@ -311,7 +316,9 @@ impl MicroPlane<'_> {
                 slot_bytes,
                 expert_bytes: slot_bytes,
             },
-        )
+        )?;
+        self.slots.mark_streamed(layer, plan);
+        Ok(received)
     }
 
     /// Token assignment by cumulative quotas on every local source, and the all-to-all that

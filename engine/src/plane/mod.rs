@@ -205,11 +205,11 @@ impl Plane {
         }
     }
 
-    /// Every rank's slots as model layer `layer`'s last plan left them in micro-batch 0's
-    /// per-layer set; `None` with shared slots, before the layer's first plan, or on a GPU.
-    pub(crate) fn resident(&mut self, layer: usize) -> Option<Vec<Option<u32>>> {
-        match &mut self.backend {
-            Backend::Cpu(cpu) => cpu.micro_planes()[0].resident(layer).map(<[_]>::to_vec),
+    /// Every rank's slots as model layer `layer`'s last stream left them in micro-batch 0's
+    /// per-layer set; `None` with shared slots or on a GPU.
+    pub(crate) fn resident(&self, layer: usize) -> Option<Vec<Option<u32>>> {
+        match &self.backend {
+            Backend::Cpu(cpu) => cpu.resident(layer).map(<[_]>::to_vec),
             #[cfg(feature = "cuda")]
             Backend::Gpu(_) => None,
         }

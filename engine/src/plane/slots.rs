@@ -15,19 +15,20 @@ pub(crate) struct SlotSets {
     sets: Vec<Vec<Vec<f32>>>,
     /// Per model layer: its set (`None` for dense layers).
     set_of_layer: Vec<Option<usize>>,
-    /// With per-layer sets, `[set]`: every rank's slots after the set's last plan (`R x n_slot`,
-    /// as [`Plan::slots`]): what is resident. Shared sets track nothing (another layer's replicas
-    /// are no use).
-    resident: Option<Vec<Option<Vec<Option<u32>>>>>,
+    /// With per-layer sets, `[set]`: every rank's slots after the set's last completed stream
+    /// (`R x n_slot`, as [`Plan::slots`], all `None` at first): what is resident. Shared sets
+    /// track nothing (another layer's replicas are no use).
+    resident: Option<Vec<Vec<Option<u32>>>>,
     expert_floats: usize,
 }
 
 impl SlotSets {
-    /// Slots for `local` ranks of `n_slot` slots each, for the MoE layers `moe_layers` marks.
+    /// Slots for the `local` ranks of `ranks`, `n_slot` slots each, for the MoE layers
+    /// `moe_layers` marks.
     pub(crate) fn new(
         memory: SlotMemory,
         moe_layers: &[bool],
-        local: Range<usize>,
+        (local, ranks): (Range<usize>, usize),
         n_slot: usize,
         expert_floats: usize,
     ) -> Self {
@@ -58,7 +59,8 @@ impl SlotSets {
                 })
                 .collect(),
             set_of_layer,
-            resident: (memory == SlotMemory::PerLayer).then(|| vec![None; count]),
+            resident: (memory == SlotMemory::PerLayer)
+                .then(|| vec![vec![None; ranks * n_slot]; count]),
             expert_floats,
         }
     }
@@ -82,22 +84,24 @@ impl SlotSets {
         Ok(&mut self.sets[set])
     }
 
-    /// Every rank's slots as `layer`'s last plan left them, with per-layer sets; `None` with
-    /// shared sets or before the layer's first plan.
+    /// Every rank's slots as `layer`'s last completed stream left them (all `None` before the
+    /// first), with per-layer sets; `None` with shared sets.
     pub(crate) fn resident(&self, layer: usize) -> Option<&[Option<u32>]> {
         let set = self.set(layer).ok()?;
-        self.resident.as_ref()?[set].as_deref()
+        Some(&self.resident.as_ref()?[set])
     }
 
     /// Before `plan` streams into `layer`'s set: every replica the set already holds on a local
     /// rank (`local[i]` is local rank `i`'s world rank) is copied to the slot `plan` gives it on
-    /// that rank, since slots are numbered per plan. Nothing moves between ranks.
+    /// that rank, since slots are numbered per plan. Nothing moves between ranks. Until
+    /// [`Self::mark_streamed`], the set counts as holding nothing, so a stream that fails
+    /// half-way leaves no stale record.
     pub(crate) fn keep_resident(&mut self, layer: usize, plan: &Plan, local: &Range<usize>) {
-        let Some(previous) = self.resident(layer).map(<[Option<u32>]>::to_vec) else {
+        let (Ok(set), Some(resident)) = (self.set(layer), self.resident.as_mut()) else {
             return;
         };
+        let previous = std::mem::replace(&mut resident[set], vec![None; plan.slots().len()]);
         let (n_slot, floats) = (plan.slots_per_rank(), self.expert_floats);
-        let Ok(set) = self.set(layer) else { return };
         for (rank, buffer) in local.clone().zip(self.sets[set].iter_mut()) {
             let before = &previous[rank * n_slot..(rank + 1) * n_slot];
             let after = plan.rank_slots(rank);
@@ -119,7 +123,7 @@ impl SlotSets {
     /// Records what `layer`'s set holds once `plan` has streamed (per-layer sets only).
     pub(crate) fn mark_streamed(&mut self, layer: usize, plan: &Plan) {
         if let (Ok(set), Some(resident)) = (self.set(layer), self.resident.as_mut()) {
-            resident[set] = Some(plan.slots().to_vec());
+            resident[set] = plan.slots().to_vec();
         }
     }
 
