@@ -93,8 +93,8 @@ pub struct EpArgs {
     pub data_plane: Vec<DataPlane>,
 
     /// Micro-batches per step to run every configuration with, comma-separated: 1, or 2 (each
-    /// rank's sequences split in two halves, one communicating while the other computes; the
-    /// CPU data plane only).
+    /// rank's sequences split in two halves, one communicating while the other computes; on the
+    /// GPU plane each on its own streams).
     #[arg(long, value_delimiter = ',', default_value = "1", value_parser = crate::flags::parse_micro_batches)]
     pub micro_batches: Vec<usize>,
 
@@ -104,6 +104,12 @@ pub struct EpArgs {
     #[arg(long, value_delimiter = ',', default_value = "shared",
           value_parser = crate::flags::parse_slot_memory)]
     pub slot_memory: Vec<rackfill_engine::SlotMemory>,
+
+    /// Pipelined experts to run every one-micro-batch configuration with, comma-separated: `on`
+    /// (dispatch and main experts while the replicas stream) or `off` (replicas first).
+    #[arg(long, value_delimiter = ',', default_value = "on",
+          value_parser = crate::flags::parse_on_off)]
+    pub pipelined_experts: Vec<bool>,
 
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).
@@ -202,14 +208,24 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         for ep_size in dedup(&args.ep_size) {
             for &balancer in &args.balancer {
                 for micro_batches in dedup(&args.micro_batches) {
+                    // Pipelining acts on one micro-batch: with two, one case.
+                    let pipelined = dedup(&args.pipelined_experts);
+                    let pipelined = if micro_batches == 1 {
+                        &pipelined[..]
+                    } else {
+                        &pipelined[..1]
+                    };
                     for slot_memory in dedup(&args.slot_memory) {
-                        cases.push(EpCase {
-                            ep_size,
-                            balancer,
-                            data_plane,
-                            micro_batches,
-                            slot_memory,
-                        });
+                        for &pipelined_experts in pipelined {
+                            cases.push(EpCase {
+                                ep_size,
+                                balancer,
+                                data_plane,
+                                micro_batches,
+                                slot_memory,
+                                pipelined_experts,
+                            });
+                        }
                     }
                 }
             }

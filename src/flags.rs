@@ -58,6 +58,15 @@ pub(crate) fn parse_slot_memory(s: &str) -> Result<rackfill_engine::SlotMemory, 
     s.parse()
 }
 
+/// `on` or `off` (`--pipelined-experts`).
+pub(crate) fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("invalid value '{s}': expected on or off")),
+    }
+}
+
 /// Micro-batches per engine step: 1 or 2.
 pub(crate) fn parse_micro_batches(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {

@@ -97,7 +97,8 @@ pub struct ServeArgs {
     pub(crate) data_plane: String,
     /// Micro-batches each engine step is split into: 1, or 2 (two-batch overlap: each rank's
     /// sequences in two halves, one communicating while the other computes, each with its own
-    /// plan and replica slots; the CPU data plane and --device cpu only).
+    /// plan and replica slots; on the GPU data plane each on its own streams; not with --device
+    /// cuda|emulator).
     #[arg(long, default_value_t = EpConfig::default().micro_batches,
           value_parser = crate::flags::parse_micro_batches)]
     pub(crate) micro_batches: usize,
@@ -107,6 +108,12 @@ pub struct ServeArgs {
     /// CPU data plane and --device cpu only).
     #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
     pub(crate) slot_memory: rackfill_engine::SlotMemory,
+    /// Pipelined experts, `on` or `off`: each MoE layer dispatches its tokens and runs its main
+    /// experts while the replicas stream, and only replica instances wait for them; `off`
+    /// streams the replicas first (UltraEP's order). Acts on steps of one micro-batch.
+    #[arg(long, default_value = if EpConfig::default().pipelined_experts { "on" } else { "off" },
+          value_parser = crate::flags::parse_on_off)]
+    pub(crate) pipelined_experts: bool,
     /// With --slot-memory per-layer and a quota balancer: move replicas onto ranks that still
     /// hold the same expert while the busiest rank's load stays within this fraction of the
     /// solved plan's (0.02: 2% more); `off` keeps the plans as solved.
@@ -191,6 +198,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
             data_plane,
             micro_batches: args.micro_batches,
             slot_memory: args.slot_memory,
+            pipelined_experts: args.pipelined_experts,
             reuse_tolerance: args.reuse_tolerance.0,
             ..EpConfig::default()
         },

@@ -298,9 +298,11 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `bench ep --micro-batches 1,2 --slot-memory shared,per-layer` runs every configuration each
-/// way, side by side: two micro-batches report both micro-batches' replicas; 0 or 3
-/// micro-batches are one-line errors.
+/// `bench ep --micro-batches 1,2 --slot-memory shared,per-layer --pipelined-experts on,off` runs
+/// every configuration each way, side by side (pipelining once with two micro-batches, where it
+/// does not act): two micro-batches report both micro-batches' replicas, pipelining moves the
+/// same replica bytes; 0 or 3 micro-batches and a pipelining other than on or off are one-line
+/// errors.
 #[test]
 fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     // Its own directory: other tests remove the shared one when they finish.
@@ -324,6 +326,8 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
         "1,2",
         "--slot-memory",
         "shared,per-layer",
+        "--pipelined-experts",
+        "on,off",
         "--rounds",
         "1",
         "--json",
@@ -331,38 +335,54 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     ];
     let report = json_report(&args, &json);
     let results = report["results"].as_array().unwrap();
-    let cases: Vec<(u64, &str)> = results[1..]
+    let cases: Vec<(u64, &str, bool)> = results[1..]
         .iter()
         .map(|r| {
             let case = &r["case"];
             (
                 case["micro_batches"].as_u64().unwrap(),
                 case["slot_memory"].as_str().unwrap(),
+                case["pipelined_experts"].as_bool().unwrap(),
             )
         })
         .collect();
     assert_eq!(
         cases,
         [
-            (1, "shared"),
-            (1, "per-layer"),
-            (2, "shared"),
-            (2, "per-layer")
+            (1, "shared", true),
+            (1, "shared", false),
+            (1, "per-layer", true),
+            (1, "per-layer", false),
+            (2, "shared", true),
+            (2, "per-layer", true)
         ],
         "{report}"
     );
     let replicas = |i: usize| results[i]["replicas"].as_u64().unwrap();
-    assert!(replicas(1) > 0 && replicas(3) > replicas(1), "{report}");
+    assert!(replicas(1) > 0 && replicas(5) > replicas(1), "{report}");
     // Every round repeats the prompts: per-layer slots still hold the replicas from the warm-up.
     let streamed = |i: usize| results[i]["replica_bytes"].as_u64().unwrap();
-    assert!(streamed(1) > 0 && streamed(3) > 0, "{report}");
-    assert_eq!((streamed(2), streamed(4)), (0, 0), "{report}");
+    assert!(streamed(1) > 0 && streamed(5) > 0, "{report}");
+    assert_eq!(streamed(1), streamed(2), "pipelining moves the same bytes");
+    assert_eq!(
+        (streamed(3), streamed(4), streamed(6)),
+        (0, 0, 0),
+        "{report}"
+    );
     for bad in ["0", "3"] {
         refused(
             &["bench", "ep", "--micro-batches", bad],
             "a step runs 1 or 2 micro-batches",
         );
     }
+    refused(
+        &["bench", "ep", "--pipelined-experts", "yes"],
+        "expected on or off",
+    );
+    refused(
+        &["serve", "--pipelined-experts", "maybe"],
+        "expected on or off",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -99,6 +99,8 @@ pub struct EpCase {
     pub micro_batches: usize,
     /// One set of replica slots for every MoE layer, or one each (resident replicas reused).
     pub slot_memory: SlotMemory,
+    /// Dispatch and main experts while the replicas stream (one micro-batch).
+    pub pipelined_experts: bool,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
@@ -185,6 +187,7 @@ pub fn run_ep(
                     data_plane: c.data_plane,
                     micro_batches: c.micro_batches,
                     slot_memory: c.slot_memory,
+                    pipelined_experts: c.pipelined_experts,
                     ..EpConfig::default()
                 },
             )?;
@@ -312,6 +315,9 @@ impl EpReport {
                     }
                     if c.slot_memory != SlotMemory::Shared {
                         name += &format!(", {} slots", c.slot_memory.name());
+                    }
+                    if c.micro_batches == 1 && !c.pipelined_experts {
+                        name += ", replicas first";
                     }
                     if c.data_plane != DataPlane::Cpu {
                         name += &format!(" ({})", c.data_plane);

@@ -56,6 +56,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
             data_plane: DataPlane::Cpu,
             micro_batches: 1,
             slot_memory: SlotMemory::Shared,
+            pipelined_experts: true,
         };
         let err = run_ep(
             Arc::clone(&model),
@@ -81,6 +82,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
         data_plane: DataPlane::Cpu,
         micro_batches: 1,
         slot_memory: SlotMemory::Shared,
+        pipelined_experts: false,
     };
     let report = run_ep(model, "tiny", &prompts, &[case], 2, &Rack::nvl72(), 1).unwrap();
     assert_eq!(report.tokens_per_step, 8);

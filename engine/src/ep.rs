@@ -69,7 +69,8 @@ pub struct EpConfig {
     pub data_plane: DataPlane,
     /// Micro-batches each step's sequences are split into (1 or 2). With 2, one micro-batch
     /// communicates while the other computes, each with its own load, plan and replica slots
-    /// (`ep/overlap.rs`; the CPU data plane only).
+    /// (`ep/overlap.rs`; on the GPU data plane each micro-batch has its own lane of streams;
+    /// not with the model on a device).
     pub micro_batches: usize,
     /// One set of redundant slots shared by every MoE layer (UltraEP §4.1), or one set per MoE
     /// layer (`PerLayer`, the CPU data plane only), keeping replicas resident between steps.
@@ -78,6 +79,12 @@ pub struct EpConfig {
     /// same expert while the busiest rank's load stays within this fraction of the solved
     /// plan's (`rackfill_balancer::reuse::prefer_resident`); `None`: plans as solved.
     pub reuse_tolerance: Option<f64>,
+    /// Pipelined experts: each MoE layer dispatches its tokens and runs its main experts' GEMMs
+    /// while the replicas stream; only the replica instances wait for them (the schedule
+    /// `rackfill simulate` costs as `pipelined_experts`). Off: replicas first, then dispatch
+    /// (UltraEP's order). It acts on steps of one micro-batch: with two, each micro-batch's
+    /// replicas already stream under the other's compute.
+    pub pipelined_experts: bool,
 }
 
 impl Default for EpConfig {
@@ -93,6 +100,7 @@ impl Default for EpConfig {
             micro_batches: 1,
             slot_memory: SlotMemory::Shared,
             reuse_tolerance: Some(0.02),
+            pipelined_experts: true,
         }
     }
 }
@@ -203,6 +211,7 @@ impl EpRuntime {
             verify: config.verify_plans,
             micro_batches: config.micro_batches,
             slot_memory: config.slot_memory,
+            pipelined_experts: config.pipelined_experts,
         };
         let plane = Plane::open(config.data_plane, &model, &layout, local, &plane_config)?;
         Ok(Self {

@@ -277,11 +277,12 @@ fn check_on(
             let diff = max_abs_diff(&run.logits, &want);
             assert!(
                 diff <= tolerance,
-                "EP {ep_size} with {balancer} on {:?}, {} micro-batches, {} slots: max abs \
-                 logit difference {diff}",
+                "EP {ep_size} with {balancer} on {:?}, {} micro-batches, {} slots, pipelined \
+                 experts {}: max abs logit difference {diff}",
                 base.data_plane,
                 base.micro_batches,
-                base.slot_memory.name()
+                base.slot_memory.name(),
+                base.pipelined_experts
             );
         }
     }
@@ -340,6 +341,53 @@ fn two_micro_batches_match_dense_for_every_balancer() {
             &[Algo::Quota, Algo::EplbExact],
             &[19, 7, 30, 12, 9, 14],
             8,
+        );
+    }
+}
+
+/// Replicas streamed before the dispatch (UltraEP's order, `pipelined_experts: false`) match
+/// the dense path for every balancer, with replicas in their slots byte-exact; and the pipelined
+/// order (main experts computed while the replicas stream, the default every other test runs)
+/// gives bit-identical logits, layer plans and replica bytes: only the order of the work moves.
+#[test]
+fn replicas_first_and_pipelined_experts_match_dense_and_each_other() {
+    let replicas_first = EpConfig {
+        pipelined_experts: false,
+        ..EpConfig::default()
+    };
+    check_on(
+        builtin(),
+        replicas_first,
+        TOLERANCE,
+        &[3, 8],
+        &Algo::ALL,
+        &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+        24,
+    );
+    let model = builtin();
+    let prompts = prompts(model.config().vocab_size, &[40, 25, 31, 18, 22, 35]);
+    for balancer in [Algo::Quota, Algo::EplbExact] {
+        let run_with = |pipelined_experts| {
+            let config = EpConfig {
+                ep_size: 4,
+                balancer,
+                pipelined_experts,
+                ..EpConfig::default()
+            };
+            let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
+            ep_logits(&mut runtime, &model, &prompts, 32)
+        };
+        let (first, pipelined) = (run_with(false), run_with(true));
+        assert_eq!(max_abs_diff(&first.logits, &pipelined.logits), 0.0);
+        assert_eq!(first.layers.len(), pipelined.layers.len());
+        for (a, b) in first.layers.iter().zip(&pipelined.layers) {
+            assert_eq!((a.layer, &a.load, &a.slots), (b.layer, &b.load, &b.slots));
+            assert_eq!(a.replica_bytes, b.replica_bytes, "layer {}", a.layer);
+        }
+        assert!(
+            first.layers.iter().any(|l| l.replica_bytes > 0),
+            "{}: some layer streams replicas",
+            balancer.name()
         );
     }
 }
@@ -675,8 +723,9 @@ fn a_runtime_without_its_home_experts_is_refused_at_construction() {
 }
 
 /// The GPU data plane (device solver for quota, relay trees and tile tasks built on the device,
-/// tile streaming, device permute, cuBLAS experts) against the dense CPU path, every balancer,
-/// plus the fixtures with shared experts and dense layers. `verify_plans` also makes every layer
+/// tile streaming on its own stream, device permute, cuBLAS experts) against the dense CPU path,
+/// every balancer, with pipelined experts and with the replicas first, with two micro-batches on
+/// two lanes, plus the fixtures with shared experts and dense layers. `verify_plans` also makes every layer
 /// compare the device's tile stream with the host compiler's. Skips with the reason on a machine
 /// without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a missing GPU a failure.
 #[cfg(feature = "cuda")]
@@ -692,14 +741,33 @@ fn gpu_data_plane_matches_dense() {
         return;
     }
     let gpu = DataPlane::Gpu { ordinal: 0 };
+    // Pipelined experts (main-expert GEMMs while the replicas stream on their own stream), then
+    // the replicas first.
+    for pipelined_experts in [true, false] {
+        check_on(
+            builtin(),
+            EpConfig {
+                data_plane: gpu,
+                pipelined_experts,
+                ..EpConfig::default()
+            },
+            GPU_TOLERANCE,
+            &[1, 2, 4, 8],
+            &Algo::ALL,
+            &[70, 5, 33, 64, 1, 48, 90, 17, 25],
+            24,
+        );
+    }
+    // Two micro-batches, each on its own lane (streams, slots), ordered by events.
     check_on(
         builtin(),
         EpConfig {
             data_plane: gpu,
+            micro_batches: 2,
             ..EpConfig::default()
         },
         GPU_TOLERANCE,
-        &[1, 2, 4, 8],
+        &[3, 8],
         &Algo::ALL,
         &[70, 5, 33, 64, 1, 48, 90, 17, 25],
         24,

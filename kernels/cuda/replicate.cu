@@ -115,10 +115,13 @@ __device__ bool wait_ready(const TileTask& t, const u64* flag_base, u32* stalled
 }
 
 // `next_task` holds two words: the claim counter, then the stall word (both zeroed by the host).
+// `landed` (null: not counted) holds one byte counter per (rank, slot), `rank * n_slot + slot`,
+// zeroed by the host: every tile stored into a slot adds its length there, released like a relay
+// counter, so a slot whose counter reaches the expert's bytes has fully landed (`wait_slot`).
 extern "C" __global__ void __launch_bounds__(1024)
 tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count, const TileDst* __restrict__ dsts,
             u32* next_task, const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
-            const u64* __restrict__ flag_base, u32 tile_bytes) {
+            const u64* __restrict__ flag_base, u32 tile_bytes, u32* landed, u64 slot_bytes, u32 n_slot) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ u32 s_claim;
     __shared__ u32 s_ready;
@@ -173,12 +176,16 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
             bool fenced = false;
             for (u32 d = 0; d < t.n_dst; ++d) {
                 const TileDst dst = dsts[t.dst_begin + d];
-                if (dst.ready_flag < 0) continue;
+                if (dst.ready_flag < 0 && landed == nullptr) continue;
                 if (!fenced) {
                     __threadfence_system();
                     fenced = true;
                 }
-                atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
+                if (dst.ready_flag >= 0) atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
+                if (landed != nullptr && slot_bytes != 0) {
+                    const u64 slot = (dst.offset + t.tile_offset) / slot_bytes;
+                    atomicAdd_system(landed + (u64)dst.rank * n_slot + slot, t.len);
+                }
             }
         }
         if (nxt < n_tasks && !prefetched) {
@@ -187,5 +194,21 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
         }
         cur = nxt;
         buf ^= 1u;
+    }
+}
+
+// Holds the stream it runs on until slot `index`'s landed-byte counter (see `tile_stream`)
+// reaches `target`, so the GEMM queued behind it reads a replica that has fully landed while the
+// rest still stream. Gives up when the tile stream stalled or after TILE_STALL_NS, raising the
+// stall word: the host then fails the layer instead of trusting the slot. One thread.
+extern "C" __global__ void wait_slot(const u32* landed, u32 index, u32 target, u32* stalled) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const u64 start = global_ns();
+    while (ld_acquire_sys_u32(landed + index) < target) {
+        if (ld_acquire_sys_u32(stalled) != 0 || global_ns() - start > TILE_STALL_NS) {
+            atomicExch(stalled, 1u);
+            return;
+        }
+        __nanosleep(128);
     }
 }

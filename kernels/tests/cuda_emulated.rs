@@ -683,6 +683,35 @@ fn emulated_tile_stream_fills_slots_like_the_cpu_executor_and_gives_up_on_a_brok
                 "case {case} rank {r}: tile {tile}, {config:?}, expert_bytes {expert_bytes}, {grid:?}"
             );
         }
+        // Every stored tile is counted once per destination, in the counter of the slot region
+        // it lands in (the harness counts per `tile` bytes of slot buffer).
+        let regions = slot_len / tile as usize + 1;
+        let mut landed = vec![vec![0u64; regions]; ranks];
+        for t in &stream.tasks {
+            let dsts = &stream.dsts[t.dst_begin as usize..(t.dst_begin + t.n_dst) as usize];
+            for d in dsts {
+                let region = (d.offset + t.tile_offset) / u64::from(tile);
+                landed[d.rank as usize][region as usize] += u64::from(t.len);
+            }
+        }
+        let got: Vec<&Vec<u64>> = out
+            .iter()
+            .filter(|(name, _)| name == "landed")
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(got.len(), ranks, "case {case}");
+        for (r, got) in got.iter().enumerate() {
+            assert_eq!(**got, landed[r], "case {case} rank {r}: landed bytes");
+        }
+        let filled: u64 = landed.iter().flatten().sum();
+        let replicas = (0..ranks)
+            .map(|r| plan.rank_slots(r).iter().flatten().count() as u64)
+            .sum::<u64>();
+        assert_eq!(
+            filled,
+            replicas * expert_bytes,
+            "case {case}: every replica lands once"
+        );
 
         // A relay counter that can never reach its target (a broken stream): the kernel gives
         // up after its stall limit and raises the stall word instead of spinning forever, and

@@ -420,7 +420,12 @@ fn gpu_relay_planner_builds_the_host_stream_and_fills_slots_from_the_solvers_pla
                     planner.plan(&gpu, &uploaded, None, 0).unwrap();
                 }
                 planner
-                    .stream(&gpu, &mut ranks, 2 * gpu.info().multiprocessors, 512)
+                    .stream(
+                        &gpu,
+                        &mut ranks,
+                        (2 * gpu.info().multiprocessors, 512),
+                        None,
+                    )
                     .unwrap();
                 let what = format!("seed {seed} {config:?} tile {tile_bytes} solver {from_solver}");
                 planner.finish(&gpu).unwrap();

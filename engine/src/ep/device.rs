@@ -53,7 +53,8 @@ impl EpRuntime {
     ) -> Result<()> {
         if self.config.micro_batches > 1 {
             return Err(EngineError::Config(
-                "two micro-batches run on the CPU path only: --micro-batches 1 with --device"
+                "two micro-batches run with the model on the CPU (either data plane), not the \
+                 device runtime: --micro-batches 1 with --device"
                     .into(),
             ));
         }

@@ -141,7 +141,7 @@ impl EpRuntime {
                 layout,
                 config,
             };
-            let mut planes = plane.micro_planes()?;
+            let mut planes = plane.micro_planes();
             let (first_plane, second_plane) = planes.split_at_mut(1);
             let (first, second) = micro.split_at_mut(1);
             let mut sides = [

@@ -18,7 +18,7 @@ use rackfill_balancer::reuse::{replica_stream, ReplicaStream};
 use rackfill_balancer::Layout;
 use rackfill_kernels::{
     combine, group_by_instance, permute_tokens, remote_recv_bytes, scatter_pairs, weight_source,
-    DispatchBuffers, InstanceRouter, KernelError, WeightSource,
+    DispatchBuffers, ExpertBatches, InstanceRouter, KernelError, WeightSource,
 };
 use rackfill_models::layers::gated_mlp_rows;
 
@@ -33,6 +33,8 @@ pub(crate) struct CpuPlane {
     shape: Shape,
     /// Per micro-batch.
     slots: Vec<SlotSets>,
+    /// One micro-batch's layers compute their main experts while its replicas stream.
+    pipelined_experts: bool,
 }
 
 /// What every micro-batch's share of the plane has in common.
@@ -47,10 +49,10 @@ struct Shape {
     gate_up_floats: usize,
 }
 
-/// One micro-batch's share of the CPU plane: the plane's shape and that micro-batch's own slots.
-/// A layer runs through it in three steps, [`MicroPlane::send`] (replicas and dispatch, over the
-/// fabric), [`MicroPlane::compute`] (expert compute, local) and [`MicroPlane::combine`] (over the
-/// fabric), so that one micro-batch can compute while the other communicates.
+/// One micro-batch's share of the CPU plane: the plane's shape and that micro-batch's own slots
+/// (the CPU side of `plane::MicroPlane`). A layer runs through it in three steps,
+/// [`MicroPlane::send`] (replicas and dispatch, over the fabric), [`MicroPlane::compute`]
+/// (expert compute, local) and [`MicroPlane::combine`] (over the fabric).
 pub(crate) struct MicroPlane<'p> {
     shape: &'p Shape,
     slots: &'p mut SlotSets,
@@ -87,6 +89,16 @@ struct Exchanged {
 /// pairs sent to each destination.
 type Dispatch = (Vec<Vec<Message>>, Vec<Vec<usize>>, Vec<Vec<Vec<u32>>>);
 
+/// One local rank's received rows grouped by expert instance, and each group's output once it
+/// is computed: main instances and replica instances can be computed in separate passes.
+struct RankGroups {
+    /// World rank.
+    rank: usize,
+    batches: ExpertBatches,
+    /// Per group of `batches`: its `rows x hidden` output, `None` until computed.
+    outputs: Vec<Option<Vec<f32>>>,
+}
+
 impl CpuPlane {
     /// Slots for the `local` ranks of `layout`, each holding experts of `hidden x inter`, for
     /// each of `config.micro_batches`, shared by the MoE layers `moe_layers` marks or one set
@@ -113,6 +125,7 @@ impl CpuPlane {
                     )
                 })
                 .collect(),
+            pipelined_experts: config.pipelined_experts,
             shape: Shape {
                 layout: layout.clone(),
                 local,
@@ -156,7 +169,7 @@ impl CpuPlane {
     }
 
     /// Replication, dispatch, expert compute and combine of one layer (the first micro-batch's
-    /// slots).
+    /// slots): pipelined, or replicas first (UltraEP's order).
     pub(crate) fn run_layer(
         &mut self,
         fabric: &dyn Fabric,
@@ -166,6 +179,9 @@ impl CpuPlane {
             shape: &self.shape,
             slots: &mut self.slots[0],
         };
+        if self.pipelined_experts {
+            return micro.run_pipelined(fabric, work);
+        }
         let sent = micro.send(fabric, work)?;
         let computed = micro.compute(work, sent)?;
         micro.combine(fabric, work, computed)
@@ -213,13 +229,68 @@ impl MicroPlane<'_> {
             mut phases,
         } = sent;
         let started = Instant::now();
-        let replies = self.compute_experts(work, &router, received)?;
+        let mut groups = self.group_received(work, &router, received)?;
+        compute_groups(self.shape, Some(self.slots), work, &mut groups)?;
+        let replies = return_outputs(groups)?;
         phases.experts = started.elapsed();
         Ok(Computed {
             replies,
             exchanged,
             phases,
         })
+    }
+
+    /// One layer with its experts pipelined behind the dispatch: the tokens are dispatched
+    /// first, then every local rank's main-expert GEMMs run on their own thread while this one
+    /// (the only thread that calls the fabric) streams the replicas; the replica instances'
+    /// GEMMs run once the stream is in. The stream is one fabric call, so a replica waits for
+    /// all of them rather than for its own slot only.
+    pub(crate) fn run_pipelined(
+        &mut self,
+        fabric: &dyn Fabric,
+        work: &LayerWork<'_>,
+    ) -> Result<PlaneOutput> {
+        let mut phases = PhaseTimes::default();
+        let started = Instant::now();
+        let router = InstanceRouter::new(work.plan);
+        let (received, received_rows, sent_pairs) = self.dispatch(fabric, work, &router)?;
+        phases.dispatch = started.elapsed();
+
+        let mut groups = self.group_received(work, &router, received)?;
+        let shape = self.shape;
+        let (mains, streamed) = std::thread::scope(|scope| {
+            let mains = scope.spawn(|| {
+                let started = Instant::now();
+                compute_groups(shape, None, work, &mut groups).map(|()| started.elapsed())
+            });
+            let streaming = Instant::now();
+            let streamed = self.stream_replicas(fabric, work);
+            phases.replicate = streaming.elapsed();
+            let mains = mains.join().unwrap_or_else(|_| {
+                Err(EngineError::Config(
+                    "a layer's main-expert compute panicked".into(),
+                ))
+            });
+            (mains, streamed)
+        });
+        let (main_time, replica_recv) = (mains?, streamed?);
+        let replicas = Instant::now();
+        compute_groups(shape, Some(self.slots), work, &mut groups)?;
+        let replies = return_outputs(groups)?;
+        phases.experts = main_time + replicas.elapsed();
+        self.combine(
+            fabric,
+            work,
+            Computed {
+                replies,
+                exchanged: Exchanged {
+                    received_rows,
+                    sent_pairs,
+                    replica_recv,
+                },
+                phases,
+            },
+        )
     }
 
     /// Returns every output to its source and sums each token's outputs in top-k order.
@@ -366,14 +437,13 @@ impl MicroPlane<'_> {
         Ok((received, received_rows, sent_pairs))
     }
 
-    /// Grouped expert compute on every local rank, main and replica instances; returns each
-    /// rank's outputs addressed back to their sources (the combine's all-to-all send side).
-    fn compute_experts(
+    /// Every local rank's received rows, regrouped by expert instance (one GEMM each).
+    fn group_received(
         &self,
         work: &LayerWork<'_>,
         router: &InstanceRouter,
         received: Vec<Vec<Message>>,
-    ) -> Result<Vec<Vec<Message>>> {
+    ) -> Result<Vec<RankGroups>> {
         self.shape
             .local
             .clone()
@@ -385,58 +455,104 @@ impl MicroPlane<'_> {
                     .map(|m| DispatchBuffers::from_wire(m.rows, &m.ids))
                     .collect::<Result<_, KernelError>>()?;
                 let batches = group_by_instance(rank, &received, work.hidden, router)?;
-                let outputs: Vec<Vec<f32>> = batches
-                    .groups()
-                    .par_iter()
-                    .map(|group| {
-                        let weights =
-                            self.instance_weights(work, rank, group.expert, group.instance)?;
-                        let input = batches.block(group).unwrap_or_default();
-                        Ok(gated_mlp_rows(
-                            weights,
-                            work.hidden,
-                            self.shape.inter,
-                            input,
-                            group.rows.len(),
-                        ))
-                    })
-                    .collect::<Result<_>>()?;
-                let back = batches.return_outputs(&outputs.concat())?;
-                Ok(back
-                    .into_iter()
-                    .map(|rows| Message {
-                        rows,
-                        ids: Vec::new(),
-                    })
-                    .collect())
+                let outputs = vec![None; batches.groups().len()];
+                Ok(RankGroups {
+                    rank,
+                    batches,
+                    outputs,
+                })
             })
             .collect()
     }
+}
 
-    /// The weights of `expert`'s `instance` as held by `rank`: the main expert on its home rank,
-    /// or the redundant slot the plan streamed it into.
-    fn instance_weights<'b>(
-        &'b self,
-        work: &LayerWork<'b>,
-        rank: usize,
-        expert: u32,
-        instance: u32,
-    ) -> Result<[&'b [f32]; 2]> {
-        match weight_source(&self.shape.layout, work.plan, rank, expert, instance) {
-            Some(WeightSource::Home { .. }) => Ok(work.block.experts.get(expert)?.weights()),
-            Some(WeightSource::Slot { slot }) => {
-                let slots = &self.slots.buffers(work.layer)?[rank - self.shape.local.start];
-                let floats =
-                    &slots[slot * self.shape.expert_floats..(slot + 1) * self.shape.expert_floats];
-                let (gate_up, down) = floats.split_at(self.shape.gate_up_floats);
-                Ok([gate_up, down])
-            }
-            None => Err(EngineError::Fabric(format!(
-                "rank {rank} received tokens for instance {instance} of expert {expert}, which \
-                 the plan does not put there"
-            ))),
-        }
-    }
+/// Computes every group not computed yet whose weights are at hand: main instances always (home
+/// weights), replica instances when `slots` is given (their stream is in).
+fn compute_groups(
+    shape: &Shape,
+    slots: Option<&SlotSets>,
+    work: &LayerWork<'_>,
+    ranks: &mut [RankGroups],
+) -> Result<()> {
+    ranks.par_iter_mut().try_for_each(|groups| {
+        let RankGroups {
+            rank,
+            batches,
+            outputs,
+        } = groups;
+        batches
+            .groups()
+            .par_iter()
+            .zip(outputs.par_iter_mut())
+            .filter(|(_, output)| output.is_none())
+            .try_for_each(|(group, output)| {
+                let source = weight_source(
+                    &shape.layout,
+                    work.plan,
+                    *rank,
+                    group.expert,
+                    group.instance,
+                );
+                let weights = match (source, slots) {
+                    (Some(WeightSource::Home { .. }), _) => {
+                        work.block.experts.get(group.expert)?.weights()
+                    }
+                    (Some(WeightSource::Slot { slot }), Some(slots)) => {
+                        let buffer = &slots.buffers(work.layer)?[*rank - shape.local.start];
+                        let floats =
+                            &buffer[slot * shape.expert_floats..(slot + 1) * shape.expert_floats];
+                        let (gate_up, down) = floats.split_at(shape.gate_up_floats);
+                        [gate_up, down]
+                    }
+                    (Some(WeightSource::Slot { .. }), None) => return Ok(()),
+                    (None, _) => {
+                        return Err(EngineError::Fabric(format!(
+                            "rank {rank} received tokens for instance {} of expert {}, which \
+                             the plan does not put there",
+                            group.instance, group.expert
+                        )))
+                    }
+                };
+                let input = batches.block(group).unwrap_or_default();
+                *output = Some(gated_mlp_rows(
+                    weights,
+                    work.hidden,
+                    shape.inter,
+                    input,
+                    group.rows.len(),
+                ));
+                Ok(())
+            })
+    })
+}
+
+/// Every local rank's outputs addressed back to their sources (the combine's all-to-all send
+/// side); every group must have been computed.
+fn return_outputs(ranks: Vec<RankGroups>) -> Result<Vec<Vec<Message>>> {
+    ranks
+        .into_par_iter()
+        .map(|groups| {
+            let outputs: Vec<f32> = groups
+                .outputs
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    EngineError::Fabric(format!(
+                        "rank {} has an expert instance left uncomputed",
+                        groups.rank
+                    ))
+                })?
+                .concat();
+            let back = groups.batches.return_outputs(&outputs)?;
+            Ok(back
+                .into_iter()
+                .map(|rows| Message {
+                    rows,
+                    ids: Vec::new(),
+                })
+                .collect())
+        })
+        .collect()
 }
 
 /// The combine on every local source: returned rows placed by pair, each token's outputs summed

@@ -11,7 +11,7 @@
 use candle_core::{Device, Tensor};
 use rackfill_balancer::quota::TargetRule;
 use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan};
-use rackfill_kernels::cuda::moe::{ExpertWeights, GpuMoe, LayerRun, RankInput};
+use rackfill_kernels::cuda::moe::{ExpertWeights, GpuMoe, LayerInFlight, LayerRun, RankInput};
 use rackfill_kernels::cuda::{CudaError, Gpu};
 use rackfill_models::{FeedForward, MoeModel};
 
@@ -20,9 +20,17 @@ use crate::error::{EngineError, Result};
 
 /// The GPU data plane of one model.
 pub(crate) struct GpuPlane {
-    moe: GpuMoe,
+    /// One lane per micro-batch in flight; the first has the device solver.
+    lanes: Vec<GpuMoe>,
     /// Model layer index to its index among the MoE layers.
     moe_ordinal: Vec<Option<usize>>,
+}
+
+/// One micro-batch's lane of the GPU plane (`plane::MicroPlane` on a GPU): its layer stages
+/// queue device work on the lane's own streams.
+pub(crate) struct GpuLane<'p> {
+    moe: &'p mut GpuMoe,
+    moe_ordinal: &'p [Option<usize>],
 }
 
 impl GpuPlane {
@@ -53,17 +61,32 @@ impl GpuPlane {
         )
         .map_err(gpu_error)?;
         moe.set_verify(config.verify);
-        Ok(Self { moe, moe_ordinal })
+        moe.set_pipelined_experts(config.pipelined_experts);
+        let mut lanes = vec![moe];
+        if config.micro_batches > 1 {
+            let second = lanes[0].another_lane().map_err(gpu_error)?;
+            lanes.push(second);
+        }
+        Ok(Self { lanes, moe_ordinal })
+    }
+
+    /// Each micro-batch's lane, in order.
+    pub(crate) fn lanes(&mut self) -> Vec<GpuLane<'_>> {
+        let moe_ordinal = &self.moe_ordinal;
+        self.lanes
+            .iter_mut()
+            .map(|moe| GpuLane { moe, moe_ordinal })
+            .collect()
     }
 
     /// Solves model layer `layer`'s `load` on the device and starts its replica distribution
     /// there; `None` when this plane has no device solver for the balancer.
     pub(crate) fn solve(&mut self, layer: usize, load: &LoadMatrix) -> Result<Option<Plan>> {
-        if !self.moe.has_solver() {
+        if !self.lanes[0].has_solver() {
             return Ok(None);
         }
-        let ordinal = self.moe_ordinal(layer)?;
-        self.moe
+        let ordinal = moe_ordinal(&self.moe_ordinal, layer)?;
+        self.lanes[0]
             .solve_layer(ordinal, load)
             .map(Some)
             .map_err(gpu_error)
@@ -72,35 +95,74 @@ impl GpuPlane {
     /// Replication (over the relay trees of the plane's relay config, as on the CPU plane),
     /// dispatch, expert compute and combine of one layer, its outputs back as tensors.
     pub(crate) fn run_layer(&mut self, work: &LayerWork<'_>) -> Result<PlaneOutput> {
-        let ordinal = self.moe_ordinal(work.layer)?;
-        let inputs: Vec<RankInput<'_>> = work
-            .routed
-            .iter()
-            .map(|(xs, routing)| RankInput {
-                x: xs,
-                experts: &routing.experts,
-                weights: &routing.weights,
-            })
-            .collect();
-        let run = self
-            .moe
-            .run_layer(ordinal, work.plan, &inputs, work.top_k)
+        let ordinal = moe_ordinal(&self.moe_ordinal, work.layer)?;
+        let run = self.lanes[0]
+            .run_layer(ordinal, work.plan, &rank_inputs(work), work.top_k)
             .map_err(gpu_error)?;
         plane_output(run, work.hidden)
     }
 
-    fn moe_ordinal(&self, layer: usize) -> Result<usize> {
-        self.moe_ordinal
-            .get(layer)
-            .copied()
-            .flatten()
-            .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))
+    /// What rank `rank`'s redundant slot `slot` holds in micro-batch `micro_batch`'s lane (a
+    /// download; tests and debugging).
+    pub(crate) fn slot_contents(
+        &self,
+        micro_batch: usize,
+        rank: usize,
+        slot: usize,
+    ) -> Option<Vec<f32>> {
+        self.lanes.get(micro_batch)?.slot_contents(rank, slot).ok()
+    }
+}
+
+impl GpuLane<'_> {
+    /// Queues the layer's replicas (its plan uploaded) and its dispatch on this lane.
+    pub(crate) fn send(&mut self, work: &LayerWork<'_>) -> Result<LayerInFlight> {
+        let ordinal = moe_ordinal(self.moe_ordinal, work.layer)?;
+        self.moe
+            .dispatch_layer(ordinal, work.plan, &rank_inputs(work), work.top_k)
+            .map_err(|e| layer_error(work.layer, e))
     }
 
-    /// What rank `rank`'s redundant slot `slot` holds (a download; tests and debugging).
-    pub(crate) fn slot_contents(&self, rank: usize, slot: usize) -> Option<Vec<f32>> {
-        self.moe.slot_contents(rank, slot).ok()
+    /// Queues the layer's expert GEMMs on this lane.
+    pub(crate) fn compute(&self, work: &LayerWork<'_>, flight: &mut LayerInFlight) -> Result<()> {
+        self.moe
+            .experts_layer(flight)
+            .map_err(|e| layer_error(work.layer, e))
     }
+
+    /// Queues the combine and waits for the layer's outputs.
+    pub(crate) fn combine(
+        &self,
+        work: &LayerWork<'_>,
+        flight: LayerInFlight,
+    ) -> Result<PlaneOutput> {
+        let run = self
+            .moe
+            .combine_layer(flight)
+            .map_err(|e| layer_error(work.layer, e))?;
+        plane_output(run, work.hidden)
+    }
+}
+
+/// Model layer `layer`'s index among the MoE layers.
+fn moe_ordinal(moe_ordinal: &[Option<usize>], layer: usize) -> Result<usize> {
+    moe_ordinal
+        .get(layer)
+        .copied()
+        .flatten()
+        .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))
+}
+
+/// Every local rank's routed rows as the device plane takes them.
+fn rank_inputs<'w>(work: &'w LayerWork<'_>) -> Vec<RankInput<'w>> {
+    work.routed
+        .iter()
+        .map(|(xs, routing)| RankInput {
+            x: xs,
+            experts: &routing.experts,
+            weights: &routing.weights,
+        })
+        .collect()
 }
 
 /// Per model layer, its index among the MoE layers (`None` for a dense layer), and every MoE
@@ -159,4 +221,10 @@ fn plane_output(run: LayerRun, hidden: usize) -> Result<PlaneOutput> {
 
 fn gpu_error(err: CudaError) -> EngineError {
     EngineError::Gpu(err.to_string())
+}
+
+/// A device error of model layer `layer` (the micro-batch stages name it themselves; the plane's
+/// own calls are named by `plane::at_layer`).
+fn layer_error(layer: usize, err: CudaError) -> EngineError {
+    EngineError::Gpu(format!("layer {layer}: {err}"))
 }

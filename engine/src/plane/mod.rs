@@ -9,12 +9,13 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod micro;
 mod slots;
 mod work;
 
-pub(crate) use cpu::{Computed, MicroPlane, Sent};
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::expert_weights;
+pub(crate) use micro::{Computed, MicroPlane, Sent};
 #[cfg(feature = "cuda")]
 pub(crate) use work::received_bytes;
 pub use work::PhaseTimes;
@@ -105,13 +106,6 @@ impl Plane {
                     config,
                 ))
             }
-            DataPlane::Gpu { .. } if config.micro_batches > 1 => {
-                return Err(EngineError::Config(
-                    "two micro-batches run on the CPU data plane only (--micro-batches 1 with \
-                     --data-plane gpu)"
-                        .into(),
-                ))
-            }
             DataPlane::Gpu { .. } if config.slot_memory != SlotMemory::Shared => {
                 return Err(EngineError::Config(
                     "per-layer replica slots live on the CPU data plane only (--slot-memory \
@@ -176,20 +170,22 @@ impl Plane {
     }
 
     /// Each micro-batch's share of the plane, for layers of two micro-batches in flight
-    /// together; only the CPU plane splits so.
-    pub(crate) fn micro_planes(&mut self) -> Result<Vec<MicroPlane<'_>>> {
+    /// together: its own slots on the CPU, its own lane on a GPU.
+    pub(crate) fn micro_planes(&mut self) -> Vec<MicroPlane<'_>> {
         match &mut self.backend {
-            Backend::Cpu(cpu) => Ok(cpu.micro_planes()),
+            Backend::Cpu(cpu) => cpu
+                .micro_planes()
+                .into_iter()
+                .map(MicroPlane::cpu)
+                .collect(),
             #[cfg(feature = "cuda")]
-            Backend::Gpu(_) => Err(EngineError::Config(
-                "two micro-batches run on the CPU data plane only".into(),
-            )),
+            Backend::Gpu(gpu) => gpu.lanes().into_iter().map(MicroPlane::gpu).collect(),
         }
     }
 
     /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`, in the
     /// set model layer `layer` uses (what its last plan streamed there; read back from the
-    /// device on the GPU plane, which has one micro-batch and one set).
+    /// micro-batch's lane on the GPU plane, which has one set per lane).
     pub(crate) fn slot_contents(
         &self,
         (micro_batch, layer): (usize, usize),
@@ -199,9 +195,7 @@ impl Plane {
         match &self.backend {
             Backend::Cpu(cpu) => cpu.slot_contents((micro_batch, layer), rank, slot),
             #[cfg(feature = "cuda")]
-            Backend::Gpu(gpu) => (micro_batch == 0)
-                .then(|| gpu.slot_contents(rank, slot))
-                .flatten(),
+            Backend::Gpu(gpu) => gpu.slot_contents(micro_batch, rank, slot),
         }
     }
 

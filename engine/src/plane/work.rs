@@ -38,6 +38,8 @@ pub(crate) struct PlaneConfig {
     pub micro_batches: usize,
     /// One set of redundant slots for every MoE layer, or one each (resident replicas reused).
     pub slot_memory: SlotMemory,
+    /// Dispatch and main-expert GEMMs do not wait for the replicas (one micro-batch a step).
+    pub pipelined_experts: bool,
 }
 
 /// One MoE layer's work for the local ranks, after the plan is known.

@@ -74,6 +74,8 @@ pub enum CudaError {
          the slots of this layer cannot be trusted"
     )]
     TileStreamStalled,
+    #[error("MoE layer {layer}: {stage} before its experts ran")]
+    StageOrder { layer: usize, stage: &'static str },
     #[error("tile task {task}: {reason}")]
     UnrunnableTask { task: usize, reason: String },
     #[error("{0}")]

@@ -62,7 +62,7 @@ pub const REPLICATE: KernelSource = KernelSource {
     name: "replicate",
     file: "replicate.cu",
     source: include_str!("../../cuda/replicate.cu"),
-    entry_points: &["tile_stream"],
+    entry_points: &["tile_stream", "wait_slot"],
 };
 
 /// The relay trees and the tile task stream, built on the device from the plan (UltraEP §6.2).

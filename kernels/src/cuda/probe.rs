@@ -180,6 +180,15 @@ impl Gpu {
         &self.stream
     }
 
+    /// The same device and kernels enqueuing on a new stream forked from this one's: work that
+    /// runs beside this stream's, ordered against it only by the events its caller records.
+    pub fn fork(&self) -> Result<Self, CudaError> {
+        Ok(Self {
+            stream: self.stream.fork()?,
+            ..self.clone()
+        })
+    }
+
     /// A loaded kernel entry point.
     pub(crate) fn function(&self, name: &'static str) -> &CudaFunction {
         &self.kernel(name).function

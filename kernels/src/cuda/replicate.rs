@@ -11,6 +11,7 @@
 use super::tiles::{TileDst, TileStream, TileTask};
 use super::{to_u32, CudaError, Gpu};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Device pointers of every rank's buffers, indexed by rank.
 pub struct PeerTable {
@@ -67,7 +68,8 @@ impl PeerTable {
 /// GEMMs, `GpuMoe::slot_contents`) must run on the [`Gpu::stream`] that streamed it, which
 /// orders it after the kernel. A consumer on another stream would need an explicit event wait.
 pub struct RankBuffers {
-    homes: Vec<CudaSlice<u8>>,
+    /// Shared with every [`Self::sharing_homes`] of these buffers.
+    homes: Arc<[CudaSlice<u8>]>,
     slots: Vec<CudaSlice<u8>>,
     flags: Vec<CudaSlice<u32>>,
     table: PeerTable,
@@ -87,7 +89,7 @@ impl RankBuffers {
             .iter()
             .map(|h| stream.clone_htod(if h.is_empty() { &[0u8][..] } else { h }))
             .collect::<Result<Vec<_>, _>>()?;
-        Self::with_homes(gpu, home_bufs, slot_buffer_bytes, flags)
+        Self::with_homes(gpu, home_bufs.into(), slot_buffer_bytes, flags)
     }
 
     /// Like [`Self::new`] with zero-filled home weights of `home_bytes[r]` bytes (benchmarks).
@@ -102,12 +104,23 @@ impl RankBuffers {
             .iter()
             .map(|&n| stream.alloc_zeros::<u8>(n.max(1)))
             .collect::<Result<Vec<_>, _>>()?;
-        Self::with_homes(gpu, home_bufs, slot_buffer_bytes, flags)
+        Self::with_homes(gpu, home_bufs.into(), slot_buffer_bytes, flags)
+    }
+
+    /// Buffers of their own (slots and ready counters, as [`Self::new`] makes them) that read
+    /// these buffers' home weights: a second set of slots streamed from the same experts.
+    pub fn sharing_homes(
+        &self,
+        gpu: &Gpu,
+        slot_buffer_bytes: usize,
+        flags: &[u32],
+    ) -> Result<Self, CudaError> {
+        Self::with_homes(gpu, Arc::clone(&self.homes), slot_buffer_bytes, flags)
     }
 
     fn with_homes(
         gpu: &Gpu,
-        homes: Vec<CudaSlice<u8>>,
+        homes: Arc<[CudaSlice<u8>]>,
         slot_buffer_bytes: usize,
         flags: &[u32],
     ) -> Result<Self, CudaError> {
@@ -343,6 +356,7 @@ impl DeviceTileStream {
             dsts: &self.dsts,
             counter: &mut self.counter,
             tile_bytes: self.tile_bytes,
+            landed: None,
         };
         // SAFETY: the tasks were validated against the plan and buffer layout when compiled, and
         // the caller vouches for the peer table.
@@ -360,6 +374,83 @@ pub(crate) struct TaskBuffers<'a> {
     /// ([`check_not_stalled`]).
     pub counter: &'a mut CudaSlice<u32>,
     pub tile_bytes: u32,
+    /// Per (rank, slot) byte counters the kernel adds every landed tile to (`None`: not kept).
+    pub landed: Option<&'a LandedBytes>,
+}
+
+/// How many bytes have landed in every rank's every slot during one replication: `tile_stream`
+/// adds each tile it stores to its slot's counter (after the bytes are visible, like a relay
+/// counter), and `wait_slot` holds a stream until one slot's counter reaches the expert's bytes,
+/// so a GEMM reading that replica can start while other replicas still stream.
+pub struct LandedBytes {
+    /// `[rank * n_slot + slot]`.
+    counters: CudaSlice<u32>,
+    slot_bytes: u64,
+    n_slot: u32,
+}
+
+impl LandedBytes {
+    /// Counters for `ranks` ranks of `n_slot` slots of `slot_bytes` each (a slot's bytes must
+    /// fit a `u32` counter).
+    pub fn new(gpu: &Gpu, ranks: usize, n_slot: usize, slot_bytes: u64) -> Result<Self, CudaError> {
+        if slot_bytes > u64::from(u32::MAX) {
+            return Err(crate::KernelError::Overflow {
+                what: "slot bytes (landed-byte counters are 32-bit)",
+            }
+            .into());
+        }
+        Ok(Self {
+            counters: gpu.stream().alloc_zeros((ranks * n_slot).max(1))?,
+            slot_bytes,
+            n_slot: to_u32(n_slot, "slots per rank")?,
+        })
+    }
+
+    /// Zeroes every counter on `gpu`'s stream (before each replication).
+    pub fn reset(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        Ok(gpu.stream().memset_zeros(&mut self.counters)?)
+    }
+
+    /// Queues on `gpu`'s stream a wait until `rank`'s slot `slot` holds `bytes` landed bytes;
+    /// it gives up when the stream's stall word (`counter[1]` of the replication's
+    /// [`TaskBuffers`]) is raised, or raises it after the stall limit.
+    pub(crate) fn wait(
+        &self,
+        gpu: &Gpu,
+        (rank, slot): (usize, usize),
+        bytes: u64,
+        stall_word: &CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        let index = rank * self.n_slot as usize + slot;
+        if slot >= self.n_slot as usize || index >= self.counters.len() {
+            return Err(crate::KernelError::OutOfRange {
+                what: "slot to wait for",
+                value: index as u64,
+                limit: self.counters.len() as u64,
+            }
+            .into());
+        }
+        let (index, target) = (
+            to_u32(index, "slot index")?,
+            to_u32(bytes as usize, "slot bytes")?,
+        );
+        let stalled = stall_word.slice(1..2);
+        let mut launch = gpu.stream().launch_builder(gpu.function("wait_slot"));
+        launch
+            .arg(&self.counters)
+            .arg(&index)
+            .arg(&target)
+            .arg(&stalled);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `wait_slot`; `index` is inside the counters (checked above) and
+        // the stall word is one `u32` of a live buffer.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
 }
 
 /// Waits for the stream that used `counter` ([`TaskBuffers::counter`]) and fails if its stall
@@ -394,6 +485,11 @@ pub(crate) unsafe fn launch_tile_stream(
         block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
         shared_mem_bytes: shared as u32,
     };
+    let (landed, slot_bytes, n_slot) = match stream.landed {
+        Some(l) => (Some(&l.counters), l.slot_bytes, l.n_slot),
+        None => (None, 0u64, 0u32),
+    };
+    let no_counters = 0u64;
     let mut launch = s.launch_builder(gpu.function("tile_stream"));
     launch
         .arg(stream.tasks)
@@ -404,6 +500,11 @@ pub(crate) unsafe fn launch_tile_stream(
         .arg(&peers.slots)
         .arg(&peers.flags)
         .arg(&stream.tile_bytes);
+    match landed {
+        Some(counters) => launch.arg(counters),
+        None => launch.arg(&no_counters),
+    };
+    launch.arg(&slot_bytes).arg(&n_slot);
     // SAFETY: arguments match `tile_stream`; the caller vouches for the tasks and the table.
     unsafe { launch.launch(cfg) }?;
     Ok(())

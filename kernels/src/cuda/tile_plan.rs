@@ -13,7 +13,7 @@
 //! capacity and plans nothing, with a [`TilePlanFault`], rather than write past one.
 
 use super::replicate::{
-    check_not_stalled, launch_tile_stream, RankBuffers, RankNeeds, TaskBuffers,
+    check_not_stalled, launch_tile_stream, LandedBytes, RankBuffers, RankNeeds, TaskBuffers,
 };
 use super::tiles::{TileDst, TileStream, TileTask};
 use super::{to_u32, CudaError, DevicePlan, Gpu, TilePlanFault};
@@ -302,12 +302,14 @@ impl TilePlanner {
 
     /// Enqueues `tile_stream` over the tasks the last [`Self::plan`] wrote (`blocks` persistent
     /// blocks of `threads`); the ready counters are zeroed first. Nothing moves if it failed.
+    /// With `landed`, the kernel also counts every slot's landed bytes there (zeroed by the
+    /// caller, who waits on them with [`Self::wait_for_slot`]).
     pub fn stream(
         &mut self,
         gpu: &Gpu,
         buffers: &mut RankBuffers,
-        blocks: u32,
-        threads: u32,
+        (blocks, threads): (u32, u32),
+        landed: Option<&LandedBytes>,
     ) -> Result<(), CudaError> {
         buffers.check(&self.needs)?;
         buffers.reset_flags(gpu)?;
@@ -317,10 +319,30 @@ impl TilePlanner {
             dsts: &self.dsts,
             counter: &mut self.counter,
             tile_bytes: self.params.tile_bytes,
+            landed,
         };
         // SAFETY: `plan_tiles` writes only tasks inside the slots and home ranges of the layout
         // (or none), and `buffers` was just checked to be that large with enough counters.
         unsafe { launch_tile_stream(gpu, tasks, buffers.table(), blocks, threads) }
+    }
+
+    /// Lowers the stall word on `gpu`'s stream: before a replication whose slots other streams
+    /// will wait on, so a wait queued there never reads the last layer's word.
+    pub fn clear_stall(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        Ok(gpu.stream().memset_zeros(&mut self.counter)?)
+    }
+
+    /// Queues on `gpu`'s stream a wait until `rank`'s slot `slot` holds `bytes` bytes landed by
+    /// the last [`Self::stream`] given `landed`; a stalled stream ends the wait (and the host's
+    /// [`Self::finish`] reports it).
+    pub fn wait_for_slot(
+        &self,
+        gpu: &Gpu,
+        landed: &LandedBytes,
+        (rank, slot): (usize, usize),
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        landed.wait(gpu, (rank, slot), bytes, &self.counter)
     }
 
     /// Waits for the last [`Self::plan`] and returns what it built, or why it built nothing.

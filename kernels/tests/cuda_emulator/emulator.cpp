@@ -216,12 +216,14 @@ struct RankMemory {
     }
     // Runs tile_stream as `grid` says over `tasks` (`count` of them), every buffer the blocks
     // share copied into device memory (slots and ready counters zeroed); prints the stall word,
-    // how often a block backed off waiting for a relay chunk, then every slot buffer.
+    // how often a block backed off waiting for a relay chunk, then every slot buffer, then per
+    // rank the landed-byte counters, counted here per `tile_bytes` of slot buffer.
     void stream(const Grid& grid, const TileTask* tasks, u32 count, const TileDst* dsts, u32 n_dsts,
                 u32 tile_bytes) {
         const u32 R = (u32)homes.size();
         size_t bytes = (count + n_dsts + 8) * sizeof(TileTask) + 3 * R * sizeof(u64) + 256 + 16 * 8 * R;
-        for (u32 r = 0; r < R; ++r) bytes += homes[r].size() + slot_len + 4 * (n_flags[r] + 1);
+        const u32 n_landed = (u32)(slot_len / tile_bytes) + 1;
+        for (u32 r = 0; r < R; ++r) bytes += homes[r].size() + slot_len + 4 * (n_flags[r] + 1) + 4 * n_landed;
         DeviceMemory dev(bytes);
         const TileTask* d_tasks = dev.copy(tasks, count);
         const TileDst* d_dsts = dev.copy(dsts, n_dsts);
@@ -238,10 +240,12 @@ struct RankMemory {
             slot_base[r] = (u64)slots[r];
             flag_base[r] = (u64)dev.alloc<u32>(n_flags[r] + 1);
         }
+        u32* landed = dev.alloc<u32>((size_t)R * n_landed);
         g_fence_delay_us = grid.fence_delay_us;
         g_tile_stall_ns = (unsigned long long)grid.stall_ms * 1000000ull;
         const bool ok = run_grid(grid.blocks, grid.warps * 32, 2 * tile_bytes, [&] {
-            tile_stream(d_tasks, d_count, d_dsts, next, home_base, slot_base, flag_base, tile_bytes);
+            tile_stream(d_tasks, d_count, d_dsts, next, home_base, slot_base, flag_base, tile_bytes, landed,
+                        (u64)tile_bytes, n_landed);
         });
         if (!ok) {
             std::fprintf(stderr, "emulator: a tile_stream block died\n");
@@ -250,6 +254,9 @@ struct RankMemory {
         print("stalled", std::vector<u32>{next[1]}, 1);
         print("backoffs", std::vector<u64>{*g_backoffs}, 1);
         for (u32 r = 0; r < R; ++r) print("slots", std::vector<u8>(slots[r], slots[r] + slot_len), slot_len);
+        for (u32 r = 0; r < R; ++r)
+            print("landed", std::vector<u32>(landed + (size_t)r * n_landed, landed + (size_t)(r + 1) * n_landed),
+                  n_landed);
     }
 };
 

@@ -200,10 +200,15 @@ impl Steps<'_> {
             ptr(&slots),
             ptr(&flags),
             KernelArg::U32(stream.tile_bytes),
+            // No landed-byte counters: the layer's GEMMs wait for the whole stream.
+            KernelArg::Ptr(0),
+            KernelArg::U64(0),
+            KernelArg::U32(0),
         ];
         // SAFETY: `tile_stream(tasks, task_count, dsts, next_task[2], home_base, slot_base,
-        // flag_base, tile_bytes)`; the stream passed `check_runnable` and was compiled for these
-        // buffers' home offsets and slot sizes; every flag buffer holds its rank's counters.
+        // flag_base, tile_bytes, landed, slot_bytes, n_slot)`; the stream passed
+        // `check_runnable` and was compiled for these buffers' home offsets and slot sizes; every
+        // flag buffer holds its rank's counters.
         unsafe { exec.launch("tile_stream", launch, &args) }?;
         let mut stalled = [0u8; 4];
         exec.read(&claim, 4, &mut stalled)?;
