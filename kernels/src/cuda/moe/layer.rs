@@ -6,7 +6,9 @@
 //! on the host, so two micro-batches on two lanes ([`GpuMoe::another_lane`]) keep the device
 //! busy with one while the host queues the other.
 
-use super::{plan_on_device, GpuMoe, GpuPhases, LayerRun, RankInput, Replication, Solved};
+use super::plane::{
+    f32_view, plan_on_device, GpuMoe, GpuPhases, LayerRun, RankInput, Replication, Solved,
+};
 use crate::cuda::exchange::{Exchange, ReceivedRows};
 use crate::cuda::gemm::{GemmGroup, WeightOrder};
 use crate::cuda::permute::{self, DeviceDispatch, Received, Routed};
@@ -15,7 +17,7 @@ use crate::permute::check_len;
 use crate::weights::{weight_source, WeightSource};
 use crate::KernelError;
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::{Plan, PlanViolation};
 use std::time::Duration;
 
@@ -394,25 +396,6 @@ impl GpuMoe {
             slot,
         })
     }
-}
-
-/// Bytes `start..end` of a weight buffer as f32s.
-pub(super) fn f32_view(
-    buffer: &CudaSlice<u8>,
-    start: u64,
-    end: u64,
-) -> Result<CudaView<'_, f32>, CudaError> {
-    let outside = || KernelError::OutOfRange {
-        what: "expert weight bytes",
-        value: end,
-        limit: buffer.len() as u64,
-    };
-    let bytes = buffer
-        .try_slice(start as usize..end as usize)
-        .ok_or_else(outside)?;
-    // SAFETY: the bytes are f32 weights uploaded by `GpuMoe::new` or streamed from them into a
-    // slot, and `start` is a multiple of 4 (experts and their parts are whole numbers of f32s).
-    Ok(unsafe { bytes.transmute::<f32>(((end - start) / 4) as usize) }.ok_or_else(outside)?)
 }
 
 /// Where a rank reads one expert instance's weights: a buffer and the byte offset of the
