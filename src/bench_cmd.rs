@@ -106,10 +106,11 @@ pub struct EpArgs {
     pub slot_memory: Vec<rackfill_engine::SlotMemory>,
 
     /// Pipelined experts to run every one-micro-batch configuration with, comma-separated: `on`
-    /// (dispatch and main experts while the replicas stream) or `off` (replicas first).
-    #[arg(long, value_delimiter = ',', default_value = "on",
-          value_parser = crate::flags::parse_on_off)]
-    pub pipelined_experts: Vec<bool>,
+    /// (dispatch and main experts while the replicas stream), `off` (replicas first) or `auto`
+    /// (on for the GPU plane, off for the CPU plane).
+    #[arg(long, value_delimiter = ',', default_value = "auto",
+          value_parser = crate::flags::parse_pipelined_experts)]
+    pub pipelined_experts: Vec<rackfill_engine::PipelinedExperts>,
 
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).

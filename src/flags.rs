@@ -58,13 +58,11 @@ pub(crate) fn parse_slot_memory(s: &str) -> Result<rackfill_engine::SlotMemory, 
     s.parse()
 }
 
-/// `on` or `off` (`--pipelined-experts`).
-pub(crate) fn parse_on_off(s: &str) -> Result<bool, String> {
-    match s.trim() {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("invalid value '{s}': expected on or off")),
-    }
+/// `auto`, `on` or `off` (`--pipelined-experts`).
+pub(crate) fn parse_pipelined_experts(
+    s: &str,
+) -> Result<rackfill_engine::PipelinedExperts, String> {
+    s.trim().parse()
 }
 
 /// Micro-batches per engine step: 1 or 2.

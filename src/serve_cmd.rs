@@ -108,12 +108,13 @@ pub struct ServeArgs {
     /// CPU data plane and --device cpu only).
     #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
     pub(crate) slot_memory: rackfill_engine::SlotMemory,
-    /// Pipelined experts, `on` or `off`: each MoE layer dispatches its tokens and runs its main
-    /// experts while the replicas stream, and only replica instances wait for them; `off`
-    /// streams the replicas first (UltraEP's order). Acts on steps of one micro-batch.
-    #[arg(long, default_value = if EpConfig::default().pipelined_experts { "on" } else { "off" },
-          value_parser = crate::flags::parse_on_off)]
-    pub(crate) pipelined_experts: bool,
+    /// Pipelined experts, `auto`, `on` or `off`: each MoE layer dispatches its tokens and runs
+    /// its main experts while the replicas stream, and only replica instances wait for them;
+    /// `off` streams the replicas first (UltraEP's order); `auto` pipelines on the GPU data
+    /// plane and not on the CPU one, where it measured slower. Acts on steps of one micro-batch.
+    #[arg(long, default_value = EpConfig::default().pipelined_experts.name(),
+          value_parser = crate::flags::parse_pipelined_experts)]
+    pub(crate) pipelined_experts: rackfill_engine::PipelinedExperts,
     /// With --slot-memory per-layer and a quota balancer: move replicas onto ranks that still
     /// hold the same expert while the busiest rank's load stays within this fraction of the
     /// solved plan's (0.02: 2% more); `off` keeps the plans as solved.

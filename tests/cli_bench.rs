@@ -335,26 +335,26 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     ];
     let report = json_report(&args, &json);
     let results = report["results"].as_array().unwrap();
-    let cases: Vec<(u64, &str, bool)> = results[1..]
+    let cases: Vec<(u64, &str, &str)> = results[1..]
         .iter()
         .map(|r| {
             let case = &r["case"];
             (
                 case["micro_batches"].as_u64().unwrap(),
                 case["slot_memory"].as_str().unwrap(),
-                case["pipelined_experts"].as_bool().unwrap(),
+                case["pipelined_experts"].as_str().unwrap(),
             )
         })
         .collect();
     assert_eq!(
         cases,
         [
-            (1, "shared", true),
-            (1, "shared", false),
-            (1, "per-layer", true),
-            (1, "per-layer", false),
-            (2, "shared", true),
-            (2, "per-layer", true)
+            (1, "shared", "on"),
+            (1, "shared", "off"),
+            (1, "per-layer", "on"),
+            (1, "per-layer", "off"),
+            (2, "shared", "on"),
+            (2, "per-layer", "on")
         ],
         "{report}"
     );
@@ -377,11 +377,11 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     }
     refused(
         &["bench", "ep", "--pipelined-experts", "yes"],
-        "expected on or off",
+        "expected auto, on or off",
     );
     refused(
         &["serve", "--pipelined-experts", "maybe"],
-        "expected on or off",
+        "expected auto, on or off",
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

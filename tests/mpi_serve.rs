@@ -134,9 +134,10 @@ fn four_processes_equal_one_on_every_family_for_every_balancer() {
 /// Two micro-batches a step across four processes (each process's collectives issued by one
 /// micro-batch at a time, in the same order everywhere): the same tokens and logprobs as one
 /// process at EP 1, under quota and eplb-exact, and with per-layer slots (resident replicas kept,
-/// only new ones streamed over MPI); `--micro-batches 3` is refused with one line.
+/// only new ones streamed over MPI); so do pipelined experts with one micro-batch;
+/// `--micro-batches 3` is refused with one line.
 #[test]
-fn four_processes_with_two_micro_batches_equal_one_process() {
+fn four_processes_with_two_micro_batches_or_pipelined_experts_equal_one_process() {
     if !mpirun_available() {
         return;
     }
@@ -145,10 +146,13 @@ fn four_processes_with_two_micro_batches_equal_one_process() {
     let dense = Served::single(&["--model", model, "--ep-size", "1"]);
     let reference = dense.complete_all(&requests);
     dense.stop_with_sigterm();
-    for (balancer, slots) in [
-        ("quota", "shared"),
-        ("eplb-exact", "shared"),
-        ("quota", "per-layer"),
+    // Last, one micro-batch with pipelined experts: the replicas stream over MPI on the calling
+    // thread while the main experts compute on another.
+    for (balancer, micro_batches, slots) in [
+        ("quota", "2", "shared"),
+        ("eplb-exact", "2", "shared"),
+        ("quota", "2", "per-layer"),
+        ("quota", "1", "shared"),
     ] {
         let flags = [
             "--model",
@@ -156,15 +160,20 @@ fn four_processes_with_two_micro_batches_equal_one_process() {
             "--balancer",
             balancer,
             "--micro-batches",
-            "2",
+            micro_batches,
             "--slot-memory",
             slots,
+            "--pipelined-experts",
+            "on",
         ];
         let group = Group::start(4, &flags, &[]);
         let spread = group.complete_all(&requests);
         group.stop_with_sigterm();
         assert_same_completions(
-            &format!("-np 4 {balancer}, two micro-batches, {slots} slots, vs one process at EP 1"),
+            &format!(
+                "-np 4 {balancer}, {micro_batches} micro-batches, {slots} slots, pipelined \
+                 experts, vs one process at EP 1"
+            ),
             &spread,
             &reference,
         );

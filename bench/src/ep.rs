@@ -12,7 +12,9 @@
 use std::time::Instant;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, Rack, SlotMemory, StepOutput};
+use rackfill_engine::{
+    DataPlane, EpConfig, EpRuntime, PipelinedExperts, Rack, SlotMemory, StepOutput,
+};
 use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
@@ -100,7 +102,7 @@ pub struct EpCase {
     /// One set of replica slots for every MoE layer, or one each (resident replicas reused).
     pub slot_memory: SlotMemory,
     /// Dispatch and main experts while the replicas stream (one micro-batch).
-    pub pipelined_experts: bool,
+    pub pipelined_experts: PipelinedExperts,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
@@ -316,8 +318,10 @@ impl EpReport {
                     if c.slot_memory != SlotMemory::Shared {
                         name += &format!(", {} slots", c.slot_memory.name());
                     }
-                    if c.micro_batches == 1 && !c.pipelined_experts {
-                        name += ", replicas first";
+                    match (c.micro_batches, c.pipelined_experts) {
+                        (1, PipelinedExperts::On) => name += ", pipelined",
+                        (1, PipelinedExperts::Off) => name += ", replicas first",
+                        _ => {}
                     }
                     if c.data_plane != DataPlane::Cpu {
                         name += &format!(" ({})", c.data_plane);

@@ -5,7 +5,7 @@
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{random_prompts, run_ep, EpBenchError, EpCase, MAX_STEP_TOKENS};
 use rackfill_bench::forward::{run_forward, ForwardBenchError};
-use rackfill_engine::{DataPlane, Rack, SlotMemory};
+use rackfill_engine::{DataPlane, PipelinedExperts, Rack, SlotMemory};
 use rackfill_models::ModelBundle;
 use std::sync::Arc;
 
@@ -56,7 +56,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
             data_plane: DataPlane::Cpu,
             micro_batches: 1,
             slot_memory: SlotMemory::Shared,
-            pipelined_experts: true,
+            pipelined_experts: PipelinedExperts::On,
         };
         let err = run_ep(
             Arc::clone(&model),
@@ -82,7 +82,7 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
         data_plane: DataPlane::Cpu,
         micro_batches: 1,
         slot_memory: SlotMemory::Shared,
-        pipelined_experts: false,
+        pipelined_experts: PipelinedExperts::Auto,
     };
     let report = run_ep(model, "tiny", &prompts, &[case], 2, &Rack::nvl72(), 1).unwrap();
     assert_eq!(report.tokens_per_step, 8);

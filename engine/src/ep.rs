@@ -39,7 +39,7 @@ use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, LocalFabric};
 use crate::plane::{DataPlane, LayerWork, PhaseTimes, Plane, PlaneConfig, PlaneOutput};
 use crate::rack::Rack;
-use crate::schedule::SlotMemory;
+use crate::schedule::{PipelinedExperts, SlotMemory};
 
 #[cfg(feature = "cuda")]
 mod device;
@@ -82,9 +82,10 @@ pub struct EpConfig {
     /// Pipelined experts: each MoE layer dispatches its tokens and runs its main experts' GEMMs
     /// while the replicas stream; only the replica instances wait for them (the schedule
     /// `rackfill simulate` costs as `pipelined_experts`). Off: replicas first, then dispatch
-    /// (UltraEP's order). It acts on steps of one micro-batch: with two, each micro-batch's
-    /// replicas already stream under the other's compute.
-    pub pipelined_experts: bool,
+    /// (UltraEP's order). `Auto`: on the GPU plane, off on the CPU plane. It acts on steps of one
+    /// micro-batch: with two, each micro-batch's replicas already stream under the other's
+    /// compute.
+    pub pipelined_experts: PipelinedExperts,
 }
 
 impl Default for EpConfig {
@@ -100,7 +101,7 @@ impl Default for EpConfig {
             micro_batches: 1,
             slot_memory: SlotMemory::Shared,
             reuse_tolerance: Some(0.02),
-            pipelined_experts: true,
+            pipelined_experts: PipelinedExperts::Auto,
         }
     }
 }
@@ -211,7 +212,9 @@ impl EpRuntime {
             verify: config.verify_plans,
             micro_batches: config.micro_batches,
             slot_memory: config.slot_memory,
-            pipelined_experts: config.pipelined_experts,
+            pipelined_experts: config
+                .pipelined_experts
+                .resolve(config.data_plane == DataPlane::Cpu),
         };
         let plane = Plane::open(config.data_plane, &model, &layout, local, &plane_config)?;
         Ok(Self {

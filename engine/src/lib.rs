@@ -45,6 +45,6 @@ pub use request::{
     Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,
 };
 pub use sampling::{SamplingParams, TokenLogprob};
-pub use schedule::{LayerPhases, Schedule, SlotMemory};
+pub use schedule::{LayerPhases, PipelinedExperts, Schedule, SlotMemory};
 pub use scheduler::{Scheduler, SchedulerConfig};
 pub use validation::{ContextLength, RequestError, RequestLimits, ValidatedRequest};

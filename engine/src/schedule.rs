@@ -145,6 +145,54 @@ impl std::str::FromStr for SlotMemory {
     }
 }
 
+/// Whether an engine layer's dispatch and main-expert GEMMs wait for its replicas
+/// (`--pipelined-experts`; the engine's side of [`Schedule::pipelined_experts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PipelinedExperts {
+    /// On where the data plane moves replica bytes beside the compute (the GPU plane), off on
+    /// the CPU plane, where the cores that compute would also copy the replicas (measured
+    /// slower there; docs/engine.md).
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl PipelinedExperts {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+
+    /// Whether experts are pipelined on a data plane that copies replicas with its compute
+    /// cores (`compute_copies`: the CPU plane) or beside them.
+    pub fn resolve(self, compute_copies: bool) -> bool {
+        match self {
+            Self::Auto => !compute_copies,
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
+}
+
+impl std::str::FromStr for PipelinedExperts {
+    type Err = String;
+
+    /// `auto`, `on` or `off`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(format!("invalid value '{other}': expected auto, on or off")),
+        }
+    }
+}
+
 /// Time of each phase of one layer for one micro-batch, milliseconds (0 for a phase the layer
 /// does not have: a dense layer has only `attention` and `dense_ffn`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

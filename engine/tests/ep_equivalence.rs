@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rackfill_balancer::Algo;
 use rackfill_engine::fabric::LocalFabric;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport, SlotMemory};
+use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport, PipelinedExperts, SlotMemory};
 use rackfill_models::{KvCache, LogitsFor, ModelBundle, MoeModel, SequenceInput};
 
 /// Max abs logit difference allowed between EP and dense (f32 on CPU; the combine is done in the
@@ -278,7 +278,7 @@ fn check_on(
             assert!(
                 diff <= tolerance,
                 "EP {ep_size} with {balancer} on {:?}, {} micro-batches, {} slots, pipelined \
-                 experts {}: max abs logit difference {diff}",
+                 experts {:?}: max abs logit difference {diff}",
                 base.data_plane,
                 base.micro_batches,
                 base.slot_memory.name(),
@@ -345,19 +345,19 @@ fn two_micro_batches_match_dense_for_every_balancer() {
     }
 }
 
-/// Replicas streamed before the dispatch (UltraEP's order, `pipelined_experts: false`) match
-/// the dense path for every balancer, with replicas in their slots byte-exact; and the pipelined
-/// order (main experts computed while the replicas stream, the default every other test runs)
-/// gives bit-identical logits, layer plans and replica bytes: only the order of the work moves.
+/// Pipelined experts on the CPU plane (`PipelinedExperts::On`: main experts computed while the
+/// replicas stream; the default there, `Auto`, streams the replicas first as every other test
+/// runs) match the dense path for every balancer, with replicas in their slots byte-exact; and
+/// give bit-identical logits, loads, slots and replica bytes to the replicas-first order: only
+/// the order of the work moves.
 #[test]
-fn replicas_first_and_pipelined_experts_match_dense_and_each_other() {
-    let replicas_first = EpConfig {
-        pipelined_experts: false,
-        ..EpConfig::default()
-    };
+fn pipelined_experts_match_dense_and_the_replicas_first_order() {
     check_on(
         builtin(),
-        replicas_first,
+        EpConfig {
+            pipelined_experts: PipelinedExperts::On,
+            ..EpConfig::default()
+        },
         TOLERANCE,
         &[3, 8],
         &Algo::ALL,
@@ -377,7 +377,10 @@ fn replicas_first_and_pipelined_experts_match_dense_and_each_other() {
             let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
             ep_logits(&mut runtime, &model, &prompts, 32)
         };
-        let (first, pipelined) = (run_with(false), run_with(true));
+        let (first, pipelined) = (
+            run_with(PipelinedExperts::Off),
+            run_with(PipelinedExperts::On),
+        );
         assert_eq!(max_abs_diff(&first.logits, &pipelined.logits), 0.0);
         assert_eq!(first.layers.len(), pipelined.layers.len());
         for (a, b) in first.layers.iter().zip(&pipelined.layers) {
@@ -743,7 +746,7 @@ fn gpu_data_plane_matches_dense() {
     let gpu = DataPlane::Gpu { ordinal: 0 };
     // Pipelined experts (main-expert GEMMs while the replicas stream on their own stream), then
     // the replicas first.
-    for pipelined_experts in [true, false] {
+    for pipelined_experts in [PipelinedExperts::Auto, PipelinedExperts::Off] {
         check_on(
             builtin(),
             EpConfig {
