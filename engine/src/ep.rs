@@ -340,8 +340,9 @@ impl EpRuntime {
     }
 
     /// A copy of local rank `rank`'s redundant slot `slot` of micro-batch `micro_batch`, in the
-    /// slots model layer `layer` uses (what that micro-batch's last plan streamed there; read back from the device on a GPU
-    /// plane, widened from bf16 on the device's own; those have one micro-batch).
+    /// slots model layer `layer` uses (what that micro-batch's last plan streamed there; read
+    /// back from the device on a GPU plane, widened from bf16 on the device's own, which has one
+    /// micro-batch).
     pub fn slot_contents(
         &self,
         (micro_batch, layer): (usize, usize),
@@ -483,7 +484,7 @@ impl EpRuntime {
         let gathered = self.fabric.all_gather(&counts)?;
         let Solved { plan, load, took } = self.solve(layer, gathered)?;
         let resident = self.plane.resident(layer);
-        let plan = self.reuse_resident(&load, plan, resident.as_deref());
+        let plan = reuse_resident(&self.config, &self.layout, &load, plan, resident.as_deref());
         check_plans_agree(&*self.fabric, layer, &plan)?;
         let solve_time = started.elapsed();
 
@@ -554,18 +555,6 @@ impl EpRuntime {
             solve_us: took.as_secs_f64() * 1e6,
             phases,
         }
-    }
-
-    /// `plan` with its replicas moved onto ranks that still hold the same expert (`resident`,
-    /// the layer's last plan's slots), within [`EpConfig::reuse_tolerance`]; quota balancers
-    /// only (their split is locality-first), and as solved otherwise.
-    fn reuse_resident(
-        &self,
-        load: &LoadMatrix,
-        plan: Plan,
-        resident: Option<&[Option<u32>]>,
-    ) -> Plan {
-        reuse_resident(&self.config, &self.layout, load, plan, resident)
     }
 
     /// Solves the layer's plan from the gathered load: where the data plane's data lives when it
@@ -642,7 +631,9 @@ fn check_home_experts(model: &MoeModel, layout: &Layout, local: Range<usize>) ->
     Ok(())
 }
 
-/// [`EpRuntime::reuse_resident`] from the runtime's parts (the overlapped step holds them apart).
+/// `plan` with its replicas moved onto ranks that still hold the same expert (`resident`, the
+/// layer's last plan's slots), within [`EpConfig::reuse_tolerance`]; quota balancers only
+/// (their split is locality-first), and as solved otherwise.
 fn reuse_resident(
     config: &EpConfig,
     layout: &Layout,

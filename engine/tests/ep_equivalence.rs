@@ -88,6 +88,17 @@ fn ep_logits(
     try_ep_logits(runtime, model, prompts, chunk).unwrap()
 }
 
+/// [`ep_logits`] on a fresh runtime of `config` over `model`.
+fn fresh_ep_logits(
+    model: &Arc<MoeModel>,
+    config: EpConfig,
+    prompts: &[Vec<u32>],
+    chunk: usize,
+) -> EpRun {
+    let mut runtime = EpRuntime::new(Arc::clone(model), config).unwrap();
+    ep_logits(&mut runtime, model, prompts, chunk)
+}
+
 /// [`ep_logits`], or the first step's error.
 fn try_ep_logits(
     runtime: &mut EpRuntime,
@@ -268,8 +279,7 @@ fn check_on(
                 verify_plans: true,
                 ..base
             };
-            let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
-            let run = ep_logits(&mut runtime, &model, &prompts, chunk);
+            let run = fresh_ep_logits(&model, config, &prompts, chunk);
             if ep_size > 1 && balancer == Algo::Quota {
                 // Otherwise the replica path would be untested.
                 assert!(run.replicas > 0, "EP {ep_size}: quota made no replicas");
@@ -374,8 +384,7 @@ fn pipelined_experts_match_dense_and_the_replicas_first_order() {
                 pipelined_experts,
                 ..EpConfig::default()
             };
-            let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
-            ep_logits(&mut runtime, &model, &prompts, 32)
+            fresh_ep_logits(&model, config, &prompts, 32)
         };
         let (first, pipelined) = (
             run_with(PipelinedExperts::Off),
@@ -482,8 +491,7 @@ fn two_micro_batches_split_the_load_and_plan_each_half() {
             verify_plans: true,
             ..EpConfig::default()
         };
-        let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
-        ep_logits(&mut runtime, &model, &prompts, 64)
+        fresh_ep_logits(&model, config, &prompts, 64)
     };
     let (one, two) = (run_with(1), run_with(2));
     assert_eq!(two.layers.len(), 2 * one.layers.len());
@@ -544,8 +552,7 @@ fn ranks_split_over_processes_match_dense() {
             slot_memory,
             ..EpConfig::default()
         };
-        let mut whole = EpRuntime::new(Arc::clone(&model), config).unwrap();
-        let reference = ep_logits(&mut whole, &model, &prompts, 24);
+        let reference = fresh_ep_logits(&model, config, &prompts, 24);
         let handles = LocalFabric::group(4, &[0..1, 1..3, 3..4]).unwrap();
         let runs: Vec<EpRun> = std::thread::scope(|scope| {
             let spawned: Vec<_> = handles
