@@ -39,6 +39,10 @@ pub enum BenchCommand {
     /// requests; Poisson/gamma arrivals or trace replay; rate sweeps) and report TTFT, TPOT,
     /// ITL, end-to-end latency and throughput under vLLM's field names.
     Serve(crate::serve_bench_cmd::ServeBenchArgs),
+    /// Write a synthetic JSONL request trace with the Mooncake trace's prefix-sharing structure
+    /// (Zipf-popular shared prefixes, unique tails, Poisson arrivals) for `bench serve --dataset
+    /// trace`.
+    ServeTrace(crate::trace_gen_cmd::TraceGenArgs),
     /// The fused paged attention kernel against the unfused cuBLAS + softmax + cuBLAS baseline
     /// on one GQA layer's prefill chunks over a cached context (GPU path: a GPU or the host
     /// emulator); both outputs are compared.
@@ -174,6 +178,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Ep(args) => ep(args),
         BenchCommand::HttpOverhead(args) => crate::overhead_cmd::run(args),
         BenchCommand::Serve(args) => crate::serve_bench_cmd::run(args),
+        BenchCommand::ServeTrace(args) => crate::trace_gen_cmd::run(args),
         BenchCommand::Attention(args) => crate::attention_bench_cmd::run(args),
     }
 }

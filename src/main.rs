@@ -40,6 +40,7 @@ mod serve_bench_cmd;
 mod serve_cmd;
 mod serve_group;
 mod simulate_cmd;
+mod trace_gen_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

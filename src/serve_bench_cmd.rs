@@ -7,10 +7,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use rackfill_bench::serve::arrivals::{Arrivals, RequestRate};
-use rackfill_bench::serve::dataset::{self, RandomParams, ShareGptParams, Synthesis};
+use rackfill_bench::serve::client::Api;
+use rackfill_bench::serve::dataset::{
+    self, EvalParams, MultiTurnParams, RandomParams, ShareGptParams, Synthesis,
+};
 use rackfill_bench::serve::plots::{write_plots, PlotFormat};
-use rackfill_bench::serve::report::{format_sweep, format_table, ReportOptions};
+use rackfill_bench::serve::report::ReportOptions;
 use rackfill_bench::serve::runner::{warmup, RunOptions, Target, TargetConfig};
+use rackfill_bench::serve::table::{format_sweep, format_table};
 use rackfill_bench::serve::{run_sweep, RateReport, SweepPlan, Workload};
 
 /// Dataset kinds.
@@ -22,6 +26,25 @@ pub enum DatasetKind {
     Sharegpt,
     /// JSONL trace (--dataset-path): timestamp ms, input_length, output_length, hash_ids.
     Trace,
+    /// Conversations (--num-prompts of them) whose every turn resends the whole conversation:
+    /// a shared system prompt, earlier turns and replies, a new user message (/v1/completions).
+    MultiTurn,
+    /// Evaluation-harness scoring: --num-prompts contexts, each with --eval-continuations
+    /// continuations sent with echo, logprobs 1 and max_tokens 0 (/v1/completions).
+    Eval,
+}
+
+impl DatasetKind {
+    /// The name reported as `dataset`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::Sharegpt => "sharegpt",
+            Self::Trace => "trace",
+            Self::MultiTurn => "multi-turn",
+            Self::Eval => "eval",
+        }
+    }
 }
 
 /// Plot image formats.
@@ -52,7 +75,8 @@ pub struct ServeBenchArgs {
     /// ShareGPT JSON or JSONL trace file.
     #[arg(long, value_name = "FILE")]
     pub dataset_path: Option<PathBuf>,
-    /// Requests to send [default: 1000; a trace: all of its lines]
+    /// Requests to send [default: 1000; a trace: all of its lines; multi-turn: conversations;
+    /// eval: contexts]
     #[arg(long)]
     pub num_prompts: Option<usize>,
     /// Random dataset: prompt tokens.
@@ -74,6 +98,27 @@ pub struct ServeBenchArgs {
     /// Synthetic token ids are drawn from [0, N) [default: the tokenizer's vocabulary, else 4096]
     #[arg(long, value_name = "N")]
     pub vocab_size: Option<u32>,
+    /// Multi-turn: tokens of the system prompt every conversation opens with.
+    #[arg(long, default_value_t = 512)]
+    pub multi_turn_system_len: usize,
+    /// Multi-turn: tokens of each turn's new user message.
+    #[arg(long, default_value_t = 128)]
+    pub multi_turn_user_len: usize,
+    /// Multi-turn: turns (requests) per conversation.
+    #[arg(long, default_value_t = 5)]
+    pub multi_turn_turns: usize,
+    /// Multi-turn: max_tokens of each turn.
+    #[arg(long, default_value_t = 64)]
+    pub multi_turn_output_len: usize,
+    /// Eval: tokens of each context.
+    #[arg(long, default_value_t = 512)]
+    pub eval_context_len: usize,
+    /// Eval: continuations scored per context (one request each).
+    #[arg(long, default_value_t = 4)]
+    pub eval_continuations: usize,
+    /// Eval: tokens of each continuation.
+    #[arg(long, default_value_t = 16)]
+    pub eval_continuation_len: usize,
     /// Trace: tokens per hash_ids block (Mooncake traces use 512).
     #[arg(long, default_value_t = dataset::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
@@ -166,6 +211,9 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         .map(dataset::load_tokenizer)
         .transpose()?;
     let workload = workload(&args, tokenizer.as_ref())?;
+    if let Some(api) = Api::of_endpoint(&args.endpoint) {
+        workload.check_api(api)?;
+    }
     let config = target_config(&args, tokenizer.as_ref(), request_timeout)?;
     // Raised by the first Ctrl-C of the run (see `run_sweep_interruptible`).
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
@@ -421,18 +469,22 @@ fn workload(
             .as_deref()
             .context("--dataset sharegpt and --dataset trace need --dataset-path FILE")
     };
-    if args.dataset == DatasetKind::Random && args.dataset_path.is_some() {
-        bail!("--dataset-path is for --dataset sharegpt or trace, not random");
+    let file_based = matches!(args.dataset, DatasetKind::Sharegpt | DatasetKind::Trace);
+    if !file_based && args.dataset_path.is_some() {
+        bail!(
+            "--dataset-path is for --dataset sharegpt or trace, not {}",
+            args.dataset.name()
+        );
     }
     let n = args.num_prompts.unwrap_or(1000);
-    let (requests, name) = match args.dataset {
+    let requests = match args.dataset {
         DatasetKind::Random => {
             let params = RandomParams {
                 input_len: args.random_input_len,
                 output_len: args.random_output_len,
                 range_ratio: args.random_range_ratio,
             };
-            (dataset::random(&params, n, args.seed)?, "random")
+            dataset::random(&params, n, args.seed)?
         }
         DatasetKind::Sharegpt => {
             let params = ShareGptParams {
@@ -446,14 +498,28 @@ fn workload(
                     requests.len()
                 );
             }
-            (requests, "sharegpt")
+            requests
         }
-        DatasetKind::Trace => (
-            dataset::load_trace(path()?, args.block_size, args.num_prompts)?,
-            "trace",
-        ),
+        DatasetKind::Trace => dataset::load_trace(path()?, args.block_size, args.num_prompts)?,
+        DatasetKind::MultiTurn => {
+            let params = MultiTurnParams {
+                system_len: args.multi_turn_system_len,
+                user_len: args.multi_turn_user_len,
+                turns: args.multi_turn_turns,
+                output_len: args.multi_turn_output_len,
+            };
+            dataset::multi_turn(&params, n)?
+        }
+        DatasetKind::Eval => {
+            let params = EvalParams {
+                context_len: args.eval_context_len,
+                continuations: args.eval_continuations,
+                continuation_len: args.eval_continuation_len,
+            };
+            dataset::eval(&params, n)?
+        }
     };
-    let mut workload = Workload::new(requests, name);
+    let mut workload = Workload::new(requests, args.dataset.name());
     workload.tokenizer_id = args.tokenizer.clone();
     Ok(workload)
 }

@@ -43,9 +43,16 @@ pub struct ServeArgs {
     /// Prefill tokens per rank and step.
     #[arg(long, default_value_t = EngineConfig::default().scheduler.chunk_tokens)]
     chunk_tokens: usize,
-    /// KV-cache tokens per rank (also the longest prompt plus max_tokens one request may ask).
+    /// KV-cache tokens per rank, used in whole blocks (also the longest prompt plus max_tokens
+    /// one request may ask).
     #[arg(long, default_value_t = EngineConfig::default().scheduler.kv_tokens_per_rank)]
     kv_tokens_per_rank: usize,
+    /// Tokens per KV block: the unit of the KV budget and of prefix reuse.
+    #[arg(long, default_value_t = EngineConfig::default().scheduler.block_tokens)]
+    kv_block_tokens: usize,
+    /// Compute every prompt from scratch instead of reusing the KV of a cached prefix.
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Generation requests handled at once; more get 429.
     #[arg(long, default_value_t = ServerConfig::default().max_concurrent_requests)]
     max_concurrent_requests: usize,
@@ -152,8 +159,15 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
     if args.chunk_tokens == 0 {
         bail!("--chunk-tokens must be at least 1");
     }
-    if args.kv_tokens_per_rank == 0 {
-        bail!("--kv-tokens-per-rank must be at least 1");
+    if args.kv_block_tokens == 0 {
+        bail!("--kv-block-tokens must be at least 1");
+    }
+    if args.kv_tokens_per_rank < args.kv_block_tokens {
+        bail!(
+            "--kv-tokens-per-rank {} holds no KV block of --kv-block-tokens {}",
+            args.kv_tokens_per_rank,
+            args.kv_block_tokens
+        );
     }
     if args.max_concurrent_requests == 0 {
         bail!("--max-concurrent-requests must be at least 1");
@@ -206,6 +220,8 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         scheduler: SchedulerConfig {
             chunk_tokens: args.chunk_tokens,
             kv_tokens_per_rank: args.kv_tokens_per_rank,
+            block_tokens: args.kv_block_tokens,
+            prefix_caching: !args.no_prefix_cache,
         },
         max_waiting: args.max_waiting,
         max_request_tokens: args.max_request_tokens,
@@ -495,6 +511,11 @@ mod tests {
         assert_eq!(engine.ep.balancer, Algo::Quota);
         assert_eq!(server.max_concurrent_requests, 256);
         assert_eq!(server.max_connections, 1024);
+        assert_eq!(engine.scheduler.block_tokens, 16);
+        assert!(engine.scheduler.prefix_caching, "on by default");
+        let (engine, _) = parse(&["--no-prefix-cache", "--kv-block-tokens", "32"]).unwrap();
+        assert!(!engine.scheduler.prefix_caching);
+        assert_eq!(engine.scheduler.block_tokens, 32);
         let (engine, server) = parse(&[
             "--ep-size",
             "4",
@@ -541,6 +562,8 @@ mod tests {
             &["--data-plane", "gpu:x"],
             &["--watchdog-timeout", "0"],
             &["--watchdog-timeout=-1"],
+            &["--kv-block-tokens", "0"],
+            &["--kv-tokens-per-rank", "8", "--kv-block-tokens", "16"],
         ] {
             let err = parse(flags).unwrap_err().to_string();
             assert!(!err.contains('\n'), "{flags:?}: {err}");

@@ -1,11 +1,15 @@
 //! `rackfill bench serve` on bad input: exit 2 with one `error:` line before anything is sent,
 //! so a flag that cannot work is reported at once rather than after a warm-up request or a run
 //! that may take hours. Every case names an endpoint nobody listens on: the flag's own error
-//! must come before the connection's.
+//! must come before the connection's. Then the prefix-caching workloads against a real
+//! `rackfill serve` on the built-in model: a generated shared-prefix trace, multi-turn
+//! conversations and evaluation-harness scoring, each kept to a few hundred prompt tokens (the
+//! test binary is a debug build).
 
 mod common;
 
-use common::rackfill;
+use common::{json_report, rackfill, Server, TempDir};
+use serde_json::Value;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -232,4 +236,262 @@ fn the_first_ctrl_c_keeps_the_results_so_far() {
     assert!((1..100).contains(&sent), "{report}");
     assert_eq!(report["completed"].as_u64(), Some(sent), "{report}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn prefix_workload_flags_are_checked_before_connecting() {
+    for dataset in ["multi-turn", "eval"] {
+        refused(
+            &["--dataset", dataset, "--endpoint", "/v1/chat/completions"],
+            "chat endpoints are not supported",
+        );
+        refused(
+            &["--dataset", dataset, "--dataset-path", "x.jsonl"],
+            "--dataset-path is for --dataset sharegpt or trace",
+        );
+    }
+    refused(
+        &["--dataset", "multi-turn", "--multi-turn-turns", "0"],
+        "must be at least 1",
+    );
+    refused(
+        &["--dataset", "eval", "--eval-continuations", "0"],
+        "must be at least 1",
+    );
+    let dir = TempDir::new("bench-serve-trace-flags");
+    let out = dir.file("t.jsonl");
+    for (flag, value, want) in [
+        (
+            "--shared-fraction",
+            "1.5",
+            "--shared-fraction must be in [0, 1]",
+        ),
+        ("--rate", "0", "--rate must be a positive number"),
+        ("--zipf", "nan", "--zipf must be a non-negative number"),
+        ("--requests", "0", "must be at least 1"),
+    ] {
+        let run = rackfill(&[
+            "bench",
+            "serve-trace",
+            "--out",
+            out.to_str().unwrap(),
+            flag,
+            value,
+        ]);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{flag} {value}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.starts_with("error: ") && err.contains(want), "{err}");
+        assert!(!out.exists());
+    }
+}
+
+/// The prefix-cache fields of a report: present, and the computed tokens are the prompt tokens
+/// the cache did not supply (whether or not the server reports cached tokens).
+fn check_cache_fields(report: &Value) {
+    let field = |key: &str| {
+        report[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} missing: {report}"))
+    };
+    let (prompt, cached) = (field("total_input_tokens"), field("total_cached_tokens"));
+    assert_eq!(field("total_prefill_tokens_computed"), prompt - cached);
+    let rate = report["prefix_cache_hit_rate"].as_f64().unwrap();
+    assert!(
+        (rate - cached as f64 / prompt as f64).abs() < 1e-12,
+        "{report}"
+    );
+}
+
+/// `bench serve` with `args` against `server`, which must succeed; its JSON report.
+fn bench(server: &Server, dir: &TempDir, args: &[&str]) -> Value {
+    let report = dir.file("report.json");
+    let base = format!("http://{}", server.addr());
+    let mut all = vec!["bench", "serve", "--base-url", &base, "--no-progress"];
+    all.extend_from_slice(args);
+    all.extend(["--output", report.to_str().unwrap()]);
+    let value = json_report(&all, &report);
+    check_cache_fields(&value);
+    value
+}
+
+fn numbers(report: &Value, key: &str) -> Vec<f64> {
+    let list = report[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key}: {report}"));
+    list.iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn a_generated_prefix_trace_shares_prefixes_follows_its_seed_and_replays() {
+    let dir = TempDir::new("bench-serve-prefix-trace");
+    let generate = |name: &str, seed: &str| {
+        let path = dir.file(name);
+        let out = rackfill(&[
+            "bench",
+            "serve-trace",
+            "--out",
+            path.to_str().unwrap(),
+            "--requests",
+            "30",
+            "--block-size",
+            "4",
+            "--input-len",
+            "20",
+            "--output-len",
+            "2",
+            "--prefixes",
+            "3",
+            "--rate",
+            "100",
+            "--seed",
+            seed,
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("replay with: rackfill bench serve"), "{err}");
+        std::fs::read_to_string(path).unwrap()
+    };
+    let trace = generate("a.jsonl", "3");
+    assert_eq!(trace, generate("b.jsonl", "3"), "one seed, one trace");
+    assert_ne!(trace, generate("c.jsonl", "4"));
+    let lines: Vec<Value> = trace
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 30);
+    let ids = |l: &Value| -> Vec<u64> {
+        let list = l["hash_ids"].as_array().unwrap();
+        list.iter().map(|v| v.as_u64().unwrap()).collect()
+    };
+    let mut tails = std::collections::HashSet::new();
+    let mut opening = std::collections::HashMap::<u64, usize>::new();
+    let mut last_timestamp = 0;
+    for line in &lines {
+        let input = line["input_length"].as_u64().unwrap();
+        let ids = ids(line);
+        // One hash id per 4-token block, the last one the request's own.
+        assert_eq!(ids.len() as u64, input.div_ceil(4), "{line}");
+        assert!(tails.insert(*ids.last().unwrap()), "{line}");
+        *opening.entry(ids[0]).or_default() += 1;
+        let timestamp = line["timestamp"].as_u64().unwrap();
+        assert!(timestamp >= last_timestamp);
+        last_timestamp = timestamp;
+    }
+    // Three shared prefixes open (nearly) every request, the most popular most of them.
+    let shared: Vec<usize> = opening.values().copied().filter(|&n| n > 1).collect();
+    assert!(
+        shared.len() <= 3 && shared.iter().sum::<usize>() >= 25,
+        "{opening:?}"
+    );
+    assert!(*shared.iter().max().unwrap() >= 12, "{opening:?}");
+
+    let server = Server::start(&[]);
+    let path = dir.file("a.jsonl");
+    let report = bench(
+        &server,
+        &dir,
+        &[
+            "--dataset",
+            "trace",
+            "--dataset-path",
+            path.to_str().unwrap(),
+            "--block-size",
+            "4",
+        ],
+    );
+    assert_eq!(report["dataset"], "trace");
+    assert_eq!(
+        (report["completed"].as_u64(), report["failed"].as_u64()),
+        (Some(30), Some(0))
+    );
+    let prompt: u64 = lines
+        .iter()
+        .map(|l| l["input_length"].as_u64().unwrap())
+        .sum();
+    assert_eq!(report["total_input_tokens"].as_u64(), Some(prompt));
+}
+
+#[test]
+fn multi_turn_prompts_resend_the_conversation_turn_after_turn() {
+    let server = Server::start(&[]);
+    let dir = TempDir::new("bench-serve-multi-turn");
+    let report = bench(
+        &server,
+        &dir,
+        &[
+            "--dataset",
+            "multi-turn",
+            "--num-prompts",
+            "2",
+            "--multi-turn-turns",
+            "3",
+            "--multi-turn-system-len",
+            "16",
+            "--multi-turn-user-len",
+            "4",
+            "--multi-turn-output-len",
+            "3",
+            "--ignore-eos",
+            "--save-detailed",
+        ],
+    );
+    assert_eq!(report["dataset"], "multi-turn");
+    assert_eq!(
+        (report["completed"].as_u64(), report["failed"].as_u64()),
+        (Some(6), Some(0))
+    );
+    let inputs = numbers(&report, "input_lens");
+    let sends = numbers(&report, "send_times");
+    let ends: Vec<f64> = sends
+        .iter()
+        .zip(numbers(&report, "e2els"))
+        .map(|(s, e)| s + e)
+        .collect();
+    for conversation in inputs.chunks(3).zip(sends.chunks(3)).zip(ends.chunks(3)) {
+        let ((inputs, sends), ends) = conversation;
+        // System prompt and first user message, then each turn adds the reply and 4 tokens.
+        assert_eq!(inputs[0], 20.0, "{report}");
+        for k in 1..3 {
+            assert!(inputs[k] > inputs[k - 1] + 4.0, "{inputs:?}");
+            assert!(
+                sends[k] >= ends[k - 1],
+                "turn {k} sent before turn {} ended",
+                k - 1
+            );
+        }
+    }
+}
+
+#[test]
+fn eval_requests_score_every_continuation_of_a_context() {
+    let server = Server::start(&[]);
+    let dir = TempDir::new("bench-serve-eval");
+    // A response without the echoed prompt's logprobs fails its request, so none failing
+    // means every request got them.
+    let report = bench(
+        &server,
+        &dir,
+        &[
+            "--dataset",
+            "eval",
+            "--num-prompts",
+            "2",
+            "--eval-context-len",
+            "16",
+            "--eval-continuation-len",
+            "4",
+            "--save-detailed",
+        ],
+    );
+    assert_eq!(report["dataset"], "eval");
+    assert_eq!(
+        (report["completed"].as_u64(), report["failed"].as_u64()),
+        (Some(8), Some(0))
+    );
+    assert!(
+        numbers(&report, "input_lens").iter().all(|&n| n == 20.0),
+        "{report}"
+    );
+    assert_eq!(report["total_output_tokens"].as_u64(), Some(0));
 }

@@ -187,6 +187,48 @@ fn four_processes_with_two_micro_batches_or_pipelined_experts_equal_one_process(
     );
 }
 
+/// Prompt `i` of the routing test: 50 tokens of its own, then `extra` more.
+fn prefixed(i: u32, extra: u32) -> Value {
+    let prompt: Vec<u32> = (0..50 + extra)
+        .map(|j| (3 + j * 7 + i * 101) % 512)
+        .collect();
+    json!({
+        "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 1,
+        "ignore_eos": true,
+    })
+}
+
+/// Each worker tells the leader which blocks its prefix cache holds, and the leader routes a
+/// request to the rank holding its prefix: four prompts spread over four processes, then four
+/// continuations sent at once each reuse their own prompt's three whole blocks on its rank (but
+/// the last token: they echo), and answer what one process without the prefix cache answers.
+#[test]
+fn four_processes_route_each_prompt_to_the_rank_that_cached_its_prefix() {
+    if !mpirun_available() {
+        return;
+    }
+    let firsts: Vec<Value> = (0..4).map(|i| prefixed(i, 0)).collect();
+    // In reverse: least-loaded routing alone would hand each to another prompt's rank.
+    let seconds: Vec<Value> = (0..4).rev().map(|i| prefixed(i, 10)).collect();
+    let group = Group::start(4, &["--model", "rackfill-tiny-moe"], &[]);
+    let first = group.complete_all(&firsts);
+    let second = group.complete_all(&seconds);
+    let served = group.metrics();
+    group.stop_with_sigterm();
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let cached_all = |rs: &[Value]| rs.iter().map(cached).collect::<Vec<_>>();
+    assert_eq!(cached_all(&first), [Some(0); 4]);
+    assert_eq!(cached_all(&second), [Some(47); 4]);
+    for rank in 0..4 {
+        let hits = Served::metric(&served, "rackfill:prefix_cache_hits_total", rank);
+        assert_eq!(hits, Some(1.0), "rank {rank}:\n{served}");
+    }
+    let one = Served::single(&["--model", "rackfill-tiny-moe", "--no-prefix-cache"]);
+    let reference = one.complete_all(&seconds);
+    one.stop_with_sigterm();
+    assert_same_completions("-np 4 with prefix hits vs one process", &second, &reference);
+}
+
 #[test]
 fn a_mislaunched_group_fails_at_start_with_one_line() {
     if !mpirun_available() {

@@ -35,6 +35,7 @@ fn record_trace(path: &Path) {
         scheduler: SchedulerConfig {
             chunk_tokens: 16,
             kv_tokens_per_rank: 4096,
+            ..SchedulerConfig::default()
         },
         max_waiting: 64,
         record_routing: Some(RoutingTraceConfig::new(path)),

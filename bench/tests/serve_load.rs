@@ -39,6 +39,7 @@ impl Server {
             scheduler: SchedulerConfig {
                 chunk_tokens: 512,
                 kv_tokens_per_rank: 65_536,
+                ..SchedulerConfig::default()
             },
             max_waiting: 256,
             record_routing: None,

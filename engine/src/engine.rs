@@ -20,6 +20,7 @@ use crate::device::ModelDevice;
 use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::metrics;
+use crate::prefix_cache;
 use crate::request::{GenerateRequest, RequestStream};
 use crate::routing_trace::{RoutingRecorder, RoutingTraceConfig};
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -49,10 +50,7 @@ impl Default for EngineConfig {
         Self {
             ep: EpConfig::default(),
             device: ModelDevice::Cpu,
-            scheduler: SchedulerConfig {
-                chunk_tokens: 4096,
-                kv_tokens_per_rank: 65_536,
-            },
+            scheduler: SchedulerConfig::default(),
             max_waiting: 1024,
             max_request_tokens: 1 << 19,
             record_routing: None,
@@ -125,7 +123,7 @@ impl EngineHandle {
     ) -> Result<Self> {
         let mut runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
         runtime.open_device(config.device, None, config.scheduler.kv_tokens_per_rank)?;
-        let scheduler = Scheduler::new(config.ep.ep_size, config.scheduler)?;
+        let scheduler = new_scheduler(config.ep.ep_size, &config, &model)?;
         let recorder = open_recorder(&config)?;
         Self::start(&model, tokenizer, eos, &config, move |thread| {
             EngineLoop {
@@ -154,7 +152,7 @@ impl EngineHandle {
             eos: eos.into(),
             limits: RequestLimits {
                 vocab_size: model.config().vocab_size,
-                max_context: max_model_len.min(config.scheduler.kv_tokens_per_rank),
+                max_context: max_model_len.min(config.scheduler.kv_capacity_tokens()),
                 max_sequences: config.max_waiting,
                 max_request_tokens: config.max_request_tokens,
                 max_token_bytes: tokenizer.max_token_bytes(),
@@ -310,6 +308,27 @@ pub(crate) fn fallback_seed(id: u64) -> u64 {
     id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// The scheduler of `ranks` ranks for `model` under `config`. The prefix cache shares host KV
+/// blocks, so with the whole model on a device (`--device cuda|emulator`, whose KV lives in the
+/// device's own blocks) it is off, and said so once.
+pub(crate) fn new_scheduler(
+    ranks: usize,
+    config: &EngineConfig,
+    model: &MoeModel,
+) -> Result<Scheduler> {
+    let mut scheduler = config.scheduler;
+    if scheduler.prefix_caching && config.device != ModelDevice::Cpu {
+        tracing::info!(
+            device = %config.device,
+            "the prefix cache is off: it shares host KV blocks, and --device keeps the KV on \
+             the device"
+        );
+        scheduler.prefix_caching = false;
+    }
+    let salt = prefix_cache::model_salt("rackfill", format!("{:?}", model.config()));
+    Scheduler::new(ranks, scheduler, salt)
+}
+
 /// Opens the routing trace `config` asks for, if any.
 pub(crate) fn open_recorder(config: &EngineConfig) -> Result<Option<RoutingRecorder>> {
     config
@@ -409,6 +428,7 @@ impl EngineLoop {
                 self.scheduler.running(),
                 self.scheduler.kv_usage(),
             );
+            metrics::record_prefix_cache(&self.scheduler.prefix_stats());
         }
         self.queued.store(0, Ordering::Release);
         self.scheduler.fail_all("the engine stopped");
@@ -419,7 +439,7 @@ impl EngineLoop {
         match command {
             Command::Submit(sequences) => {
                 for parts in sequences {
-                    let cache = self.runtime.new_cache();
+                    let cache = self.runtime.new_cache(self.scheduler.block_tokens());
                     self.scheduler.enqueue(Sequence::new(parts, cache));
                 }
                 false

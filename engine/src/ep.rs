@@ -267,10 +267,11 @@ impl EpRuntime {
         }
     }
 
-    /// An empty KV cache for a new sequence on this runtime's device.
-    pub fn new_cache(&self) -> KvCache {
+    /// An empty KV cache for a new sequence on this runtime's device, in blocks of
+    /// `block_tokens` tokens on the host.
+    pub fn new_cache(&self, block_tokens: usize) -> KvCache {
         #[allow(unused_mut)]
-        let mut cache = self.model.new_cache();
+        let mut cache = self.model.new_paged_cache(block_tokens);
         #[cfg(feature = "cuda")]
         if let Some(device) = &self.device {
             cache.device = Some(Box::new(device.model.new_sequence()));

@@ -46,6 +46,11 @@ pub enum EngineError {
     /// [`RequestError`] covers.
     #[error("{0}")]
     InvalidRequest(String),
+    /// The KV block book-keeping broke an invariant (a double free, an exhausted pool that
+    /// admission said had room): a bug, reported rather than risking two sequences sharing a
+    /// block they both write.
+    #[error("KV blocks: {0}")]
+    KvBlocks(String),
     /// The waiting queue cannot take the request's sequences now; try again later. The queue
     /// counts sequences: every prompt of a request, times its `n`.
     #[error(

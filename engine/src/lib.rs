@@ -24,6 +24,7 @@ pub mod group;
 pub mod metrics;
 pub mod penalties;
 mod plane;
+pub mod prefix_cache;
 pub mod rack;
 pub mod request;
 pub mod routing_trace;

@@ -6,6 +6,7 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 use std::time::Duration;
 
 use crate::ep::StepOutput;
+use crate::prefix_cache::PrefixCacheStats;
 
 /// Per-layer rank-load imbalance before balancing (`max L0 / mean L0`).
 pub const IMBALANCE_BEFORE: &str = "rackfill:moe_imbalance_before";
@@ -47,6 +48,20 @@ pub const RANK_RUNNING: &str = "rackfill:rank_num_requests_running";
 pub const RANK_KV_USAGE: &str = "rackfill:rank_kv_cache_usage_perc";
 /// Bytes one rank received over the fabric (`rank` label).
 pub const RANK_FABRIC_BYTES: &str = "rackfill:rank_fabric_received_bytes";
+/// Sequences looked up in a rank's prefix cache (`rank` label).
+pub const PREFIX_QUERIES: &str = "rackfill:prefix_cache_queries_total";
+/// Sequences that reused at least one cached token (`rank` label).
+pub const PREFIX_HITS: &str = "rackfill:prefix_cache_hits_total";
+/// Prompt tokens of the sequences looked up (`rank` label).
+pub const PREFIX_QUERIED_TOKENS: &str = "rackfill:prefix_cache_queried_tokens_total";
+/// Prompt tokens reused from the prefix cache instead of computed (`rank` label).
+pub const PREFIX_HIT_TOKENS: &str = "rackfill:prefix_cache_hit_tokens_total";
+/// Reused over looked-up prompt tokens since start (`rank` label).
+pub const PREFIX_HIT_RATE: &str = "rackfill:prefix_cache_hit_rate";
+/// A rank's KV blocks by state (`rank`, `state` = used, cached or free).
+pub const KV_BLOCKS: &str = "rackfill:kv_blocks";
+/// Cached KV blocks evicted to make room (`rank` label).
+pub const KV_BLOCKS_EVICTED: &str = "rackfill:kv_blocks_evicted_total";
 /// Seconds since the leader last heard a rank's heartbeat (`rank` label).
 pub const RANK_HEARTBEAT_AGE: &str = "rackfill:rank_heartbeat_age_seconds";
 
@@ -116,6 +131,35 @@ pub fn describe() {
         RANK_KV_USAGE,
         "One rank's reserved KV cache over its budget, 0 to 1."
     );
+    describe_counter!(
+        PREFIX_QUERIES,
+        "Sequences looked up in the rank's prefix cache."
+    );
+    describe_counter!(
+        PREFIX_HITS,
+        "Sequences that reused at least one prompt token from the prefix cache."
+    );
+    describe_counter!(
+        PREFIX_QUERIED_TOKENS,
+        "Prompt tokens of the sequences looked up in the prefix cache."
+    );
+    describe_counter!(
+        PREFIX_HIT_TOKENS,
+        "Prompt tokens reused from the prefix cache instead of computed."
+    );
+    describe_gauge!(
+        PREFIX_HIT_RATE,
+        "Prompt tokens reused over prompt tokens looked up since start, 0 to 1."
+    );
+    describe_gauge!(
+        KV_BLOCKS,
+        "KV blocks of a rank by state: used (held by running sequences), cached (kept for \
+         later prefixes, evicted when room is needed) or free."
+    );
+    describe_counter!(
+        KV_BLOCKS_EVICTED,
+        "Cached KV blocks evicted to make room for new sequences."
+    );
     describe_gauge!(
         RANK_HEARTBEAT_AGE,
         "Seconds since the leader last heard the rank's heartbeat."
@@ -158,6 +202,26 @@ pub fn record_queue(waiting: usize, running: usize, kv_usage: f64) {
     gauge!(WAITING).set(waiting as f64);
     gauge!(RUNNING).set(running as f64);
     gauge!(KV_USAGE).set(kv_usage);
+}
+
+/// Records every rank's prefix-cache counters and KV block states (index = rank).
+pub fn record_prefix_cache(ranks: &[PrefixCacheStats]) {
+    for (rank, stats) in ranks.iter().enumerate() {
+        let rank = rank.to_string();
+        counter!(PREFIX_QUERIES, "rank" => rank.clone()).absolute(stats.queries);
+        counter!(PREFIX_HITS, "rank" => rank.clone()).absolute(stats.hits);
+        counter!(PREFIX_QUERIED_TOKENS, "rank" => rank.clone()).absolute(stats.queried_tokens);
+        counter!(PREFIX_HIT_TOKENS, "rank" => rank.clone()).absolute(stats.hit_tokens);
+        gauge!(PREFIX_HIT_RATE, "rank" => rank.clone()).set(stats.hit_rate());
+        for (state, blocks) in [
+            ("used", stats.blocks_used),
+            ("cached", stats.blocks_cached),
+            ("free", stats.blocks_free),
+        ] {
+            gauge!(KV_BLOCKS, "rank" => rank.clone(), "state" => state).set(blocks as f64);
+        }
+        counter!(KV_BLOCKS_EVICTED, "rank" => rank).absolute(stats.blocks_evicted);
+    }
 }
 
 /// Sets the routing-trace recording gauge (1 recording, 0 stopped).

@@ -45,6 +45,8 @@ pub struct TokenEvent {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub cached_tokens: usize,
 }
 
 /// What ended a sequence with [`FinishReason::Stop`], when it was not end-of-sequence.

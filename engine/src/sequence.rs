@@ -4,14 +4,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rackfill_models::{DecodeStream, KvCache, Tokenizer};
+use rackfill_models::{DecodeStream, KvBlock, KvCache, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::error::Result;
+use crate::prefix_cache::{BlockHash, BlockHasher, BlockLogprobs};
 use crate::request::{
     Event, FinishEvent, FinishReason, GenerateRequest, StopReason, TokenEvent, Usage,
 };
-use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob};
+use crate::sampling::{token_logprob, Sampler, SamplingParams, TokenLogprob, MAX_LOGPROBS};
 use crate::stop::{StopMatcher, StopOutcome};
 
 /// A sequence admitted to (or waiting for) a rank.
@@ -26,12 +27,23 @@ pub struct Sequence {
     /// KV tokens reserved at admission: prompt plus `max_tokens`, so admission never
     /// over-commits the budget.
     pub reserved: usize,
+    /// The rank's KV block ids the sequence holds, in token order (see
+    /// [`crate::prefix_cache::RankBlocks`]); empty until admitted.
+    pub blocks: Vec<u32>,
+    /// Full blocks already registered with the rank's prefix cache.
+    pub registered: usize,
+    /// Prompt tokens reused from the prefix cache.
+    pub cached_tokens: usize,
+    /// Chained hashes of the sequence's full blocks, as far as they were needed.
+    block_hashes: Vec<BlockHash>,
     pub arrived: Instant,
     pub scheduled: Option<Instant>,
     sampler: Sampler,
     decoder: DecodeStream,
     stops: StopMatcher,
     stop_ids: Arc<[u32]>,
+    /// Per prompt position so far, with [`MAX_LOGPROBS`] alternatives (cut to the request's
+    /// count when sent): kept whole, since the blocks it covers may be cached with them.
     prompt_logprobs: Vec<Option<TokenLogprob>>,
     events: mpsc::UnboundedSender<Event>,
     /// Set when the sequence has finished or its client is gone: the scheduler drops it.
@@ -76,6 +88,10 @@ impl Sequence {
             cache,
             computed: 0,
             reserved,
+            blocks: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
+            block_hashes: Vec::new(),
             arrived,
             scheduled: None,
             sampler,
@@ -126,6 +142,69 @@ impl Sequence {
         self.params.prompt_logprobs.is_some() && self.prefilling()
     }
 
+    /// Whether the request asked for prompt logprobs (so only cached blocks that kept theirs
+    /// can stand in for computing its prompt).
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs.is_some()
+    }
+
+    /// The chained hashes of the prompt's full blocks.
+    pub fn prompt_block_hashes(&mut self, hasher: &BlockHasher) -> &[BlockHash] {
+        hasher.extend(&mut self.block_hashes, &self.prompt);
+        let prompt_blocks = self.prompt.len() / hasher.block_tokens();
+        &self.block_hashes[..prompt_blocks]
+    }
+
+    /// Hashes of the prompt's full blocks not yet registered with the prefix cache: the blocks
+    /// this sequence is still computing (empty before admission hashed the prompt).
+    pub fn unregistered_prompt_hashes(&self, block_tokens: usize) -> &[BlockHash] {
+        let prompt_blocks = (self.prompt.len() / block_tokens).min(self.block_hashes.len());
+        &self.block_hashes[self.registered.min(prompt_blocks)..prompt_blocks]
+    }
+
+    /// The chained hash of full block `index` of the sequence's tokens (prompt then
+    /// generated), which must be in its KV cache.
+    pub fn block_hash(&mut self, hasher: &BlockHasher, index: usize) -> Option<BlockHash> {
+        if self.block_hashes.len() <= index {
+            let tokens = self.tokens(0, (index + 1) * hasher.block_tokens());
+            hasher.extend(&mut self.block_hashes, &tokens);
+        }
+        self.block_hashes.get(index).copied()
+    }
+
+    /// The prompt logprobs of block `index`'s positions, if the sequence scored all of them.
+    pub fn block_logprobs(&self, index: usize, block_tokens: usize) -> Option<BlockLogprobs> {
+        let span = index * block_tokens..(index + 1) * block_tokens;
+        (self.wants_prompt_logprobs() && span.end <= self.prompt_logprobs.len())
+            .then(|| self.prompt_logprobs[span].into())
+    }
+
+    /// Starts the sequence from the first `tokens` positions of `blocks`, cached blocks of an
+    /// earlier sequence with the same prefix (`logprobs`, theirs, when this request wants
+    /// prompt logprobs: they must cover every position up to `tokens`, inclusive, because the
+    /// first computed row scores the position after it). Only the rest is computed.
+    pub fn reuse_prefix(
+        &mut self,
+        blocks: &[KvBlock],
+        logprobs: &[BlockLogprobs],
+        tokens: usize,
+    ) -> Result<()> {
+        if tokens == 0 {
+            return Ok(());
+        }
+        self.cache.reuse(blocks, tokens)?;
+        if self.wants_prompt_logprobs() {
+            self.prompt_logprobs = logprobs
+                .iter()
+                .flat_map(|block| block.iter().cloned())
+                .take(tokens + 1)
+                .collect();
+        }
+        self.computed = tokens;
+        self.cached_tokens = tokens;
+        Ok(())
+    }
+
     /// True once the client has dropped its stream.
     pub fn client_gone(&self) -> bool {
         self.events.is_closed()
@@ -136,16 +215,27 @@ impl Sequence {
     /// chunk reached the end of the known tokens, the next token.
     pub fn absorb(&mut self, start: usize, n: usize, rows: &[Vec<f32>]) -> Result<()> {
         self.computed = start + n;
-        if let Some(top_n) = self.params.prompt_logprobs {
-            if start < self.prompt.len() {
-                self.score_prompt(start, n, rows, top_n as usize)?;
-            }
+        if self.wants_prompt_logprobs() && start < self.prompt.len() {
+            self.score_prompt(start, n, rows)?;
         }
         if self.computed < self.len() {
             return Ok(());
         }
-        if self.computed == self.prompt.len() && self.params.prompt_logprobs.is_some() {
-            let logprobs = std::mem::take(&mut self.prompt_logprobs);
+        if let Some(top_n) = self
+            .params
+            .prompt_logprobs
+            .filter(|_| self.computed == self.prompt.len())
+        {
+            let logprobs = self
+                .prompt_logprobs
+                .iter()
+                .map(|scored| {
+                    scored.clone().map(|mut scored| {
+                        scored.top_logprobs.truncate(top_n as usize);
+                        scored
+                    })
+                })
+                .collect();
             self.send(Event::PromptLogprobs(logprobs));
         }
         if self.generated.len() >= self.params.max_tokens as usize {
@@ -165,14 +255,9 @@ impl Sequence {
     }
 
     /// Prompt logprobs of the chunk: row `i` (position `start + i`) predicts position
-    /// `start + i + 1`; the first prompt token has none.
-    fn score_prompt(
-        &mut self,
-        start: usize,
-        n: usize,
-        rows: &[Vec<f32>],
-        top_n: usize,
-    ) -> Result<()> {
+    /// `start + i + 1`; the first prompt token has none. Every position keeps
+    /// [`MAX_LOGPROBS`] alternatives, so its block can serve any later request.
+    fn score_prompt(&mut self, start: usize, n: usize, rows: &[Vec<f32>]) -> Result<()> {
         if start == 0 {
             self.prompt_logprobs.push(None);
         }
@@ -181,7 +266,7 @@ impl Sequence {
             if next >= self.prompt.len() {
                 break;
             }
-            let scored = token_logprob(row, self.prompt[next], top_n)?;
+            let scored = token_logprob(row, self.prompt[next], MAX_LOGPROBS as usize)?;
             self.prompt_logprobs.push(Some(scored));
         }
         Ok(())
@@ -276,6 +361,7 @@ impl Sequence {
             usage: Usage {
                 prompt_tokens: self.prompt.len(),
                 completion_tokens: self.generated.len(),
+                cached_tokens: self.cached_tokens,
             },
             queue_time,
         }));

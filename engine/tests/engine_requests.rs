@@ -41,6 +41,7 @@ fn config(ep_size: usize, balancer: Algo, chunk_tokens: usize, kv: usize) -> Eng
         scheduler: SchedulerConfig {
             chunk_tokens,
             kv_tokens_per_rank: kv,
+            ..SchedulerConfig::default()
         },
         max_waiting: 64,
         ..EngineConfig::default()

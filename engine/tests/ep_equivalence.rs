@@ -113,7 +113,10 @@ fn try_ep_logits(
         replicas: 0,
         layers: Vec::new(),
     };
-    let mut caches: Vec<KvCache> = prompts.iter().map(|_| runtime.new_cache()).collect();
+    let mut caches: Vec<KvCache> = prompts
+        .iter()
+        .map(|_| runtime.new_cache(rackfill_models::KV_BLOCK_TOKENS))
+        .collect();
     let mut done = vec![0usize; prompts.len()];
     while done.iter().zip(prompts).any(|(d, p)| *d < p.len()) {
         let ends: Vec<usize> = done

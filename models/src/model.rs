@@ -13,7 +13,8 @@ use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::expert_selection::ExpertSelection;
 use crate::families;
-use crate::layers::attention::{Attention, KvCache, SeqChunk};
+use crate::layers::attention::{Attention, SeqChunk};
+use crate::layers::kv_cache::{KvCache, KV_BLOCK_TOKENS};
 use crate::layers::moe::MoeBlock;
 use crate::layers::{Linear, Mlp, RmsNorm};
 
@@ -212,7 +213,13 @@ impl MoeModel {
 
     /// An empty KV cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.config.num_layers)
+        self.new_paged_cache(KV_BLOCK_TOKENS)
+    }
+
+    /// An empty KV cache for one sequence, in blocks of `block_tokens` tokens (what the
+    /// engine's prefix cache shares between sequences).
+    pub fn new_paged_cache(&self, block_tokens: usize) -> KvCache {
+        KvCache::new(self.config.num_layers, block_tokens)
     }
 
     /// Token embeddings `[T, H]`; ids beyond the vocabulary are an input error (the engine

@@ -16,9 +16,9 @@ use rackfill_models::ChatMessage;
 use serde_json::Value;
 
 use crate::api_types::{
-    finish_reason, ApiStopReason, ChatChoice, ChatChunk, ChatChunkChoice, ChatChunkLogprobs,
-    ChatLogprobEntry, ChatLogprobs, ChatRequest, ChatResponse, ChunkUsage, Delta, MessageOut,
-    TopLogprob, Usage,
+    cached_prompt_tokens, finish_reason, ApiStopReason, ChatChoice, ChatChunk, ChatChunkChoice,
+    ChatChunkLogprobs, ChatLogprobEntry, ChatLogprobs, ChatRequest, ChatResponse, ChunkUsage,
+    Delta, MessageOut, TopLogprob, Usage,
 };
 use crate::chat_prompt;
 use crate::generate::{self, ChunkFormat, Output, Timing};
@@ -194,6 +194,8 @@ struct ChatFormat {
     prompt_tokens: usize,
     /// Tokens generated so far, per choice.
     generated: Vec<usize>,
+    /// Prompt tokens reused from the prefix cache, per finished choice.
+    cached: Vec<usize>,
 }
 
 impl ChatFormat {
@@ -207,6 +209,7 @@ impl ChatFormat {
             usage: plan.resolved.usage,
             prompt_tokens,
             generated: vec![0; plan.resolved.n],
+            cached: vec![0; plan.resolved.n],
         }
     }
 
@@ -242,6 +245,11 @@ impl ChatFormat {
             .iter()
             .map(|o| o.finish.usage.completion_tokens)
             .sum();
+        let cached: Vec<usize> = outputs
+            .iter()
+            .map(|o| o.finish.usage.cached_tokens)
+            .collect();
+        let cached = cached_prompt_tokens(&cached, cached.len());
         ChatResponse {
             choices: outputs
                 .into_iter()
@@ -253,7 +261,7 @@ impl ChatFormat {
             model: self.model.clone(),
             object: "chat.completion",
             system_fingerprint: None,
-            usage: Usage::new(self.prompt_tokens, completion_tokens),
+            usage: Usage::new(self.prompt_tokens, completion_tokens, cached),
         }
     }
 
@@ -285,9 +293,11 @@ impl ChatFormat {
         let usage = match self.usage {
             StreamUsage::None => ChunkUsage::Omitted,
             StreamUsage::Closing => ChunkUsage::Null,
-            StreamUsage::Continuous => {
-                ChunkUsage::Counts(Usage::new(self.prompt_tokens, self.generated[choice.index]))
-            }
+            StreamUsage::Continuous => ChunkUsage::Counts(Usage::new(
+                self.prompt_tokens,
+                self.generated[choice.index],
+                self.cached[choice.index],
+            )),
         };
         ChatChunk {
             choices: vec![choice],
@@ -346,6 +356,7 @@ impl ChunkFormat for ChatFormat {
     /// empty (well-formed) `logprobs` object.
     fn finish(&mut self, index: usize, finish: &FinishEvent) -> ChatChunk {
         self.generated[index] = finish.usage.completion_tokens;
+        self.cached[index] = finish.usage.cached_tokens;
         let content = (!finish.text.is_empty()).then(|| finish.text.clone());
         self.chunk(ChatChunkChoice {
             delta: Delta {
@@ -369,7 +380,11 @@ impl ChunkFormat for ChatFormat {
             model: self.model.clone(),
             object: "chat.completion.chunk",
             system_fingerprint: None,
-            usage: ChunkUsage::Counts(Usage::new(self.prompt_tokens, self.generated.iter().sum())),
+            usage: ChunkUsage::Counts(Usage::new(
+                self.prompt_tokens,
+                self.generated.iter().sum(),
+                cached_prompt_tokens(&self.cached, self.cached.len()),
+            )),
         })
     }
 }

@@ -16,8 +16,8 @@ use rackfill_engine::{FinishEvent, GenerateRequest, TokenEvent, TokenLogprob};
 use serde_json::Value;
 
 use crate::api_types::{
-    finish_reason, ApiStopReason, ChunkUsage, CompletionChoice, CompletionChunk, CompletionRequest,
-    CompletionResponse, LegacyLogprobs, Usage,
+    cached_prompt_tokens, finish_reason, ApiStopReason, ChunkUsage, CompletionChoice,
+    CompletionChunk, CompletionRequest, CompletionResponse, LegacyLogprobs, Usage,
 };
 use crate::generate::{self, ChunkFormat, Output, Timing};
 use crate::metrics as m;
@@ -321,6 +321,8 @@ struct CompletionFormat {
     offsets: Vec<TextOffsets>,
     /// Tokens generated so far, per choice.
     generated: Vec<usize>,
+    /// Prompt tokens reused from the prefix cache, per finished choice.
+    cached: Vec<usize>,
 }
 
 impl CompletionFormat {
@@ -338,6 +340,7 @@ impl CompletionFormat {
             usage: plan.resolved.usage,
             offsets: vec![TextOffsets::default(); choices],
             generated: vec![0; choices],
+            cached: vec![0; choices],
         }
     }
 
@@ -377,6 +380,11 @@ impl CompletionFormat {
             .iter()
             .map(|o| o.finish.usage.completion_tokens)
             .sum();
+        let cached: Vec<usize> = outputs
+            .iter()
+            .map(|o| o.finish.usage.cached_tokens)
+            .collect();
+        let cached = cached_prompt_tokens(&cached, self.n);
         CompletionResponse {
             choices: outputs
                 .into_iter()
@@ -387,7 +395,7 @@ impl CompletionFormat {
             id: self.id.clone(),
             model: self.model.clone(),
             object: "text_completion",
-            usage: Usage::new(self.prompt_tokens(), completion_tokens),
+            usage: Usage::new(self.prompt_tokens(), completion_tokens, cached),
         }
     }
 
@@ -428,6 +436,7 @@ impl CompletionFormat {
             StreamUsage::Continuous => ChunkUsage::Counts(Usage::new(
                 self.prompt_of(choice.index).ids.len(),
                 self.generated[choice.index],
+                self.cached[choice.index],
             )),
         };
         CompletionChunk {
@@ -503,6 +512,7 @@ impl ChunkFormat for CompletionFormat {
     /// empty (well-formed) `logprobs` object, so clients can read every chunk's lists alike.
     fn finish(&mut self, index: usize, finish: &FinishEvent) -> CompletionChunk {
         self.generated[index] = finish.usage.completion_tokens;
+        self.cached[index] = finish.usage.cached_tokens;
         self.chunk(CompletionChoice {
             finish_reason: Some(finish_reason(finish.reason)),
             index,
@@ -522,6 +532,7 @@ impl ChunkFormat for CompletionFormat {
             usage: ChunkUsage::Counts(Usage::new(
                 self.prompt_tokens(),
                 self.generated.iter().sum(),
+                cached_prompt_tokens(&self.cached, self.n),
             )),
         })
     }
@@ -551,11 +562,11 @@ mod tests {
             id: "cmpl-1".into(),
             model: "m".into(),
             object: "text_completion",
-            usage: Usage::new(3, 1),
+            usage: Usage::new(3, 1, 0),
         };
         assert_eq!(
             serde_json::to_string(&response).unwrap(),
-            r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":{"text_offset":[0],"token_logprobs":[-0.5],"tokens":["a"],"top_logprobs":[{"b":-1.100000023841858}]},"stop_reason":null,"text":"a"}],"created":7,"id":"cmpl-1","model":"m","object":"text_completion","usage":{"completion_tokens":1,"prompt_tokens":3,"total_tokens":4}}"#
+            r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":{"text_offset":[0],"token_logprobs":[-0.5],"tokens":["a"],"top_logprobs":[{"b":-1.100000023841858}]},"stop_reason":null,"text":"a"}],"created":7,"id":"cmpl-1","model":"m","object":"text_completion","usage":{"completion_tokens":1,"prompt_tokens":3,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}"#
         );
     }
 }

@@ -184,10 +184,10 @@ async fn penalties_min_p_and_logit_bias_steer_sampling() {
     assert_eq!(status, 200, "{body}");
     let logprobs = &body["choices"][0]["logprobs"];
     assert_ne!(logprobs["tokens"][0], first_token);
-    assert_eq!(
-        logprobs["top_logprobs"][0][first_token.as_str().unwrap()],
-        first_logprob
-    );
+    // Within 1e-5, not bit for bit: this request reuses the earlier ones' cached prompt KV
+    // and computes only the prompt's last token, in a GEMM of another shape.
+    let banned = logprobs["top_logprobs"][0][first_token.as_str().unwrap()].as_f64();
+    assert!((banned.unwrap() - first_logprob.as_f64().unwrap()).abs() <= 1e-5);
 
     // Penalties are accepted on both routes and keep greedy decoding deterministic.
     let penalised = json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
@@ -268,15 +268,17 @@ async fn echo_logprobs_scores_the_prompt() {
         let got = token_logprobs[i]
             .as_f64()
             .expect("a number after the first token");
-        assert_eq!(got as f32, expected.logprob, "position {i}");
+        // The engine request reuses the HTTP request's cached prefix: equal within 1e-5.
+        assert!(
+            (got as f32 - expected.logprob).abs() <= 1e-5,
+            "position {i}"
+        );
         assert!(got <= 0.0);
         // The scored token is among the alternatives, with its own logprob.
         let alternatives = top[i].as_object().unwrap();
         let text = server.state.backend().token_text(ids[i]);
-        assert_eq!(
-            alternatives[&text].as_f64().unwrap() as f32,
-            expected.logprob
-        );
+        let alternative = alternatives[&text].as_f64().unwrap() as f32;
+        assert!((alternative - expected.logprob).abs() <= 1e-5);
     }
 
     // Offsets index the returned text even where tokens split characters (byte-level BPE
@@ -338,10 +340,16 @@ async fn echo_logprobs_scores_the_prompt() {
         )
         .await;
     assert_eq!(status, 200, "{by_ids}");
-    assert_eq!(
-        by_ids["choices"][0]["logprobs"]["token_logprobs"],
-        lp["token_logprobs"]
-    );
+    // Within 1e-5: this request reuses the cached blocks (and stored logprobs) of the first.
+    let by_ids = by_ids["choices"][0]["logprobs"]["token_logprobs"].clone();
+    let by_text = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(by_ids.as_array().unwrap().len(), by_text.len());
+    for (a, b) in by_ids.as_array().unwrap().iter().zip(by_text) {
+        match (a.as_f64(), b.as_f64()) {
+            (Some(a), Some(b)) => assert!((a - b).abs() <= 1e-5, "{a} vs {b}"),
+            _ => assert_eq!(a, b),
+        }
+    }
     server.shutdown().await.unwrap();
 }
 

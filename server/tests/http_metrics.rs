@@ -9,24 +9,10 @@ mod common;
 use std::io::Write as _;
 use std::time::Duration;
 
-use common::TestServer;
+use common::{sample, TestServer};
 use futures_util::StreamExt;
 use rackfill_server::ServerConfig;
 use serde_json::json;
-
-/// The sum of every sample of `name` whose labels contain all of `labels` (`key="value"`).
-fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let rest = series.strip_prefix(name)?;
-            let matches = (rest.is_empty() || rest.starts_with('{'))
-                && labels.iter().all(|l| rest.contains(l));
-            matches.then(|| value.parse::<f64>().ok()).flatten()
-        })
-        .sum()
-}
 
 const IN_FLIGHT: &str = "rackfill:http_requests_in_flight";
 

@@ -89,6 +89,11 @@ impl Server {
         Self { child, addr }
     }
 
+    /// `host:port` it listens on.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
     /// One HTTP/1.1 request; returns the status code and the body.
     pub fn request(&self, method: &str, path: &str, body: &str) -> (u16, String) {
         let mut stream = TcpStream::connect(&self.addr).unwrap();

@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// How long the rest of a response body is read after `[DONE]` (normally just the end of the
 /// chunked body, so the connection goes back to the pool) before the connection is dropped.
@@ -166,7 +166,15 @@ impl OpenAiClient {
 
     /// POSTs a JSON `body` that asks for a stream and reads the stream to its end.
     pub async fn stream(&self, url: &str, body: Vec<u8>) -> Outcome {
-        let mut outcome = Outcome::default();
+        self.stream_keeping(url, body, false).await
+    }
+
+    /// [`Self::stream`], keeping the output text in [`Outcome::text`] when `keep_text`.
+    pub async fn stream_keeping(&self, url: &str, body: Vec<u8>, keep_text: bool) -> Outcome {
+        let mut outcome = Outcome {
+            text: keep_text.then(String::new),
+            ..Outcome::default()
+        };
         let start = Instant::now();
         let sent = self
             .authorized(self.http.post(url))
@@ -194,6 +202,52 @@ impl OpenAiClient {
     }
 }
 
+#[derive(Serialize)]
+struct TokenizeBody<'a> {
+    model: &'a str,
+    prompt: &'a str,
+    add_special_tokens: bool,
+}
+
+#[derive(Deserialize)]
+struct Tokenized {
+    tokens: Vec<u32>,
+}
+
+impl OpenAiClient {
+    /// `POST /tokenize` (vLLM's endpoint, which rackfill serves too): the ids `model`'s
+    /// tokenizer gives `text`, without special tokens. The error is one line.
+    pub async fn tokenize(&self, model: &str, text: &str) -> Result<Vec<u32>, String> {
+        let url = self.url("/tokenize");
+        let body = TokenizeBody {
+            model,
+            prompt: text,
+            add_special_tokens: false,
+        };
+        let response = self
+            .authorized(self.http.post(&url))
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+        let status = response.status();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| format!("{url}: {}", error_chain(&e)))?;
+        if !status.is_success() {
+            return Err(format!(
+                "{url}: HTTP {}: {}",
+                status.as_u16(),
+                error_message(&bytes)
+            ));
+        }
+        serde_json::from_slice::<Tokenized>(&bytes)
+            .map(|t| t.tokens)
+            .map_err(|e| format!("{url}: expected {{\"tokens\": [...]}}: {e}"))
+    }
+}
+
 /// What one request measured.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Outcome {
@@ -207,6 +261,15 @@ pub struct Outcome {
     pub prompt_tokens: Option<usize>,
     /// `usage.completion_tokens` of the final chunk, when the server sent usage.
     pub completion_tokens: Option<usize>,
+    /// `usage.prompt_tokens_details.cached_tokens` (OpenAI's field: prompt tokens whose KV
+    /// came from a prefix cache), when the server sent it.
+    pub cached_tokens: Option<usize>,
+    /// Entries of `logprobs.token_logprobs` over every chunk of the first choice: with `echo`,
+    /// the prompt positions scored, then one per generated token.
+    pub logprob_positions: usize,
+    /// The first choice's output text, kept only when the request asked for it (a conversation
+    /// resends it).
+    pub text: Option<String>,
     /// Chunks that carried output text (the output-token count when there is no usage).
     pub text_chunks: usize,
     /// Why the request failed; `None` when it succeeded.
@@ -234,6 +297,15 @@ struct ChoiceChunk {
     text: Option<String>,
     #[serde(default)]
     delta: Option<Delta>,
+    #[serde(default)]
+    logprobs: Option<LegacyLogprobs>,
+}
+
+/// Completions' `logprobs`; only the count of positions is read.
+#[derive(Deserialize)]
+struct LegacyLogprobs {
+    #[serde(default)]
+    token_logprobs: Vec<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -250,6 +322,14 @@ struct Usage {
     prompt_tokens: Option<usize>,
     #[serde(default)]
     completion_tokens: Option<usize>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<usize>,
 }
 
 /// Reads a streamed response into `outcome`; returns when `[DONE]` arrived.
@@ -311,17 +391,27 @@ async fn read_stream(
             if let Some(usage) = chunk.usage {
                 outcome.prompt_tokens = usage.prompt_tokens.or(outcome.prompt_tokens);
                 outcome.completion_tokens = usage.completion_tokens.or(outcome.completion_tokens);
+                let cached = usage.prompt_tokens_details.and_then(|d| d.cached_tokens);
+                outcome.cached_tokens = cached.or(outcome.cached_tokens);
             }
-            let has_text = chunk.choices.first().is_some_and(|c| {
+            let first = chunk.choices.first();
+            if let Some(logprobs) = first.and_then(|c| c.logprobs.as_ref()) {
+                outcome.logprob_positions += logprobs.token_logprobs.len();
+            }
+            let texts = first.map_or([None; 3], |c| {
                 let delta = c.delta.as_ref();
                 [
                     c.text.as_deref(),
                     delta.and_then(|d| d.content.as_deref()),
                     delta.and_then(|d| d.reasoning_content.as_deref()),
                 ]
-                .iter()
-                .any(|t| t.is_some_and(|t| !t.is_empty()))
             });
+            if let Some(kept) = &mut outcome.text {
+                // The answer a conversation resends: the completion's text, or the message's
+                // content (reasoning is not part of it).
+                kept.extend(texts[..2].iter().flatten().copied());
+            }
+            let has_text = texts.iter().any(|t| t.is_some_and(|t| !t.is_empty()));
             if has_text {
                 match last_text {
                     None => outcome.ttft = Some(now - start),

@@ -4,13 +4,14 @@
 //!
 //! Pieces, in the order a run uses them:
 //! - [`dataset`]: the requests (random, ShareGPT, timestamped JSONL traces with shared prefix
-//!   blocks);
+//!   blocks and a generator of them, multi-turn conversations, evaluation-harness scoring);
 //! - [`arrivals`]: when each is sent (Poisson or gamma at a rate, all at once, or the trace's
 //!   timestamps sped up);
 //! - [`runner`]: the target (endpoint, model), the warm-up request, and the dispatcher with
 //!   `--max-concurrency` and `--duration`;
 //! - [`client`]: one pooled HTTP client, streamed requests timed chunk by chunk;
-//! - [`report`]: the summary (TTFT, TPOT, ITL, E2EL statistics, throughputs) and its table;
+//! - [`report`]: the summary (TTFT, TPOT, ITL, E2EL statistics, throughputs, prefix-cache hits)
+//!   and its table;
 //! - [`plots`]: TTFT versus achieved requests/s and TTFT CDFs of a rate sweep;
 //! - [`run_sweep`] runs them in that order for a [`Workload`] and a [`SweepPlan`].
 //!
@@ -35,7 +36,7 @@
 //! let workload = serve::Workload::new(dataset::random(&params, 100, 0)?, "random");
 //! let plan = serve::SweepPlan::rates(&[RequestRate::PerSecond(4.0), RequestRate::Infinite], 1.0);
 //! for report in serve::run_sweep(&target, &workload, &plan).await? {
-//!     println!("{}", serve::report::format_table(&report.summary));
+//!     println!("{}", serve::table::format_table(&report.summary));
 //! }
 //! # Ok(()) }
 //! ```
@@ -48,6 +49,7 @@ pub mod plots;
 pub mod report;
 pub mod runner;
 mod sweep;
+pub mod table;
 
 pub use error::ServeBenchError;
 pub use sweep::{run_sweep, RateReport, SweepPlan, Workload};

@@ -6,10 +6,12 @@
 //! pooled over requests; e2el. Token counts come from the server's `usage` (the dataset's
 //! estimate or the number of text chunks when it sent none). Throughputs divide by the run's
 //! duration, first send to last response. Percentiles interpolate linearly (numpy's default);
-//! `std` is the population standard deviation.
+//! `std` is the population standard deviation. Prefix caching: `total_cached_tokens` sums
+//! OpenAI's `usage.prompt_tokens_details.cached_tokens` (0 where a server sends none), the
+//! prompt tokens the server computed are the rest of `total_input_tokens`, and the hit rate is
+//! the cached share of them.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -26,7 +28,7 @@ pub struct RunMeta {
     pub endpoint: String,
     pub model_id: String,
     pub tokenizer_id: Option<String>,
-    /// `random`, `sharegpt` or `trace`.
+    /// `random`, `sharegpt`, `trace`, `multi-turn` or `eval`.
     pub dataset: String,
     pub arrivals: Arrivals,
     pub max_concurrency: Option<usize>,
@@ -74,6 +76,8 @@ pub struct ErrorSample {
 pub struct Detailed {
     pub input_lens: Vec<usize>,
     pub output_lens: Vec<usize>,
+    /// Cached prompt tokens of each request (0 when failed or not reported).
+    pub cached_tokens: Vec<usize>,
     pub ttfts: Vec<Option<f64>>,
     pub itls: Vec<Vec<f64>>,
     pub e2els: Vec<f64>,
@@ -104,6 +108,15 @@ pub struct Summary {
     pub failed: usize,
     pub total_input_tokens: usize,
     pub total_output_tokens: usize,
+    /// Prompt tokens whose KV came from the server's prefix cache, over completed requests.
+    pub total_cached_tokens: usize,
+    /// `total_input_tokens - total_cached_tokens`: the prompt tokens the server computed.
+    pub total_prefill_tokens_computed: usize,
+    /// `total_cached_tokens / total_input_tokens`; NaN (null) without input tokens.
+    pub prefix_cache_hit_rate: f64,
+    /// Whether any response reported cached tokens (the table says when none did).
+    #[serde(skip)]
+    pub cached_tokens_reported: bool,
     pub request_throughput: f64,
     pub input_throughput: f64,
     pub output_throughput: f64,
@@ -147,6 +160,14 @@ impl Summary {
         let input_tokens = |r: &RequestRecord| r.outcome.prompt_tokens.unwrap_or(r.input_len);
         let output_tokens =
             |r: &RequestRecord| r.outcome.completion_tokens.unwrap_or(r.outcome.text_chunks);
+        let cached_tokens = |r: &RequestRecord| {
+            let cached = r.outcome.cached_tokens.unwrap_or(0).min(input_tokens(r));
+            if r.outcome.error.is_none() {
+                cached
+            } else {
+                0
+            }
+        };
         let ttfts: Vec<f64> = ok.iter().map(|r| ms(ttft_of(r))).collect();
         let e2els: Vec<f64> = ok.iter().map(|r| ms(r.outcome.e2el)).collect();
         let tpots: Vec<f64> = ok
@@ -176,6 +197,7 @@ impl Summary {
         }
         let total_input_tokens: usize = ok.iter().map(|r| input_tokens(r)).sum();
         let total_output_tokens: usize = ok.iter().map(|r| output_tokens(r)).sum();
+        let total_cached_tokens: usize = ok.iter().map(|r| cached_tokens(r)).sum();
         let seconds = run.duration.as_secs_f64().max(f64::MIN_POSITIVE);
         let (request_rate, burstiness, trace_speedup) = match meta.arrivals {
             Arrivals::Rate { rate, burstiness } => (Some(rate), Some(burstiness), None),
@@ -194,6 +216,7 @@ impl Summary {
                     }
                 })
                 .collect(),
+            cached_tokens: run.records.iter().map(cached_tokens).collect(),
             ttfts: run
                 .records
                 .iter()
@@ -238,6 +261,10 @@ impl Summary {
             failed: run.records.len() - ok.len(),
             total_input_tokens,
             total_output_tokens,
+            total_cached_tokens,
+            total_prefill_tokens_computed: total_input_tokens - total_cached_tokens,
+            prefix_cache_hit_rate: total_cached_tokens as f64 / total_input_tokens as f64,
+            cached_tokens_reported: ok.iter().any(|r| r.outcome.cached_tokens.is_some()),
             request_throughput: ok.len() as f64 / seconds,
             input_throughput: total_input_tokens as f64 / seconds,
             output_throughput: total_output_tokens as f64 / seconds,
@@ -354,138 +381,11 @@ fn error_samples(records: &[RequestRecord]) -> Vec<ErrorSample> {
     samples
 }
 
-/// vLLM's "Serving Benchmark Result" table.
-pub fn format_table(s: &Summary) -> String {
-    const WIDTH: usize = 50;
-    let mut out = String::new();
-    let _ = writeln!(out, "{:=^WIDTH$}", " Serving Benchmark Result ");
-    let mut rows: Vec<(String, String)> = vec![
-        (
-            "Request rate (req/s)".into(),
-            match (&s.request_rate, s.trace_speedup) {
-                (Some(rate), _) => rate.to_string(),
-                (None, Some(speedup)) => format!("trace x{speedup}"),
-                (None, None) => "-".into(),
-            },
-        ),
-        ("Successful requests".into(), s.completed.to_string()),
-        ("Failed requests".into(), s.failed.to_string()),
-    ];
-    if let Some(c) = s.max_concurrency {
-        rows.push(("Maximum request concurrency".into(), c.to_string()));
-    }
-    rows.extend([
-        (
-            "Benchmark duration (s)".into(),
-            format!("{:.2}", s.duration),
-        ),
-        (
-            "Total input tokens".into(),
-            s.total_input_tokens.to_string(),
-        ),
-        (
-            "Total generated tokens".into(),
-            s.total_output_tokens.to_string(),
-        ),
-        (
-            "Request throughput (req/s)".into(),
-            format!("{:.2}", s.request_throughput),
-        ),
-        (
-            "Input token throughput (tok/s)".into(),
-            format!("{:.2}", s.input_throughput),
-        ),
-        (
-            "Output token throughput (tok/s)".into(),
-            format!("{:.2}", s.output_throughput),
-        ),
-        (
-            "Peak output token throughput (tok/s)".into(),
-            format!("{:.2}", s.max_output_tokens_per_s),
-        ),
-        (
-            "Peak concurrent requests".into(),
-            s.max_concurrent_requests.to_string(),
-        ),
-        (
-            "Total Token throughput (tok/s)".into(),
-            format!("{:.2}", s.total_token_throughput),
-        ),
-    ]);
-    let mut text = String::new();
-    for (k, v) in rows {
-        let _ = writeln!(text, "{:<40} {:<10}", format!("{k}:"), v);
-    }
-    out.push_str(&text);
-    for (title, short, stats) in [
-        ("Time to First Token", "TTFT", &s.ttft),
-        ("Time per Output Token (excl. 1st token)", "TPOT", &s.tpot),
-        ("Inter-token Latency", "ITL", &s.itl),
-        ("End-to-end Latency", "E2EL", &s.e2el),
-    ] {
-        let _ = writeln!(out, "{:-^WIDTH$}", title);
-        let mut line = |name: String, v: f64| {
-            let _ = writeln!(out, "{:<40} {:<10.2}", format!("{name} {short} (ms):"), v);
-        };
-        line("Mean".into(), stats.mean);
-        line("Median".into(), stats.median);
-        for &(p, v) in &stats.percentiles {
-            line(format!("P{}", percentile_label(p)), v);
-        }
-    }
-    let _ = writeln!(out, "{}", "=".repeat(WIDTH));
-    for sample in &s.error_samples {
-        let _ = writeln!(out, "failed x{}: {}", sample.count, sample.message);
-    }
-    out
-}
-
-/// One line per rate, for sweeps.
-pub fn format_sweep(summaries: &[Summary]) -> String {
-    let top = |s: &LatencyStats| s.highest().map_or(f64::NAN, |(_, v)| v);
-    let top_label = summaries
-        .first()
-        .and_then(|s| s.ttft.highest())
-        .map_or("max".to_string(), |(p, _)| {
-            format!("p{}", percentile_label(p))
-        });
-    let mut out = format!(
-        "{:>8} {:>9} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
-        "rate",
-        "completed",
-        "failed",
-        "req/s",
-        "out tok/s",
-        "mean TTFT",
-        format!("{top_label} TTFT"),
-        "mean TPOT",
-        "mean E2EL"
-    );
-    for s in summaries {
-        let rate = s
-            .request_rate
-            .map_or("trace".to_string(), |r| r.to_string());
-        let _ = writeln!(
-            out,
-            "{:>8} {:>9} {:>6} {:>8.2} {:>10.1} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
-            rate,
-            s.completed,
-            s.failed,
-            s.request_throughput,
-            s.output_throughput,
-            s.ttft.mean,
-            top(&s.ttft),
-            s.tpot.mean,
-            s.e2el.mean
-        );
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::serve::client::Outcome;
+    use crate::serve::table::{format_sweep, format_table};
 
     #[test]
     fn percentiles_match_numpy() {
@@ -559,6 +459,9 @@ mod tests {
                 text_chunks: itls.len() + 1,
                 prompt_tokens: error.is_none().then_some(12),
                 completion_tokens: None,
+                cached_tokens: error.is_none().then_some(5),
+                logprob_positions: 0,
+                text: None,
                 itls,
                 e2el,
                 error: error.map(String::from),
@@ -585,6 +488,11 @@ mod tests {
         let s = Summary::new(&run, &meta, &options);
         assert_eq!((s.completed, s.failed, s.num_prompts), (2, 2, 4));
         assert_eq!((s.total_input_tokens, s.total_output_tokens), (24, 5));
+        assert_eq!(
+            (s.total_cached_tokens, s.total_prefill_tokens_computed),
+            (10, 14)
+        );
+        assert_eq!(s.prefix_cache_hit_rate, 10.0 / 24.0);
         assert_eq!(s.request_throughput, 1.0);
         assert_eq!(s.total_token_throughput, 14.5);
         assert_eq!(s.ttft.mean, 150.0);
@@ -610,6 +518,10 @@ mod tests {
             "input_throughput",
             "output_throughput",
             "total_token_throughput",
+            "total_cached_tokens",
+            "total_prefill_tokens_computed",
+            "prefix_cache_hit_rate",
+            "cached_tokens",
             "mean_ttft_ms",
             "median_ttft_ms",
             "std_ttft_ms",
@@ -632,6 +544,14 @@ mod tests {
         let table = format_table(&s);
         assert!(table.contains("Successful requests:"), "{table}");
         assert!(table.contains("P99 TTFT (ms):"), "{table}");
+        assert!(
+            table.contains("Cached prompt tokens:                    10"),
+            "{table}"
+        );
+        assert!(
+            table.contains("Prefix cache hit rate (%):               41.67"),
+            "{table}"
+        );
         assert!(table.contains("failed x2: HTTP 400: too long"), "{table}");
         let empty = Summary::new(
             &RunResult {
@@ -642,6 +562,7 @@ mod tests {
             &options,
         );
         assert!(empty.ttft.mean.is_nan());
+        assert!(format_table(&empty).contains("0 (none reported)"));
         assert_eq!(
             serde_json::to_value(&empty).unwrap()["mean_ttft_ms"],
             serde_json::Value::Null

@@ -2,9 +2,10 @@
 //! request, and the dispatcher that sends every request at its scheduled time under the
 //! concurrency limit and the duration bound.
 //!
-//! The dispatcher only sleeps and spawns; each request runs in its own task on the multi-thread
-//! runtime, builds its body there (synthetic prompts are generated at send time, see
-//! [`Synthesis`]) and streams the response, so a slow request never delays the next send.
+//! The dispatcher only sleeps and spawns; each request (or conversation, whose turns go one
+//! after the other) runs in its own task on the multi-thread runtime, builds its body there
+//! (synthetic prompts are generated at send time, see [`Synthesis`]) and streams the response,
+//! so a slow request never delays the next send.
 
 use std::io::IsTerminal as _;
 use std::sync::Arc;
@@ -114,18 +115,26 @@ impl Target {
         &self.config
     }
 
-    /// The JSON body of `spec`: streamed, with usage in the last chunk.
+    /// The JSON body of `spec`: streamed, with usage in the last chunk. A later conversation
+    /// turn (see [`Prompt::Turn`]) gets an empty history here; runs send it with its own.
     pub fn body(&self, spec: &RequestSpec) -> Vec<u8> {
         let synthesis = &self.config.synthesis;
         let prompt = match (&spec.prompt, self.api) {
             (Prompt::Text(text), _) => PromptJson::Text(text.as_str().into()),
-            (Prompt::Synthetic { hash_ids, unique }, Api::Completions) => {
-                PromptJson::Tokens(synthesis.tokens(hash_ids, *unique, spec.input_len))
-            }
             (Prompt::Synthetic { hash_ids, unique }, Api::Chat) => {
                 PromptJson::Text(synthesis.words(hash_ids, *unique, spec.input_len).into())
             }
+            _ => PromptJson::Tokens(
+                synthesis
+                    .prompt_tokens(spec, &[])
+                    .unwrap_or_default()
+                    .into(),
+            ),
         };
+        self.body_of(spec, prompt)
+    }
+
+    fn body_of(&self, spec: &RequestSpec, prompt: PromptJson<'_>) -> Vec<u8> {
         let common = Common {
             model: &self.model,
             temperature: self.config.temperature,
@@ -135,10 +144,13 @@ impl Target {
             },
             ignore_eos: self.config.ignore_eos.then_some(true),
         };
+        let scored = matches!(spec.prompt, Prompt::Scored { .. });
         let body = match self.api {
             Api::Completions => serde_json::to_vec(&CompletionBody {
                 prompt,
                 max_tokens: spec.output_len,
+                echo: scored.then_some(true),
+                logprobs: scored.then_some(1),
                 common,
             }),
             Api::Chat => serde_json::to_vec(&ChatBody {
@@ -156,15 +168,70 @@ impl Target {
 
     /// Sends `spec` and reads its stream.
     pub async fn send(&self, spec: &RequestSpec) -> Outcome {
-        self.client.stream(&self.url, self.body(spec)).await
+        let outcome = self.client.stream(&self.url, self.body(spec)).await;
+        scored(spec, outcome)
     }
+
+    /// Sends conversation turn `spec` after `history` (see [`Prompt::Turn`]); when `next`
+    /// (another turn follows), replaces `history` with this turn's prompt and the ids of its
+    /// reply, which `POST /tokenize` gives for the reply's text, untimed. Returns the prompt's
+    /// length.
+    async fn send_turn(
+        &self,
+        spec: &RequestSpec,
+        history: &mut Vec<u32>,
+        next: bool,
+    ) -> (usize, Outcome) {
+        let ids = self
+            .config
+            .synthesis
+            .prompt_tokens(spec, history)
+            .unwrap_or_default();
+        let body = self.body_of(spec, PromptJson::Tokens(ids.as_slice().into()));
+        let mut outcome = self.client.stream_keeping(&self.url, body, next).await;
+        let len = ids.len();
+        if let (None, Some(text)) = (&outcome.error, outcome.text.take()) {
+            let reply = if text.is_empty() {
+                Ok(Vec::new())
+            } else {
+                self.client.tokenize(&self.model, &text).await
+            };
+            match reply {
+                Ok(reply) => {
+                    *history = ids;
+                    history.extend(reply);
+                }
+                Err(e) => {
+                    outcome.error = Some(format!(
+                        "cannot resend the reply as token ids in the next turn: {e}"
+                    ))
+                }
+            }
+        }
+        (len, outcome)
+    }
+}
+
+/// A scored prompt (see [`Prompt::Scored`]) whose response did not score every prompt token is
+/// of no use to a harness: it fails.
+fn scored(spec: &RequestSpec, mut outcome: Outcome) -> Outcome {
+    if matches!(spec.prompt, Prompt::Scored { .. }) && outcome.error.is_none() {
+        let prompt = outcome.prompt_tokens.unwrap_or(spec.input_len);
+        if outcome.logprob_positions < prompt {
+            outcome.error = Some(format!(
+                "echo with logprobs came back with {} logprobs for {prompt} prompt tokens",
+                outcome.logprob_positions
+            ));
+        }
+    }
+    outcome
 }
 
 #[derive(Serialize)]
 #[serde(untagged)]
 enum PromptJson<'a> {
     Text(std::borrow::Cow<'a, str>),
-    Tokens(Vec<u32>),
+    Tokens(std::borrow::Cow<'a, [u32]>),
 }
 
 #[derive(Serialize)]
@@ -186,6 +253,10 @@ struct Common<'a> {
 struct CompletionBody<'a> {
     prompt: PromptJson<'a>,
     max_tokens: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    echo: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<u32>,
     #[serde(flatten)]
     common: Common<'a>,
 }
@@ -263,7 +334,8 @@ pub struct RequestRecord {
     pub scheduled: Duration,
     /// When it was sent (later than `scheduled` when it waited for a concurrency slot).
     pub sent: Duration,
-    /// The dataset's input length (see [`RequestSpec::input_len`]).
+    /// The dataset's input length (see [`RequestSpec::input_len`]); a conversation turn's
+    /// actual prompt length.
     pub input_len: usize,
     /// `max_tokens`.
     pub output_len: usize,
@@ -282,6 +354,10 @@ pub struct RunResult {
 /// sent) and waits for every response. Requests are sent in the order of their offsets, which
 /// need not follow the dataset's (a trace's lines may be out of timestamp order); the records
 /// come back in dataset order.
+///
+/// The turns of a conversation (see [`sessions`]) go as one: the first at its offset, each
+/// later one as soon as the one before it finished (its own offset is not used), all under one
+/// `max_concurrency` slot, as one client holding one chat. A failed turn ends its conversation.
 pub async fn run(
     target: &Target,
     requests: &Arc<[RequestSpec]>,
@@ -299,11 +375,11 @@ pub async fn run(
     let start = Instant::now();
     let deadline = options.duration.map(|d| start + d);
     // Ties keep dataset order (a stable sort), so `inf` rates send in dataset order.
-    let mut order: Vec<usize> = (0..count).collect();
-    order.sort_by_key(|&i| offsets[i]);
-    let mut tasks = Vec::with_capacity(count);
-    for index in order {
-        let offset = offsets[index];
+    let mut order = sessions(&requests[..count]);
+    order.sort_by_key(|session| offsets[session.start]);
+    let mut tasks = Vec::with_capacity(order.len());
+    for session in order {
+        let offset = offsets[session.start];
         let scheduled_at = start + offset;
         if deadline.is_some_and(|d| scheduled_at >= d) || options.stopped() {
             break;
@@ -327,35 +403,63 @@ pub async fn run(
                 Some(slots) => Some(slots.acquire_owned().await.ok()?),
                 None => None,
             };
-            if deadline.is_some_and(|d| Instant::now() >= d) || options.stopped() {
-                return None;
+            let mut records = Vec::with_capacity(session.len());
+            let mut history = Vec::new();
+            for index in session.clone() {
+                if deadline.is_some_and(|d| Instant::now() >= d) || options.stopped() {
+                    break;
+                }
+                let spec = &requests[index];
+                let sent = start.elapsed();
+                let (input_len, outcome) = if matches!(spec.prompt, Prompt::Turn { .. }) {
+                    let next = index + 1 < session.end;
+                    target.send_turn(spec, &mut history, next).await
+                } else {
+                    (spec.input_len, target.send(spec).await)
+                };
+                progress.inc(1);
+                let failed = outcome.error.is_some();
+                records.push(RequestRecord {
+                    index,
+                    scheduled: if index == session.start { offset } else { sent },
+                    sent,
+                    input_len,
+                    output_len: spec.output_len,
+                    outcome,
+                });
+                if failed {
+                    break;
+                }
             }
-            let spec = &requests[index];
-            let sent = start.elapsed();
-            let outcome = target.send(spec).await;
-            progress.inc(1);
-            Some(RequestRecord {
-                index,
-                scheduled: offset,
-                sent,
-                input_len: spec.input_len,
-                output_len: spec.output_len,
-                outcome,
-            })
+            Some(records)
         }));
     }
-    let mut records = Vec::with_capacity(tasks.len());
+    let mut records = Vec::with_capacity(count);
     for task in tasks {
-        // A request task only ends early by being refused a slot after the deadline; it
+        // A session task only ends early by being refused a slot after the deadline; it
         // cannot panic (no unwraps), so a join error is not a case worth a record.
-        if let Ok(Some(record)) = task.await {
-            records.push(record);
+        if let Ok(Some(session)) = task.await {
+            records.extend(session);
         }
     }
     records.sort_by_key(|r| r.index);
     let duration = start.elapsed();
     progress.finish_and_clear();
     RunResult { records, duration }
+}
+
+/// The requests sent as one, as index ranges in dataset order: each conversation's turns (a
+/// request whose prompt [`continues`](Prompt::continues) joins the one before it), every other
+/// request alone.
+pub fn sessions(requests: &[RequestSpec]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, spec) in requests.iter().enumerate() {
+        match out.last_mut() {
+            Some(last) if spec.prompt.continues() => last.end = i + 1,
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
 }
 
 fn progress_bar(len: usize, options: &RunOptions) -> ProgressBar {

@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
-use super::arrivals::{self, Arrivals, RequestRate};
-use super::dataset::RequestSpec;
+use std::time::Duration;
+
+use super::arrivals::{self, ArrivalError, Arrivals, RequestRate};
+use super::client::Api;
+use super::dataset::{Prompt, RequestSpec};
 use super::error::ServeBenchError;
 use super::report::{ReportOptions, RunMeta, Summary};
 use super::runner::{self, RunOptions, RunResult, Target};
@@ -13,7 +16,7 @@ use super::runner::{self, RunOptions, RunResult, Target};
 #[derive(Debug, Clone)]
 pub struct Workload {
     pub requests: Arc<[RequestSpec]>,
-    /// `random`, `sharegpt` or `trace` (reported as `dataset`).
+    /// `random`, `sharegpt`, `trace`, `multi-turn` or `eval` (reported as `dataset`).
     pub dataset: String,
     /// Reported as `tokenizer_id` when lengths were counted with a tokenizer.
     pub tokenizer_id: Option<String>,
@@ -27,6 +30,42 @@ impl Workload {
             tokenizer_id: None,
         }
     }
+
+    /// Refuses prompts `api` cannot carry: conversation turns and scored prompts are token ids
+    /// for `/v1/completions` (chat takes text, and has no `echo` to score a prompt with).
+    pub fn check_api(&self, api: Api) -> Result<(), ServeBenchError> {
+        let ids_only =
+            |r: &RequestSpec| matches!(r.prompt, Prompt::Turn { .. } | Prompt::Scored { .. });
+        if api == Api::Chat && self.requests.iter().any(ids_only) {
+            return Err(ServeBenchError::Config(format!(
+                "--dataset {} sends token-id prompts to /v1/completions; chat endpoints are not \
+                 supported for it",
+                self.dataset
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One send offset per request: the arrival process runs over the sessions (a conversation
+/// arrives once, see [`runner::sessions`]), and every request of a session gets its session's
+/// offset.
+fn offsets(
+    arrivals: Arrivals,
+    requests: &[RequestSpec],
+    seed: u64,
+) -> Result<Vec<Duration>, ArrivalError> {
+    let sessions = runner::sessions(requests);
+    if sessions.len() == requests.len() {
+        return arrivals::schedule(arrivals, requests, seed);
+    }
+    let heads: Vec<RequestSpec> = sessions.iter().map(|s| requests[s.start].clone()).collect();
+    let times = arrivals::schedule(arrivals, &heads, seed)?;
+    Ok(sessions
+        .into_iter()
+        .zip(times)
+        .flat_map(|(session, t)| session.map(move |_| t))
+        .collect())
 }
 
 /// What to run: one full run per entry of `arrivals`, each over the whole workload.
@@ -83,7 +122,7 @@ impl SweepPlan {
             return bad(format!("percentiles must be in (0, 100], got {p}"));
         }
         for &arrivals in &self.arrivals {
-            arrivals::schedule(arrivals, &workload.requests, self.seed)?;
+            offsets(arrivals, &workload.requests, self.seed)?;
         }
         Ok(())
     }
@@ -105,13 +144,14 @@ pub async fn run_sweep(
     plan: &SweepPlan,
 ) -> Result<Vec<RateReport>, ServeBenchError> {
     plan.check(workload)?;
+    workload.check_api(target.api())?;
     let first = &workload.requests[0];
     if plan.warmup {
         runner::warmup(target, first).await?;
     }
     let mut reports = Vec::with_capacity(plan.arrivals.len());
     for &arrivals in &plan.arrivals {
-        let offsets = arrivals::schedule(arrivals, &workload.requests, plan.seed)?;
+        let offsets = offsets(arrivals, &workload.requests, plan.seed)?;
         let options = RunOptions {
             label: match arrivals {
                 Arrivals::Rate { rate, .. } => format!("rate {rate}"),

@@ -11,7 +11,7 @@
 //! When no rank has work the leader sends an empty control message every half second, which is
 //! also the group's heartbeat.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -28,7 +28,10 @@ use crate::engine::{fallback_seed, record_routing, Command};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::metrics;
-use crate::request::Event;
+use crate::prefix_cache::{
+    choose_rank, reusable_tokens, BlockHash, IndexChange, PrefixCacheStats, RankOffer,
+};
+use crate::request::{Event, GenerateRequest};
 use crate::routing_trace::RoutingRecorder;
 use crate::scheduler::{Scheduler, StepSummary};
 use crate::sequence::{Sequence, SequenceParts};
@@ -74,6 +77,8 @@ pub struct Leader {
     pub reserved: Vec<usize>,
     /// Per rank: sequences running at the last report.
     pub running: Vec<usize>,
+    /// Per rank: the block hashes its prefix cache holds, mirrored from its reports.
+    pub cached: Vec<HashSet<BlockHash>>,
     pub stopping: bool,
     /// Whether any rank still had work after the last round.
     pub busy: bool,
@@ -103,10 +108,20 @@ impl Leader {
             remote: HashMap::new(),
             reserved: vec![0; ranks],
             running: vec![0; ranks],
+            cached: vec![HashSet::new(); ranks],
             stopping: false,
             busy: false,
         }
     }
+}
+
+/// Where the leader sends a new sequence.
+struct Route {
+    rank: usize,
+    /// Prompt tokens the rank is expected to reuse.
+    reused: usize,
+    /// The prompt's block hashes.
+    hashes: Vec<BlockHash>,
 }
 
 /// What this process did in one round.
@@ -133,6 +148,10 @@ impl Lockstep {
             control,
             progress,
         } = stepper;
+        let mut scheduler = scheduler;
+        if leader.is_none() {
+            scheduler.journal_index_changes();
+        }
         Self {
             runtime,
             scheduler,
@@ -243,16 +262,20 @@ impl Lockstep {
         match command {
             Command::Submit(sequences) => {
                 for parts in sequences {
-                    let rank = self.least_loaded();
+                    let route = self.route(&parts.request);
+                    let rank = route.rank;
                     let reserve =
                         parts.request.prompt.len() + parts.request.params.max_tokens as usize;
                     if rank == LEADER {
-                        let cache = self.runtime.new_cache();
+                        let cache = self.runtime.new_cache(self.scheduler.block_tokens());
                         self.scheduler.enqueue(Sequence::new(parts, cache));
                         continue;
                     }
                     let leader = self.leader_mut();
-                    leader.reserved[rank] += reserve;
+                    leader.reserved[rank] += reserve - route.reused;
+                    // The rank computes the prompt's blocks: later requests with the same
+                    // prefix go there too, and wait on the rank for them if they must.
+                    leader.cached[rank].extend(route.hashes);
                     leader.running[rank] += 1;
                     leader.remote.insert(
                         parts.id,
@@ -282,20 +305,48 @@ impl Lockstep {
         }
     }
 
-    /// The rank with the fewest reserved tokens (then the fewest running sequences, then the
-    /// lowest rank), as one process's scheduler admits.
-    fn least_loaded(&self) -> usize {
+    /// The rank for a new sequence, chosen as one process's scheduler admits: the rank whose
+    /// prefix cache holds the longest prefix of its prompt unless that rank's reserved tokens
+    /// exceed the least-loaded rank's by more than the prefix saves, else the least-loaded
+    /// (fewest reserved tokens, then running sequences, then the lowest rank).
+    fn route(&self, request: &GenerateRequest) -> Route {
         let leader = self.leader.as_ref().expect("leader state");
-        (0..self.control.size())
-            .min_by_key(|&rank| match rank {
-                LEADER => (
-                    self.scheduler.reserved_tokens(),
-                    self.scheduler.running(),
+        let hasher = self.scheduler.hasher();
+        let mut hashes = Vec::new();
+        hasher.extend(&mut hashes, &request.prompt);
+        let logprobs = request.params.prompt_logprobs.is_some();
+        let offers: Vec<RankOffer> = (0..self.control.size())
+            .map(|rank| {
+                let (load, running, hit) = match rank {
+                    LEADER => (
+                        self.scheduler.reserved_tokens(),
+                        self.scheduler.running(),
+                        self.scheduler.cached_prefix_blocks(&hashes, logprobs),
+                    ),
+                    _ => (
+                        leader.reserved[rank],
+                        leader.running[rank],
+                        hashes
+                            .iter()
+                            .take_while(|h| leader.cached[rank].contains(h))
+                            .count(),
+                    ),
+                };
+                let bt = hasher.block_tokens();
+                RankOffer {
                     rank,
-                ),
-                _ => (leader.reserved[rank], leader.running[rank], rank),
+                    load,
+                    running,
+                    reused: reusable_tokens(hit, bt, request.prompt.len(), logprobs),
+                }
             })
-            .unwrap_or(LEADER)
+            .collect();
+        let rank = choose_rank(&offers, self.scheduler.cache_slack()).unwrap_or(LEADER);
+        Route {
+            rank,
+            reused: offers.get(rank).map_or(0, |o| o.reused),
+            hashes,
+        }
     }
 
     /// Queues this rank's hand-offs, applies its cancellations, and steps with the group if any
@@ -317,7 +368,7 @@ impl Lockstep {
                 events: tx,
             };
             self.outboxes.insert(handoff.id, rx);
-            let cache = self.runtime.new_cache();
+            let cache = self.runtime.new_cache(self.scheduler.block_tokens());
             self.scheduler.enqueue(Sequence::new(parts, cache));
         }
         for (_, id) in control.cancels.into_iter().filter(|(rank, _)| *rank == me) {
@@ -348,6 +399,7 @@ impl Lockstep {
             kv_usage: self.scheduler.kv_usage(),
             reserved_tokens: self.scheduler.reserved_tokens(),
             fabric_bytes: self.runtime.bytes_moved(),
+            prefix: PrefixCacheStats::merged(&self.scheduler.prefix_stats()),
         }
     }
 
@@ -375,6 +427,7 @@ impl Lockstep {
                 .as_ref()
                 .map_or(0, |(s, _)| s.tokens.iter().sum()),
             failed: round.failed.clone(),
+            index_changes: self.scheduler.take_index_changes(),
         }
     }
 
@@ -406,6 +459,12 @@ impl Lockstep {
                 if done {
                     leader.remote.remove(&id);
                 }
+            }
+            for change in report.index_changes {
+                match change {
+                    IndexChange::Added(hash) => leader.cached[rank].insert(hash),
+                    IndexChange::Removed(hash) => leader.cached[rank].remove(&hash),
+                };
             }
             leader.reserved[rank] = report.gauges.reserved_tokens;
             leader.running[rank] = report.gauges.running;
@@ -448,6 +507,7 @@ fn record_ranks(ranks: &[RankGauges]) {
     metrics::record_queue(waiting, running, kv);
     gauge!(metrics::GROUP_RANKS).set(ranks.len() as f64);
     metrics::record_fabric(ranks.iter().map(|g| g.fabric_bytes).sum());
+    metrics::record_prefix_cache(&ranks.iter().map(|g| g.prefix).collect::<Vec<_>>());
     for (rank, g) in ranks.iter().enumerate() {
         let rank = rank.to_string();
         gauge!(metrics::RANK_FABRIC_BYTES, "rank" => rank.clone()).set(g.fabric_bytes as f64);

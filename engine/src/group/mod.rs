@@ -26,11 +26,10 @@ use rackfill_models::{MoeModel, Tokenizer};
 pub use watchdog::GroupConfig;
 pub use world::MpiWorld;
 
-use crate::engine::{open_recorder, EngineConfig, EngineHandle};
+use crate::engine::{new_scheduler, open_recorder, EngineConfig, EngineHandle};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
-use crate::scheduler::Scheduler;
 use lockstep::{Leader, Lockstep, Stepper};
 use watchdog::Progress;
 use wire::ControlPlane;
@@ -126,7 +125,7 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let mut runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
     let kv_tokens = served.config.scheduler.kv_tokens_per_rank;
     runtime.open_device(served.config.device, Some(device), kv_tokens)?;
-    let scheduler = Scheduler::new(runtime.local_ranks().len(), served.config.scheduler)?;
+    let scheduler = new_scheduler(runtime.local_ranks().len(), &served.config, &served.model)?;
     Ok(Joined {
         stepper: Stepper {
             runtime,

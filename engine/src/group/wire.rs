@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
+use crate::prefix_cache::{IndexChange, PrefixCacheStats};
 use crate::request::{Event, GenerateRequest};
 
 /// The leader's rank.
@@ -50,6 +51,8 @@ pub struct RankGauges {
     pub reserved_tokens: usize,
     /// Bytes the rank received over the fabric since start.
     pub fabric_bytes: u64,
+    /// The rank's prefix-cache counters and KV block states.
+    pub prefix: PrefixCacheStats,
 }
 
 /// What a worker tells the leader at the end of a round.
@@ -62,6 +65,8 @@ pub struct Report {
     pub left_waiting: usize,
     /// Tokens the rank computed this round.
     pub tokens: usize,
+    /// How the rank's prefix-cache index changed this round (the leader routes by it).
+    pub index_changes: Vec<IndexChange>,
     /// Why the rank's step failed, if it did (the group stops after this round).
     pub failed: Option<String>,
 }

@@ -9,12 +9,12 @@ use rackfill_kernels::paged::{AttentionShape, BlockPool, BlockTable};
 use super::weights::{Experts, GpuAttention, GpuWeights};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::attention::DeviceCache;
+use crate::layers::kv_cache::DeviceCache;
 use crate::layers::router::Routing;
 use crate::model::{LogitsFor, MoeModel};
 
 /// Tokens per KV cache block.
-pub const BLOCK_TOKENS: usize = 16;
+pub const BLOCK_TOKENS: usize = crate::layers::kv_cache::KV_BLOCK_TOKENS;
 
 /// One sequence's blocks of a [`GpuModel`]'s paged KV cache, returned to the pool when it is
 /// dropped. Made by [`GpuModel::new_sequence`].

@@ -13,92 +13,13 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::fastmath;
 use crate::layers::gemm::{self, Dims};
+use crate::layers::kv_cache::LayerCache;
 use crate::layers::rope::Rope;
 use crate::layers::{Linear, RmsNorm};
 
 /// Query rows per block of the causal core: big enough for efficient GEMMs, small enough that
 /// the diagonal blocks waste little work on masked scores.
 const QUERY_BLOCK: usize = 256;
-
-/// One layer's cached keys and values of one sequence, `[kv_heads, len, dim]` each.
-#[derive(Debug, Clone, Default)]
-pub struct LayerCache {
-    keys: Option<Tensor>,
-    values: Option<Tensor>,
-}
-
-impl LayerCache {
-    /// Number of cached positions.
-    pub fn len(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.dim(1).unwrap_or(0))
-    }
-
-    /// Whether nothing is cached yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Appends `[kv_heads, n, dim]` keys and values; returns the whole cache.
-    pub fn append(&mut self, keys: Tensor, values: Tensor) -> Result<(Tensor, Tensor)> {
-        let keys = match self.keys.take() {
-            Some(old) => Tensor::cat(&[&old, &keys], 1)?,
-            None => keys,
-        };
-        let values = match self.values.take() {
-            Some(old) => Tensor::cat(&[&old, &values], 1)?,
-            None => values,
-        };
-        self.keys = Some(keys.clone());
-        self.values = Some(values.clone());
-        Ok((keys, values))
-    }
-}
-
-/// A sequence's cache on a device model (the GPU path's `GpuSequence`: its blocks of the
-/// device's paged cache, returned to the pool when dropped); opaque to the CPU path.
-pub trait DeviceCache: Send + std::fmt::Debug {
-    /// Tokens cached so far.
-    fn len(&self) -> usize;
-
-    /// Whether nothing is cached yet.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The concrete cache, for the device model that made it.
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
-}
-
-/// A sequence's KV cache across all layers: host tensors on the CPU path, or the sequence's
-/// place in a device model's cache (`device`).
-#[derive(Debug, Default)]
-pub struct KvCache {
-    pub layers: Vec<LayerCache>,
-    pub device: Option<Box<dyn DeviceCache>>,
-}
-
-impl KvCache {
-    /// An empty cache for `num_layers` layers.
-    pub fn new(num_layers: usize) -> Self {
-        Self {
-            layers: vec![LayerCache::default(); num_layers],
-            ..Self::default()
-        }
-    }
-
-    /// Number of cached positions (the sequence's length so far).
-    pub fn len(&self) -> usize {
-        match &self.device {
-            Some(device) => device.len(),
-            None => self.layers.first().map_or(0, LayerCache::len),
-        }
-    }
-
-    /// Whether nothing is cached yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
 
 /// One sequence's rows in a batch: the next `len` rows of the batch matrix continue the sequence
 /// whose cache is `cache` (their positions start at `cache.len()`).

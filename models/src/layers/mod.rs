@@ -6,6 +6,7 @@ pub mod attention;
 pub mod experts;
 pub mod fastmath;
 pub mod gemm;
+pub mod kv_cache;
 pub mod moe;
 pub mod rope;
 pub mod router;

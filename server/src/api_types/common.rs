@@ -10,16 +10,35 @@ pub struct Usage {
     pub completion_tokens: usize,
     pub prompt_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
         Self {
             completion_tokens,
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
+}
+
+/// A request's cached prompt tokens from its choices' (`n` consecutive choices per prompt, as
+/// usage counts each prompt once): per prompt, what none of its choices computed, the least
+/// any of them reused.
+pub fn cached_prompt_tokens(per_choice: &[usize], n: usize) -> usize {
+    per_choice
+        .chunks(n.max(1))
+        .map(|choices| choices.iter().copied().min().unwrap_or(0))
+        .sum()
 }
 
 /// The `usage` of a stream chunk: absent without `stream_options.include_usage`, `null` on the

@@ -15,8 +15,8 @@ pub use chat::{
     ChatRequest, ChatResponse, Delta, MessageIn, MessageOut, TopLogprob,
 };
 pub use common::{
-    finish_reason, ApiStopReason, ChunkUsage, ErrorBody, ErrorEnvelope, Health, ModelCard,
-    ModelList, StreamOptions, Usage, VersionInfo,
+    cached_prompt_tokens, finish_reason, ApiStopReason, ChunkUsage, ErrorBody, ErrorEnvelope,
+    Health, ModelCard, ModelList, StreamOptions, Usage, VersionInfo,
 };
 pub use completion::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, LegacyLogprobs,

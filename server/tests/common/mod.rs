@@ -30,6 +30,7 @@ pub fn engine_config(ep_size: usize) -> EngineConfig {
         scheduler: SchedulerConfig {
             chunk_tokens: 512,
             kv_tokens_per_rank: 65_536,
+            ..SchedulerConfig::default()
         },
         max_waiting: 256,
         ..EngineConfig::default()
@@ -221,4 +222,19 @@ pub fn json_chunks(events: &[String]) -> Vec<Value> {
         .iter()
         .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
         .collect()
+}
+
+/// The sum of every sample of `name` in a `/metrics` text whose labels contain all of
+/// `labels` (`key="value"`).
+pub fn sample(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let rest = series.strip_prefix(name)?;
+            let matches = (rest.is_empty() || rest.starts_with('{'))
+                && labels.iter().all(|l| rest.contains(l));
+            matches.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
 }

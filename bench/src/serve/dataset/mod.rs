@@ -15,10 +15,21 @@
 //!   block of `block_size` tokens; requests that share a hash id at the same position share those
 //!   tokens exactly, so prefix caches see the trace's real reuse.
 //!
+//! - [`multi_turn`]: conversations whose every turn resends the whole conversation so far (a
+//!   shared system prompt, the earlier turns and what the server generated for them) and adds a
+//!   user message.
+//! - [`eval`]: an evaluation harness's loglikelihood requests: several continuations of each
+//!   context, scored with `echo` and `logprobs`.
+//! - [`prefix_trace`]: writes a synthetic trace with Mooncake's prefix-sharing structure for
+//!   [`load_trace`] to replay.
+//!
 //! Synthetic prompts are not stored: [`Synthesis`] regenerates them from seeds when a request is
 //! sent, so a trace of ten thousand 10k-token prompts costs kilobytes, not gigabytes.
 
 mod error;
+mod eval;
+mod multi_turn;
+pub mod prefix_trace;
 mod sharegpt;
 mod spec;
 mod trace;
@@ -31,6 +42,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 pub use error::DatasetError;
+pub use eval::{eval, EvalParams};
+pub use multi_turn::{multi_turn, MultiTurnParams};
 pub use sharegpt::{load_sharegpt, parse_sharegpt, ShareGptParams};
 pub use spec::{Prompt, RequestSpec};
 pub use trace::{load_trace, parse_trace};
@@ -83,6 +96,53 @@ impl Synthesis {
         out
     }
 
+    /// The token ids of `spec`'s prompt; `None` for text. `history` is what a later
+    /// conversation turn continues: the previous turn's prompt and the ids of the text generated
+    /// for it (ignored by every other prompt).
+    pub fn prompt_tokens(&self, spec: &RequestSpec, history: &[u32]) -> Option<Vec<u32>> {
+        Some(match &spec.prompt {
+            Prompt::Text(_) => return None,
+            Prompt::Synthetic { hash_ids, unique } => {
+                self.tokens(hash_ids, *unique, spec.input_len)
+            }
+            &Prompt::Scored {
+                context,
+                context_len,
+                continuation,
+            } => {
+                let mut ids = self.segment(&[CONTEXT, context], context_len);
+                let rest = spec.input_len.saturating_sub(context_len);
+                ids.extend(self.segment(&[CONTINUATION, context, continuation], rest));
+                ids
+            }
+            &Prompt::Turn {
+                conversation,
+                turn,
+                system_len,
+                user_len,
+            } => {
+                let mut ids = if turn == 0 {
+                    self.segment(&[SYSTEM], system_len)
+                } else {
+                    history.to_vec()
+                };
+                ids.extend(self.segment(&[USER, conversation, turn as u64], user_len));
+                ids
+            }
+        })
+    }
+
+    /// `len` token ids seeded by `key` alone: every prompt naming the same key gets the same
+    /// tokens (`key` starts with one of the segment kinds below, so kinds never collide).
+    fn segment(&self, key: &[u64], len: usize) -> Vec<u32> {
+        let mut parts = vec![self.seed, 2];
+        parts.extend_from_slice(key);
+        let mut rng = StdRng::seed_from_u64(mix(&parts));
+        (0..len)
+            .map(|_| rng.gen_range(0..self.vocab_size.max(1)))
+            .collect()
+    }
+
     /// Calls `emit` once per position with the generator of that position's block; block `b`
     /// is seeded by its hash id when the request names one, else by `unique` and `b`.
     fn fill(&self, hash_ids: &[u64], unique: u64, len: usize, mut emit: impl FnMut(&mut StdRng)) {
@@ -103,6 +163,12 @@ impl Synthesis {
         }
     }
 }
+
+/// Segment kinds of [`Synthesis::segment`] keys.
+const SYSTEM: u64 = 0;
+const USER: u64 = 1;
+const CONTEXT: u64 = 2;
+const CONTINUATION: u64 = 3;
 
 /// SplitMix64 over the parts: distinct inputs give unrelated seeds.
 fn mix(parts: &[u64]) -> u64 {
