@@ -92,7 +92,8 @@ pub enum IndexChange {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankOffer {
     pub rank: usize,
-    /// KV tokens the rank holds (or has reserved) already.
+    /// Tokens the rank's admitted and queued sequences still compute over their lives (prompt
+    /// not reused, plus `max_tokens`).
     pub load: usize,
     /// Sequences running on the rank.
     pub running: usize,

@@ -407,7 +407,8 @@ impl Scheduler {
         let mut later = Vec::new();
         for (rank, blocks) in self.blocks.iter().enumerate() {
             let mut hit = blocks.lookup(hashes, logprobs);
-            let tokens = reusable_tokens(hit.len(), bt, seq.prompt.len(), logprobs);
+            let cached = hit.len();
+            let tokens = reusable_tokens(cached, bt, seq.prompt.len(), logprobs);
             hit.truncate(tokens.div_ceil(bt));
             let shared = &hit[..tokens / bt];
             if !blocks.fits(shared, reserved_blocks - shared.len()) {
@@ -419,7 +420,7 @@ impl Scheduler {
                 running: self.running[rank].len(),
                 reused: tokens,
             };
-            let computing = Self::computing_prefix(&computing[rank], hashes, hit.len(), logprobs);
+            let computing = Self::computing_prefix(&computing[rank], hashes, cached, logprobs);
             later.push(RankOffer {
                 reused: reusable_tokens(computing, bt, seq.prompt.len(), logprobs),
                 ..offer
