@@ -155,12 +155,6 @@ impl Scheduler {
         self.config.block_tokens
     }
 
-    /// How many leading blocks of `hashes` (a prompt's) the best-stocked rank has cached.
-    pub fn cached_prefix_blocks(&self, hashes: &[BlockHash], logprobs: bool) -> usize {
-        let hits = self.blocks.iter().map(|b| b.lookup(hashes, logprobs).len());
-        hits.max().unwrap_or(0)
-    }
-
     /// The hasher of the ranks' prefix caches.
     pub fn hasher(&self) -> &BlockHasher {
         &self.hasher
@@ -365,6 +359,9 @@ impl Scheduler {
     /// FIFO admission of the queue's head to the rank [`Self::place`] picks, as long as one
     /// fits it.
     fn admit(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
         let mut computing = self.computing();
         while let Some(head) = self.waiting.front_mut() {
             if head.done {

@@ -77,7 +77,8 @@ pub struct Leader {
     pub reserved: Vec<usize>,
     /// Per rank: sequences running at the last report.
     pub running: Vec<usize>,
-    /// Per rank: the block hashes its prefix cache holds, mirrored from its reports.
+    /// Per rank, the leader's own included: the block hashes its prefix cache holds, mirrored
+    /// from its index changes, plus those of the prompts handed to it since (it computes them).
     pub cached: Vec<HashSet<BlockHash>>,
     pub stopping: bool,
     /// Whether any rank still had work after the last round.
@@ -149,9 +150,7 @@ impl Lockstep {
             progress,
         } = stepper;
         let mut scheduler = scheduler;
-        if leader.is_none() {
-            scheduler.journal_index_changes();
-        }
+        scheduler.journal_index_changes();
         Self {
             runtime,
             scheduler,
@@ -266,6 +265,9 @@ impl Lockstep {
                     let rank = route.rank;
                     let reserve =
                         parts.request.prompt.len() + parts.request.params.max_tokens as usize;
+                    // The rank computes the prompt's blocks: later requests with the same
+                    // prefix go there too, and wait on the rank for them if they must.
+                    self.leader_mut().cached[rank].extend(route.hashes);
                     if rank == LEADER {
                         let cache = self.runtime.new_cache(self.scheduler.block_tokens());
                         self.scheduler.enqueue(Sequence::new(parts, cache));
@@ -273,9 +275,6 @@ impl Lockstep {
                     }
                     let leader = self.leader_mut();
                     leader.reserved[rank] += reserve - route.reused;
-                    // The rank computes the prompt's blocks: later requests with the same
-                    // prefix go there too, and wait on the rank for them if they must.
-                    leader.cached[rank].extend(route.hashes);
                     leader.running[rank] += 1;
                     leader.remote.insert(
                         parts.id,
@@ -305,34 +304,25 @@ impl Lockstep {
         }
     }
 
-    /// The rank for a new sequence, chosen as one process's scheduler admits: the rank whose
-    /// prefix cache holds the longest prefix of its prompt unless that rank's reserved tokens
-    /// exceed the least-loaded rank's by more than the prefix saves, else the least-loaded
-    /// (fewest reserved tokens, then running sequences, then the lowest rank).
+    /// The rank for a new sequence, by the rule one process's scheduler admits with
+    /// ([`choose_rank`]) over every rank's mirrored cache: the rank holding the longest prefix
+    /// of its prompt unless its reserved tokens exceed the least-loaded rank's by more than the
+    /// prefix saves plus one step's tokens, else the least-loaded.
     fn route(&self, request: &GenerateRequest) -> Route {
         let leader = self.leader.as_ref().expect("leader state");
         let hasher = self.scheduler.hasher();
         let mut hashes = Vec::new();
         hasher.extend(&mut hashes, &request.prompt);
         let logprobs = request.params.prompt_logprobs.is_some();
+        let bt = hasher.block_tokens();
         let offers: Vec<RankOffer> = (0..self.control.size())
             .map(|rank| {
-                let (load, running, hit) = match rank {
-                    LEADER => (
-                        self.scheduler.reserved_tokens(),
-                        self.scheduler.running(),
-                        self.scheduler.cached_prefix_blocks(&hashes, logprobs),
-                    ),
-                    _ => (
-                        leader.reserved[rank],
-                        leader.running[rank],
-                        hashes
-                            .iter()
-                            .take_while(|h| leader.cached[rank].contains(h))
-                            .count(),
-                    ),
+                let (load, running) = match rank {
+                    LEADER => (self.scheduler.reserved_tokens(), self.scheduler.running()),
+                    _ => (leader.reserved[rank], leader.running[rank]),
                 };
-                let bt = hasher.block_tokens();
+                let cached = &leader.cached[rank];
+                let hit = hashes.iter().take_while(|h| cached.contains(h)).count();
                 RankOffer {
                     rank,
                     load,
@@ -442,6 +432,8 @@ impl Lockstep {
             .map_or(0, |(s, _)| s.tokens.iter().sum());
         let mut left = round.left_waiting;
         let mut failed = round.failed.map(|why| (LEADER, why));
+        let own = self.scheduler.take_index_changes();
+        mirror(&mut self.leader_mut().cached[LEADER], own);
         for rank in 1..size {
             self.progress
                 .tick(format!("waiting for rank {rank}'s report"));
@@ -460,12 +452,7 @@ impl Lockstep {
                     leader.remote.remove(&id);
                 }
             }
-            for change in report.index_changes {
-                match change {
-                    IndexChange::Added(hash) => leader.cached[rank].insert(hash),
-                    IndexChange::Removed(hash) => leader.cached[rank].remove(&hash),
-                };
-            }
+            mirror(&mut leader.cached[rank], report.index_changes);
             leader.reserved[rank] = report.gauges.reserved_tokens;
             leader.running[rank] = report.gauges.running;
             tokens += report.tokens;
@@ -495,6 +482,16 @@ impl Lockstep {
             ))),
             None => Ok(()),
         }
+    }
+}
+
+/// Applies a rank's prefix-cache index changes to the leader's mirror of it.
+fn mirror(cached: &mut HashSet<BlockHash>, changes: Vec<IndexChange>) {
+    for change in changes {
+        match change {
+            IndexChange::Added(hash) => cached.insert(hash),
+            IndexChange::Removed(hash) => cached.remove(&hash),
+        };
     }
 }
 
