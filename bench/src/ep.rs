@@ -6,8 +6,8 @@
 //! per configuration: prefill tokens/s (median over rounds) and its ratio to dense, which is the
 //! EP machinery's overhead on one host, and the simulated MoE makespan with the plan and without
 //! balancing, summed over layers: every layer's load and plan costed on the runtime's rack (NVL72)
-//! by the cost model `rackfill simulate` uses (`rackfill_engine::cost`). Each configuration also
-//! names its data plane, so a GPU host times the CPU and GPU planes side by side in one run.
+//! by the cost model `rackfill simulate` uses (`rackfill_engine::rack_cost`). Each configuration
+//! also names its data plane, so a GPU host times the CPU and GPU planes side by side in one run.
 
 use std::time::Instant;
 

@@ -14,7 +14,7 @@ use rackfill_bench::simulate::queue::{run_requests, RequestRun};
 use rackfill_bench::simulate::shape::{Attention, ModelShape};
 use rackfill_bench::simulate::trace::{even_load, TraceSource};
 use rackfill_bench::simulate::{run_throughput, SimError, SimSpec, StepCoster, ThroughputRun};
-use rackfill_engine::cost::{token_traffic, ReplicaTraffic};
+use rackfill_engine::rack_cost::{token_traffic, ReplicaTraffic};
 use rackfill_engine::{Rack, Schedule, SlotMemory};
 use std::path::PathBuf;
 

@@ -16,10 +16,10 @@ use rackfill_balancer::LoadMatrix;
 use rackfill_models::{MoeModel, Tokenizer};
 use tokio::sync::mpsc as events;
 
-use crate::device::ModelDevice;
 use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::metrics;
+use crate::model_device::ModelDevice;
 use crate::prefix_cache;
 use crate::request::{GenerateRequest, RequestStream};
 use crate::routing_trace::{RoutingRecorder, RoutingTraceConfig};

@@ -33,13 +33,11 @@ use rackfill_models::{
     SequenceInput,
 };
 
-use crate::cost::{MoeCost, MoeDims, SimulatedMakespan};
-use crate::device::ModelDevice;
 use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, LocalFabric};
+use crate::model_device::ModelDevice;
 use crate::plane::{DataPlane, LayerWork, PhaseTimes, Plane, PlaneConfig, PlaneOutput};
-use crate::rack::Rack;
-use crate::schedule::{PipelinedExperts, SlotMemory};
+use crate::rack_cost::{MoeCost, MoeDims, PipelinedExperts, Rack, SimulatedMakespan, SlotMemory};
 
 #[cfg(feature = "cuda")]
 mod device;

@@ -5,7 +5,8 @@
 //! - [`ep`]: the EP runtime over a [`fabric::Fabric`] (one process holding every rank, or any
 //!   subset of them), its MoE data plane (`plane`) on the CPU or (feature `cuda`) on a GPU
 //!   ([`DataPlane`]);
-//! - [`cost`] and [`rack`]: the cost of one MoE layer on a rack, shared with `rackfill simulate`;
+//! - [`rack_cost`]: the cost of one MoE layer and of a step's schedule on a rack, shared with
+//!   `rackfill simulate`;
 //! - [`validation`]: the checks every request passes once, before it is queued;
 //! - [`scheduler`] and [`sequence`]: admission, chunked prefill, decode, sampling, stop handling;
 //! - [`engine`]: the engine thread and the [`EngineHandle`] the server talks to;
@@ -13,8 +14,6 @@
 //!   serving HTTP and every process stepping the MoE layers together;
 //! - [`metrics`] and [`routing_trace`]: what the engine reports.
 
-pub mod cost;
-pub mod device;
 pub mod engine;
 pub mod ep;
 pub mod error;
@@ -22,30 +21,30 @@ pub mod fabric;
 #[cfg(feature = "mpi")]
 pub mod group;
 pub mod metrics;
-pub mod penalties;
+pub mod model_device;
 mod plane;
 pub mod prefix_cache;
-pub mod rack;
+pub mod rack_cost;
 pub mod request;
 pub mod routing_trace;
 pub mod sampling;
-pub mod schedule;
 pub mod scheduler;
 pub mod sequence;
 pub mod stop;
 pub mod validation;
 
-pub use cost::{MoeCost, MoeDims, MoeTerms, SimulatedMakespan};
-pub use device::ModelDevice;
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
 pub use ep::{EpConfig, EpRuntime, LayerReport, StepOutput};
 pub use error::{EngineError, Result};
+pub use model_device::ModelDevice;
 pub use plane::{DataPlane, PhaseTimes};
-pub use rack::Rack;
+pub use rack_cost::{
+    LayerPhases, MoeCost, MoeDims, MoeTerms, PipelinedExperts, Rack, Schedule, SimulatedMakespan,
+    SlotMemory,
+};
 pub use request::{
     Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,
 };
 pub use sampling::{SamplingParams, TokenLogprob};
-pub use schedule::{LayerPhases, PipelinedExperts, Schedule, SlotMemory};
 pub use scheduler::{Scheduler, SchedulerConfig};
 pub use validation::{ContextLength, RequestError, RequestLimits, ValidatedRequest};

@@ -15,7 +15,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use rackfill_kernels::paged::BlockPool;
+use rackfill_kernels::kv_blocks::BlockPool;
 use rackfill_models::KvBlock;
 use serde::{Deserialize, Serialize};
 
@@ -405,7 +405,7 @@ impl RankBlocks {
     }
 }
 
-fn cache_error(err: rackfill_kernels::paged::PagedError) -> EngineError {
+fn cache_error(err: rackfill_kernels::kv_blocks::PagedError) -> EngineError {
     EngineError::KvBlocks(err.to_string())
 }
 

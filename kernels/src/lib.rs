@@ -16,7 +16,7 @@
 //! - [`weights`]: where an expert instance's weights live on the rank that computes it (home or
 //!   redundant slot), for the CPU and the GPU plane alike.
 //!
-//! - [`paged`]: the host side of the GPU's paged KV cache: a pool of fixed-size blocks, each
+//! - [`kv_blocks`]: the host side of the GPU's paged KV cache: a pool of fixed-size blocks, each
 //!   sequence's block table, and the per-step slot and block-table arrays the attention kernels
 //!   read.
 //!
@@ -28,7 +28,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod paged;
+pub mod kv_blocks;
 pub mod permute;
 pub mod replicate;
 pub mod weights;
@@ -38,7 +38,8 @@ pub use permute::{
     ExpertBatches, InstanceGroup, InstanceRouter, IDS_PER_ROW,
 };
 pub use replicate::{
-    distribute_replicas, distribute_replicas_sequential, ReplicationStats, TransferFault,
+    check_schedule, distribute_replicas, distribute_replicas_sequential, ReplicationStats,
+    SlotBuffers, TransferFault, TransferPlace,
 };
 pub use weights::{weight_source, WeightSource};
 
@@ -87,12 +88,18 @@ pub enum KernelError {
     },
     #[error("got {got} rank slot buffers, the plan has {ranks} ranks")]
     RankCount { got: usize, ranks: usize },
+    #[error("slot buffers of ranks {first}..+{count}, the plan has {ranks} ranks")]
+    RankRange {
+        first: usize,
+        count: usize,
+        ranks: usize,
+    },
     #[error("slot_bytes {slot_bytes} is smaller than expert_bytes {expert_bytes}")]
     SlotTooSmall {
         slot_bytes: usize,
         expert_bytes: usize,
     },
-    #[error("rank {rank}: slot buffer has {len} bytes, its slots need {needed}")]
+    #[error("rank {rank}'s slot buffer has {len} bytes, its slots need {needed}")]
     SlotBufferTooShort {
         rank: usize,
         len: usize,

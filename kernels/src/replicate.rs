@@ -13,20 +13,23 @@
 //! with no global barrier between the stages. [`distribute_replicas_sequential`] executes the same
 //! copies one by one in schedule order: the reference the concurrent path is tested against.
 //!
-//! The whole schedule is validated before a single byte moves (see [`TransferFault`]), so a bad
-//! schedule leaves the buffers untouched and returns an error. Validation also establishes what the
+//! The whole schedule is validated before a single byte moves ([`check_schedule`], the rules
+//! every executor of a replica stream shares, the engine's fabrics included; see
+//! [`TransferFault`]), so a bad schedule leaves the buffers untouched and returns an error. Validation also establishes what the
 //! concurrent path's `unsafe` relies on: every destination byte is written by exactly one copy, and
 //! every stage-2 copy reads exactly the bytes one earlier copy delivered to its source rank (a
 //! stage-1 copy in the schedules the balancer builds; a relay of a relay would be accepted too).
 
+mod copies;
 mod exec;
 mod outcome;
-mod validate;
+mod schedule_check;
 
 pub use outcome::{ReplicationStats, TransferFault};
+pub use schedule_check::{check_schedule, SlotBuffers, TransferPlace};
 
 #[cfg(feature = "cuda")]
-pub(crate) use validate::{check_slot_coverage, SlotWrite};
+pub(crate) use schedule_check::{check_slot_coverage, SlotWrite};
 
 use crate::KernelError;
 use rackfill_balancer::relay::TransferSchedule;
@@ -55,7 +58,7 @@ pub fn distribute_replicas<'w>(
     slot_bytes: usize,
 ) -> Result<ReplicationStats, KernelError> {
     let lens: Vec<usize> = slots.iter().map(|s| s.len()).collect();
-    let copies = validate::prepare(plan, schedule, expert_bytes, source, &lens, slot_bytes)?;
+    let copies = copies::prepare(plan, schedule, expert_bytes, source, &lens, slot_bytes)?;
     exec::run_concurrent(&copies, slots)?;
     Ok(copies.stats)
 }
@@ -71,7 +74,7 @@ pub fn distribute_replicas_sequential<'w>(
     slot_bytes: usize,
 ) -> Result<ReplicationStats, KernelError> {
     let lens: Vec<usize> = slots.iter().map(|s| s.len()).collect();
-    let copies = validate::prepare(plan, schedule, expert_bytes, source, &lens, slot_bytes)?;
+    let copies = copies::prepare(plan, schedule, expert_bytes, source, &lens, slot_bytes)?;
     exec::run_sequential(&copies, slots);
     Ok(copies.stats)
 }

@@ -1,12 +1,13 @@
 //! Replica distribution on plans from the real quota planner: every replica slot ends up equal to
 //! its home expert byte for byte, concurrently and sequentially, and bad schedules are errors that
-//! leave the buffers untouched.
+//! leave the buffers untouched; the schedule check the fabrics share gives every part of the ranks
+//! the same verdict and places.
 
 use rackfill_balancer::relay::{plan_transfers, RelayConfig, TransferSchedule};
 use rackfill_balancer::{Algo, Layout, LoadMatrix, Plan, Settings};
 use rackfill_kernels::{
-    distribute_replicas, distribute_replicas_sequential, KernelError, ReplicationStats,
-    TransferFault,
+    check_schedule, distribute_replicas, distribute_replicas_sequential, KernelError,
+    ReplicationStats, SlotBuffers, TransferFault,
 };
 
 const RANKS: usize = 32;
@@ -368,4 +369,65 @@ fn bad_buffers_and_sources_are_rejected() {
         );
         assert!(bufs.iter().flatten().all(|&b| b == FILL), "{name} wrote");
     }
+}
+
+/// The schedule check the engine's fabrics run on a part of the ranks: the same places as over
+/// every rank, only the held ranks' slot buffers measured, the same verdict on a bad schedule.
+#[test]
+fn a_part_of_the_ranks_is_checked_by_the_same_rules() {
+    let (plan, schedule, _) = relay_setup();
+    let needed = plan.slots_per_rank() * SLOT_BYTES;
+    let check = |schedule: &TransferSchedule, first_rank: usize, lens: &[usize]| {
+        let buffers = SlotBuffers {
+            expert_bytes: EXPERT_BYTES,
+            slot_bytes: SLOT_BYTES,
+            first_rank,
+            lens,
+        };
+        check_schedule(&plan, schedule, buffers)
+    };
+    let all = check(&schedule, 0, &[needed; RANKS]).unwrap();
+    assert_eq!(all.len(), schedule.transfers.len());
+    for (index, (t, place)) in schedule.transfers.iter().zip(&all).enumerate() {
+        if t.stage == 1 {
+            assert_eq!((place.from_slot, place.forwards), (None, None));
+            continue;
+        }
+        // A relay forwards what an earlier transfer landed in its slot, from where it landed.
+        let producer = place.forwards.unwrap();
+        let delivered = &schedule.transfers[producer];
+        assert!(producer < index);
+        assert_eq!(delivered.dst, t.src);
+        assert_eq!(
+            (delivered.offset, delivered.len, delivered.chunk),
+            (t.offset, t.len, t.chunk)
+        );
+        assert_eq!(place.from_slot, Some(all[producer].to_slot));
+    }
+    let mut bad = schedule.clone();
+    bad.transfers[3].offset = EXPERT_BYTES as u64 - 1;
+    for rank in [0, RANKS / 2, RANKS - 1] {
+        assert_eq!(check(&schedule, rank, &[needed]).unwrap(), all);
+        let err = check(&schedule, rank, &[needed - 1]).unwrap_err();
+        assert!(
+            matches!(err, KernelError::SlotBufferTooShort { rank: r, .. } if r == rank),
+            "{err}"
+        );
+        let err = check(&bad, rank, &[needed]).unwrap_err();
+        assert!(
+            fault_at(&err, 3, |f| matches!(f, TransferFault::Range { .. })),
+            "{err}"
+        );
+    }
+    // Every held rank's buffer is measured, named by its rank in the plan.
+    let err = check(&schedule, 0, &[needed, needed - 1]).unwrap_err();
+    assert!(matches!(
+        err,
+        KernelError::SlotBufferTooShort { rank: 1, .. }
+    ));
+    assert!(check(&schedule, 0, &[needed]).is_ok());
+    assert!(matches!(
+        check(&schedule, RANKS - 1, &[needed, needed]),
+        Err(KernelError::RankRange { .. })
+    ));
 }

@@ -101,7 +101,7 @@ pub enum ModelError {
 
     /// The paged KV cache refused (full, or a block table that does not belong to its pool).
     #[error("KV cache: {0}")]
-    KvCache(#[from] rackfill_kernels::paged::PagedError),
+    KvCache(#[from] rackfill_kernels::kv_blocks::PagedError),
 
     /// A tensor operation failed (a shape bug, never user input).
     #[error("tensor computation failed: {0}")]

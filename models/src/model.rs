@@ -8,8 +8,8 @@ use std::path::Path;
 
 use candle_core::{Device, Module, Tensor};
 
-use crate::checkpoint::{Checkpoint, Weights};
-use crate::config::{Family, ModelConfig};
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_selection::ExpertSelection;
 use crate::families;
@@ -113,13 +113,6 @@ pub struct MoeModel {
     experts: ExpertSelection,
 }
 
-/// The per-family constructors of a layer's parts; each family file provides one.
-pub(crate) struct FamilyLoader {
-    pub attention: fn(&Weights, &ModelConfig) -> Result<Box<dyn Attention>>,
-    pub moe: fn(&Weights, &ModelConfig, &ExpertSelection) -> Result<MoeBlock>,
-    pub dense: fn(&Weights, &ModelConfig) -> Result<Mlp>,
-}
-
 impl MoeModel {
     /// Loads `config.json` and the safetensors of a local checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
@@ -148,12 +141,7 @@ impl MoeModel {
         selection: &ExpertSelection,
     ) -> Result<Self> {
         selection.check(config.moe.num_experts)?;
-        let loader = match config.family {
-            Family::Qwen3Moe => families::qwen3_moe::LOADER,
-            Family::Qwen2Moe => families::qwen2_moe::LOADER,
-            Family::Mixtral => families::mixtral::LOADER,
-            Family::DeepseekV3 => families::deepseek_v3::LOADER,
-        };
+        let loader = families::loader(config.family);
         let root = checkpoint.root();
         let model = root.pp("model");
         let (vocab, hidden, eps) = (config.vocab_size, config.hidden_size, config.rms_norm_eps);

@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 
-use crate::validation::ApiError;
+use crate::api_error::ApiError;
 use crate::{metrics, AppState};
 
 /// Bodies declared larger than the limit are read and discarded, up to this many bytes, before

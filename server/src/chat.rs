@@ -15,6 +15,7 @@ use rackfill_engine::{FinishEvent, GenerateRequest, TokenEvent, TokenLogprob};
 use rackfill_models::ChatMessage;
 use serde_json::Value;
 
+use crate::api_error::{ApiError, PromptField};
 use crate::api_types::{
     cached_prompt_tokens, finish_reason, ApiStopReason, ChatChoice, ChatChunk, ChatChunkChoice,
     ChatChunkLogprobs, ChatLogprobEntry, ChatLogprobs, ChatRequest, ChatResponse, ChunkUsage,
@@ -24,8 +25,8 @@ use crate::chat_prompt;
 use crate::generate::{self, ChunkFormat, Output, Timing};
 use crate::metrics as m;
 use crate::params::{common_params, CommonParams, Resolved, StreamUsage};
+use crate::request_json;
 use crate::token_text::token_bytes;
-use crate::validation::{self as v, ApiError, PromptField};
 use crate::{prompt_text, unix_now, AppState, ChatRender};
 
 /// A chat request read from its JSON: everything but the prompt's tokens.
@@ -44,7 +45,7 @@ impl ChatPlan {
     /// The JSON's shape: the model, the messages, the shared fields, the chat-only fields. The
     /// values' ranges are checked by the engine once the prompt is tokenized.
     fn read(state: &AppState, request: ChatRequest) -> Result<Self, ApiError> {
-        v::check_model(request.model.as_deref(), &state.backend().info().name)?;
+        request_json::check_model(request.model.as_deref(), &state.backend().info().name)?;
         let chat = chat_prompt::messages(&request.messages)?;
         let mut resolved = common_params!(request).resolve(state)?;
         chat_prompt::refuse_tool_calls(
@@ -83,13 +84,13 @@ impl ChatPlan {
             (None, n) => ("max_tokens", n),
         };
         let max_tokens = max_tokens
-            .map(|n| v::int_in(max_param, n, 0, u32::MAX.into()))
+            .map(|n| request_json::int_in(max_param, n, 0, u32::MAX.into()))
             .transpose()?
             .map(|n| n as u32);
         let logprobs = request.logprobs.unwrap_or(false);
         let top_logprobs = request
             .top_logprobs
-            .map(|n| v::int_in("top_logprobs", n, 0, u32::MAX.into()))
+            .map(|n| request_json::int_in("top_logprobs", n, 0, u32::MAX.into()))
             .transpose()?;
         if top_logprobs.is_some() && !logprobs {
             return Err(ApiError::invalid(
@@ -158,7 +159,7 @@ pub async fn handle(
 
 async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = crate::body::buffered(body)?;
-    let mut plan = ChatPlan::read(&state, v::parse_json(&body)?)?;
+    let mut plan = ChatPlan::read(&state, request_json::parse_json(&body)?)?;
     state.check_draining()?;
     let permit = state.admit()?;
     let mut timing = Timing::start();

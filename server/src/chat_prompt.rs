@@ -6,8 +6,8 @@
 use rackfill_models::ChatMessage;
 use serde_json::{Map, Value};
 
+use crate::api_error::ApiError;
 use crate::api_types::MessageIn;
-use crate::validation::ApiError;
 use crate::{AppState, ChatRender};
 
 /// The rendering fields, checked: `add_generation_prompt` and `continue_final_message` exclude

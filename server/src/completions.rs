@@ -15,6 +15,7 @@ use metrics::counter;
 use rackfill_engine::{FinishEvent, GenerateRequest, TokenEvent, TokenLogprob};
 use serde_json::Value;
 
+use crate::api_error::{ApiError, PromptField};
 use crate::api_types::{
     cached_prompt_tokens, finish_reason, ApiStopReason, ChunkUsage, CompletionChoice,
     CompletionChunk, CompletionRequest, CompletionResponse, LegacyLogprobs, Usage,
@@ -22,8 +23,8 @@ use crate::api_types::{
 use crate::generate::{self, ChunkFormat, Output, Timing};
 use crate::metrics as m;
 use crate::params::{common_params, CommonParams, Resolved, StreamUsage};
+use crate::request_json;
 use crate::token_text::{token_bytes, TextOffsets};
-use crate::validation::{self as v, ApiError, PromptField};
 use crate::{prompt_text, unix_now, AppState};
 
 /// Most sequences (prompts times `n`) one request may ask for.
@@ -117,7 +118,7 @@ impl CompletionPlan {
     /// completion has. The values' ranges are checked by the engine once the prompts are
     /// tokenized.
     fn read(state: &AppState, request: CompletionRequest) -> Result<Self, ApiError> {
-        v::check_model(request.model.as_deref(), &state.backend().info().name)?;
+        request_json::check_model(request.model.as_deref(), &state.backend().info().name)?;
         let inputs = parse_prompt(&request.prompt)?;
         let mut resolved = common_params!(request).resolve(state)?;
         if request.best_of.is_some_and(|b| b != resolved.n as i64) {
@@ -130,10 +131,10 @@ impl CompletionPlan {
             return Err(ApiError::invalid("suffix", "`suffix` is not supported"));
         }
         let max_tokens = request.max_tokens.unwrap_or(16);
-        let max_tokens = v::int_in("max_tokens", max_tokens, 0, u32::MAX.into())?;
+        let max_tokens = request_json::int_in("max_tokens", max_tokens, 0, u32::MAX.into())?;
         let logprobs = request
             .logprobs
-            .map(|n| v::int_in("logprobs", n, 0, u32::MAX.into()))
+            .map(|n| request_json::int_in("logprobs", n, 0, u32::MAX.into()))
             .transpose()?
             .map(|n| n as u32);
         if inputs.len().saturating_mul(resolved.n) > MAX_SEQUENCES_PER_REQUEST {
@@ -246,7 +247,7 @@ pub async fn handle(
 
 async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let body = crate::body::buffered(body)?;
-    let mut plan = CompletionPlan::read(&state, v::parse_json(&body)?)?;
+    let mut plan = CompletionPlan::read(&state, request_json::parse_json(&body)?)?;
     state.check_draining()?;
     let permit = state.admit()?;
     let mut timing = Timing::start();

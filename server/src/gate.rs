@@ -11,8 +11,8 @@ use axum::response::{IntoResponse, Response};
 use http_body::Body as _;
 use subtle::ConstantTimeEq;
 
+use crate::api_error::ApiError;
 use crate::body;
-use crate::validation::ApiError;
 use crate::AppState;
 
 /// Routes outside `/v1` that need the key too: vLLM's tokenizer endpoints.

@@ -18,9 +18,9 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tracing::Instrument;
 
+use crate::api_error::{ApiError, PromptField};
 use crate::api_types::finish_reason;
 use crate::metrics as m;
-use crate::validation::{ApiError, PromptField};
 use crate::AppState;
 
 /// One submitted sequence: choice `index` of the response.

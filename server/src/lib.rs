@@ -73,6 +73,7 @@
 //! (for in-process use without a socket), [`serve`] runs it on a listener with graceful
 //! shutdown.
 
+mod api_error;
 mod api_types;
 mod backend;
 mod body;
@@ -86,9 +87,9 @@ pub mod metrics;
 mod observe;
 mod params;
 mod prompt_text;
+mod request_json;
 mod token_text;
 mod tokenize;
-mod validation;
 
 use std::future::Future;
 use std::io;
@@ -109,10 +110,10 @@ use rackfill_engine::{EngineConfig, EngineError, EngineHandle};
 use rackfill_models::ModelBundle;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
+pub use api_error::ApiError;
 pub use backend::{Backend, ChatRender, EngineBackend, ModelInfo, ModelMeta, SpecialTokenTexts};
 pub use completions::MAX_SEQUENCES_PER_REQUEST;
 pub use params::MAX_N;
-pub use validation::ApiError;
 
 /// The request-id header, echoed or generated on every response.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -434,7 +435,7 @@ async fn model(State(state): State<AppState>, id: Result<Path<String>, PathRejec
             .into_response()
         }
     };
-    match validation::check_model(Some(&id), &state.backend().info().name) {
+    match request_json::check_model(Some(&id), &state.backend().info().name) {
         Ok(()) => Json(model_card(&state)).into_response(),
         Err(err) => err.into_response(),
     }

@@ -7,8 +7,9 @@
 use rackfill_engine::SamplingParams;
 use serde_json::{Map, Value};
 
+use crate::api_error::ApiError;
 use crate::api_types::StreamOptions;
-use crate::validation::{self as v, ApiError};
+use crate::request_json;
 use crate::AppState;
 
 /// Largest `n`.
@@ -95,8 +96,8 @@ impl CommonParams<'_> {
         let info = state.backend().info();
         let gen = &info.generation;
         refuse_unsupported(self.other)?;
-        let n = v::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
-        let min_tokens = v::int_in(
+        let n = request_json::int_in("n", self.n.unwrap_or(1), 1, MAX_N)? as usize;
+        let min_tokens = request_json::int_in(
             "min_tokens",
             self.min_tokens.unwrap_or(0),
             0,
@@ -124,7 +125,7 @@ impl CommonParams<'_> {
             Some(false) => 0.0,
             _ => gen.temperature.unwrap_or(1.0),
         };
-        let top_k = v::int_in("top_k", self.top_k.unwrap_or(-1), -1, i64::MAX)?;
+        let top_k = request_json::int_in("top_k", self.top_k.unwrap_or(-1), -1, i64::MAX)?;
         let top_k = match (self.top_k, top_k) {
             (None, _) => gen.top_k.unwrap_or(0),
             (Some(_), -1) => 0,
@@ -142,13 +143,13 @@ impl CommonParams<'_> {
                 .map_or(gen.repetition_penalty.unwrap_or(1.0), |p| p as f32),
             logit_bias: self
                 .logit_bias
-                .map(v::logit_bias)
+                .map(request_json::logit_bias)
                 .transpose()?
                 .unwrap_or_default(),
             seed: self.seed.map(|s| s as u64),
             max_tokens: 0,
             min_tokens: min_tokens as u32,
-            stop: v::stop_strings(self.stop)?,
+            stop: request_json::stop_strings(self.stop)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             stop_token_ids: self.stop_token_ids.map(<[u32]>::to_vec).unwrap_or_default(),

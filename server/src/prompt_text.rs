@@ -8,7 +8,7 @@
 
 use tokio::sync::Semaphore;
 
-use crate::validation::{ApiError, PromptField};
+use crate::api_error::{ApiError, PromptField};
 use crate::AppState;
 
 /// Bytes of text tokenized at once by the whole process: one prompt of the default body limit.

@@ -10,11 +10,12 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use crate::api_error::{ApiError, PromptField};
 use crate::api_types::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
 };
 use crate::chat_prompt;
-use crate::validation::{self as v, ApiError, PromptField};
+use crate::request_json;
 use crate::{prompt_text, AppState};
 
 /// `POST /tokenize`.
@@ -61,8 +62,8 @@ async fn run_tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<TokenizeResponse, ApiError> {
     let body = crate::body::buffered(body)?;
-    let request: TokenizeRequest = v::parse_json(&body)?;
-    v::check_model(request.model.as_deref(), &state.backend().info().name)?;
+    let request: TokenizeRequest = request_json::parse_json(&body)?;
+    request_json::check_model(request.model.as_deref(), &state.backend().info().name)?;
     let (text, add_special_tokens, field) = match (request.prompt, &request.messages) {
         (Some(prompt), None) => (
             prompt,
@@ -125,9 +126,9 @@ async fn run_detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<DetokenizeResponse, ApiError> {
     let body = crate::body::buffered(body)?;
-    let request: DetokenizeRequest = v::parse_json(&body)?;
+    let request: DetokenizeRequest = request_json::parse_json(&body)?;
     let backend = state.backend().clone();
-    v::check_model(request.model.as_deref(), &backend.info().name)?;
+    request_json::check_model(request.model.as_deref(), &backend.info().name)?;
     let limit = backend.info().limits.max_context;
     if request.tokens.len() > limit {
         return Err(ApiError::invalid(

@@ -2,7 +2,7 @@
 //! and FLOPs on the [`Rack`]).
 //!
 //! The MoE terms of a layer (`replicate`, `dispatch`, `expert`, `combine`) are the EP runtime's
-//! own cost model, [`rackfill_engine::cost::MoeCost`], the code behind every `LayerReport`'s
+//! own cost model, [`rackfill_engine::rack_cost::MoeCost`], the code behind every `LayerReport`'s
 //! simulated makespan: a recorded routing trace simulated here gives the same per-layer MoE
 //! figures the engine reported while recording it. This file adds what surrounds them in a step,
 //! each phase ending when its busiest rank finishes:
@@ -17,7 +17,7 @@
 
 use super::shape::ModelShape;
 use rackfill_balancer::{LoadMatrix, Plan};
-use rackfill_engine::cost::{MoeCost, MoeTerms, ReplicaTraffic};
+use rackfill_engine::rack_cost::{MoeCost, MoeTerms, ReplicaTraffic};
 use rackfill_engine::Rack;
 use serde::Serialize;
 use std::ops::{Add, AddAssign};

@@ -5,10 +5,10 @@
 //! force-balanced ideal, a per-term breakdown like UltraEP Fig. 13, and (with a request trace)
 //! TTFT versus request rate.
 //!
-//! - `rackfill_engine::rack`: hardware figures and the GEMM efficiency curve
+//! - `rackfill_engine::rack_cost::rack`: hardware figures and the GEMM efficiency curve
 //!   (`--rack nvl72|FILE.json`), the same rack the EP runtime costs its layers on;
 //! - [`shape`]: model dimensions (`--model-shape` presets, shape files, HF configs);
-//! - [`cost`]: the cost of each term (the MoE terms are the engine's `rackfill_engine::cost`);
+//! - [`cost`]: the cost of each term (the MoE terms are the engine's `rackfill_engine::rack_cost`);
 //! - [`spec`], [`step`], [`throughput`]: what a simulation is given, how a step is costed for
 //!   every balancer, and the throughput mode;
 //! - [`trace`]: routing (`synthetic-mixed` or a recorded trace) and the ideal's even routing;

@@ -7,7 +7,7 @@
 
 use super::error::SimError;
 use crate::synthetic::MAX_EXPERTS;
-use rackfill_engine::cost::MoeDims;
+use rackfill_engine::rack_cost::MoeDims;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;

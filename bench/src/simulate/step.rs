@@ -1,8 +1,8 @@
 //! Costing steps: every balancer plans every simulated layer on the step's routing (the real
 //! planners, validated), once on the whole step and once per micro-batch of its two-way split,
 //! and each plan is costed phase by phase; the step's time is the makespan of those phases under
-//! every schedule of [`Schedule::ABLATION`] (`rackfill_engine::schedule`), beside the
-//! force-balanced ideal under the same schedule.
+//! every schedule of [`Schedule::ABLATION`] (`rackfill_engine::rack_cost::step_schedule`), beside
+//! the force-balanced ideal under the same schedule.
 
 use super::cost::{Segment, Terms};
 use super::error::SimError;
@@ -11,8 +11,7 @@ use super::trace::{even_load, thin_rows};
 use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::reuse::{moves_replicas_of, prefer_resident};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
-use rackfill_engine::cost::ReplicaTraffic;
-use rackfill_engine::schedule::{makespan, LayerPhases, Schedule, SlotMemory};
+use rackfill_engine::rack_cost::{makespan, LayerPhases, ReplicaTraffic, Schedule, SlotMemory};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::time::Instant;

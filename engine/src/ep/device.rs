@@ -58,7 +58,7 @@ impl EpRuntime {
                     .into(),
             ));
         }
-        if self.config.slot_memory != crate::schedule::SlotMemory::Shared {
+        if self.config.slot_memory != crate::rack_cost::SlotMemory::Shared {
             return Err(EngineError::Config(
                 "per-layer replica slots live on the CPU path only: --slot-memory shared with \
                  --device"

@@ -1,11 +1,12 @@
 //! The fabric contract's types: the [`Fabric`] trait every implementation keeps (see the module
 //! documentation of `fabric`), the all-to-all [`Message`] and the replica stream's
-//! [`ReplicaBuffers`].
+//! [`ReplicaBuffers`], with the schedule check every fabric runs on them.
 
 use std::ops::Range;
 
 use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;
+use rackfill_kernels::{check_schedule, SlotBuffers, TransferPlace};
 
 use crate::error::Result;
 
@@ -34,6 +35,42 @@ pub struct ReplicaBuffers<'a> {
     pub slots: Vec<&'a mut [u8]>,
     pub slot_bytes: usize,
     pub expert_bytes: usize,
+}
+
+impl ReplicaBuffers<'_> {
+    /// Checks `schedule` against `plan` and the slot buffers of the `local` ranks of a group of
+    /// `world` before any chunk moves, with the rules every replica stream follows
+    /// ([`rackfill_kernels::check_schedule`]: every process holding some ranks reaches the same
+    /// verdict on the shared parts), and resolves where every transfer reads and writes in slot
+    /// buffers. The error is one line naming the transfer or buffer at fault.
+    pub(crate) fn check_schedule(
+        &self,
+        plan: &Plan,
+        schedule: &TransferSchedule,
+        local: &Range<usize>,
+        world: usize,
+    ) -> std::result::Result<Vec<TransferPlace>, String> {
+        if plan.ranks() != world {
+            return Err(format!(
+                "replica stream: the plan has {} ranks, the group {world}",
+                plan.ranks()
+            ));
+        }
+        if self.slots.len() != local.len() {
+            return Err(format!(
+                "replica stream: {} slot buffers for local ranks {local:?}",
+                self.slots.len()
+            ));
+        }
+        let lens: Vec<usize> = self.slots.iter().map(|s| s.len()).collect();
+        let buffers = SlotBuffers {
+            expert_bytes: self.expert_bytes,
+            slot_bytes: self.slot_bytes,
+            first_rank: local.start,
+            lens: &lens,
+        };
+        check_schedule(plan, schedule, buffers).map_err(|e| format!("replica stream: {e}"))
+    }
 }
 
 /// Rank-to-rank movement for the local ranks of a group of `world_size()` ranks (see the module

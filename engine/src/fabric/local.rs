@@ -11,7 +11,6 @@ use rackfill_balancer::Plan;
 use rackfill_kernels::distribute_replicas;
 
 use super::contract::{Fabric, Message, ReplicaBuffers};
-use super::schedule::check_schedule;
 use crate::error::{EngineError, Result};
 
 /// The in-process fabric: ranks in host memory, real copies between their buffers. One handle
@@ -182,7 +181,8 @@ impl LocalFabric {
         schedule: &TransferSchedule,
         mut buffers: ReplicaBuffers<'_>,
     ) -> Result<Vec<u64>> {
-        let places = check_schedule(plan, schedule, &buffers, &self.local, self.group.world)
+        let places = buffers
+            .check_schedule(plan, schedule, &self.local, self.group.world)
             .map_err(|why| self.fail(why))?;
         let mut received = vec![0u64; self.local.len()];
         let mut homes: HashMap<u32, Vec<u8>> = HashMap::new();

@@ -38,7 +38,6 @@ mod nccl;
 mod nccl_probe;
 #[cfg(feature = "mpi")]
 mod open;
-mod schedule;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiFabric;

@@ -24,9 +24,9 @@ use ::mpi::traits::Equivalence;
 use ::mpi::Count;
 use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;
+use rackfill_kernels::TransferPlace;
 
 use super::contract::{Fabric, Message, ReplicaBuffers};
-use super::schedule::{check_schedule, Place};
 use crate::error::{EngineError, Result};
 
 /// Tags of replica chunks are schedule indices modulo this: the standard guarantees tags up to
@@ -111,7 +111,7 @@ impl MpiFabric {
                 self.rank
             ));
         }
-        let places = check_schedule(plan, schedule, buffers, &self.local_ranks(), self.world)?;
+        let places = buffers.check_schedule(plan, schedule, &self.local_ranks(), self.world)?;
         let me = self.rank as u32;
         let mut homes: HashMap<u32, Vec<&'a [u8]>> = HashMap::new();
         let mut sends = Vec::with_capacity(places.len());
@@ -154,7 +154,7 @@ impl MpiFabric {
 
 /// A replica stream checked on this rank.
 struct Prepared<'a> {
-    places: Vec<Place>,
+    places: Vec<TransferPlace>,
     /// Per transfer: what this rank sends, `None` where it does not send.
     sends: Vec<Option<Outgoing<'a>>>,
 }

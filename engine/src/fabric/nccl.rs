@@ -21,10 +21,10 @@ use mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use rackfill_balancer::relay::TransferSchedule;
 use rackfill_balancer::Plan;
 use rackfill_kernels::cuda::nccl::{Comm, PeerOp, UniqueId};
+use rackfill_kernels::TransferPlace;
 
 use super::contract::{Fabric, Message, ReplicaBuffers};
 use super::nccl_probe::probe_nccl;
-use super::schedule::{check_schedule, Place};
 use crate::error::{EngineError, Result};
 
 /// One EP rank's NCCL fabric: world rank = EP rank = NCCL rank, one local rank.
@@ -277,7 +277,7 @@ struct ReplicaOps {
 
 fn replica_ops(
     schedule: &TransferSchedule,
-    places: &[Place],
+    places: &[TransferPlace],
     homes: &HashMap<u32, usize>,
     slots_at: usize,
     me: usize,
@@ -451,7 +451,7 @@ impl Fabric for NcclFabric {
             .one("replica stream", std::mem::take(&mut buffers.slots))
             .and_then(|slots| {
                 buffers.slots = vec![slots];
-                check_schedule(plan, schedule, &buffers, &self.local_ranks(), self.world)
+                buffers.check_schedule(plan, schedule, &self.local_ranks(), self.world)
             })
             .and_then(|places| {
                 let (homes, staged) = stage_homes(schedule, buffers.source, expert_bytes, me)?;
@@ -554,7 +554,9 @@ mod tests {
                 slot_bytes: EXPERT_BYTES,
                 expert_bytes: EXPERT_BYTES,
             };
-            let places = check_schedule(&plan, &schedule, &mine, &(me..me + 1), RANKS).unwrap();
+            let places = mine
+                .check_schedule(&plan, &schedule, &(me..me + 1), RANKS)
+                .unwrap();
             let (homes, mut buffer) = stage_homes(&schedule, &source, EXPERT_BYTES, me).unwrap();
             let slots_at = buffer.len();
             buffer.resize(slots_at + slot_len, 0);

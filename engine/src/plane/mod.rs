@@ -28,7 +28,7 @@ use rackfill_models::MoeModel;
 
 use crate::error::{EngineError, Result};
 use crate::fabric::Fabric;
-use crate::schedule::SlotMemory;
+use crate::rack_cost::SlotMemory;
 
 /// Where the MoE layers' data plane (replica streaming, dispatch, expert compute, combine) runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::ops::Range;
 use rackfill_balancer::Plan;
 
 use crate::error::{EngineError, Result};
-use crate::schedule::SlotMemory;
+use crate::rack_cost::SlotMemory;
 
 /// One micro-batch's slot sets for the local ranks.
 pub(crate) struct SlotSets {

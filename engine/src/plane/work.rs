@@ -10,7 +10,7 @@ use rackfill_balancer::{Algo, Plan};
 use rackfill_models::layers::moe::MoeBlock;
 use rackfill_models::Routing;
 
-use crate::schedule::SlotMemory;
+use crate::rack_cost::SlotMemory;
 
 /// Wall time of each phase of one MoE layer.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -7,7 +7,7 @@
 //!   score prompts with `echo` + `logprobs` expect);
 //! - the *sampling* distribution is `softmax(logits' / T)` restricted by top-k, then min-p, then
 //!   top-p, and renormalised, where `logits'` are the logits after the request's penalties and
-//!   `logit_bias` ([`crate::penalties`]).
+//!   `logit_bias` ([`penalties`]).
 //!
 //! Every function here takes untrusted numbers (logits straight out of a forward pass, parameters
 //! straight out of a request) and reports problems as [`SamplingError`] rather than panicking.
@@ -17,9 +17,10 @@ use std::cmp::Ordering;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::penalties::LogitAdjuster;
+use penalties::LogitAdjuster;
 
 mod params;
+pub mod penalties;
 
 pub use params::{
     SamplingError, SamplingParams, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS,

@@ -17,7 +17,7 @@ pub const MAX_PENALTY: f32 = 2.0;
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Smallest and largest `repetition_penalty`: bounded away from 0 so that `l / r` stays finite
-/// ([`crate::penalties`]).
+/// ([`super::penalties`]).
 pub const REPETITION_PENALTY_RANGE: (f32, f32) = (0.01, 100.0);
 
 /// Most stop strings one request may carry (OpenAI's limit). Each string costs a scan of the

@@ -1,6 +1,6 @@
 //! Executes validated copies: concurrently, one worker per sending rank, or sequentially.
 
-use super::validate::{ChunkCopy, Copies, CopySource};
+use super::copies::{ChunkCopy, Copies, CopySource};
 use crate::KernelError;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};

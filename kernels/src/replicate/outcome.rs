@@ -30,7 +30,10 @@ pub enum TransferFault {
         src: u32,
         expected: Option<u32>,
     },
-    #[error("rank {src} does not receive exactly these bytes of chunk {chunk} in an earlier copy")]
+    #[error(
+        "rank {src} forwards bytes of chunk {chunk} it has not received: no earlier copy \
+         delivers exactly these bytes to it"
+    )]
     NotRelayed { src: u32, chunk: u32 },
     #[error("chunk {chunk} is delivered to rank {dst} more than once")]
     Duplicate { dst: u32, chunk: u32 },

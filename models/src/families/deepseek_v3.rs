@@ -13,9 +13,8 @@ use crate::layers::attention::{causal_attention, check_chunks, Attention, SeqChu
 use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::rope::{yarn_mscale, Rope};
 use crate::layers::{Linear, MlpNames, RmsNorm};
-use crate::model::FamilyLoader;
 
-use super::qwen3_moe;
+use super::shared::{dense_mlp, FamilyLoader};
 
 /// Epsilon of the q and kv latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): transformers
 /// (like DeepSeek's own code) builds them with the norm's default, not `rms_norm_eps`.
@@ -24,7 +23,7 @@ const LATENT_NORM_EPS: f64 = 1e-6;
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention,
     moe,
-    dense: qwen3_moe::dense,
+    dense: dense_mlp,
 };
 
 /// The query path: a direct projection, or DeepSeek's low-rank `q_a -> norm -> q_b`.

@@ -10,12 +10,11 @@ use crate::layers::experts::load_experts;
 use crate::layers::moe::MoeBlock;
 use crate::layers::router::Router;
 use crate::layers::{Mlp, MlpNames};
-use crate::model::FamilyLoader;
 
-use super::qwen3_moe;
+use super::shared::{gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
-    attention: qwen3_moe::attention,
+    attention: gqa_attention,
     moe,
     dense,
 };

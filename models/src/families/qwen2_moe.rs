@@ -7,14 +7,13 @@ use crate::error::Result;
 use crate::expert_selection::ExpertSelection;
 use crate::layers::moe::{MoeBlock, MoeNames};
 use crate::layers::MlpNames;
-use crate::model::FamilyLoader;
 
-use super::qwen3_moe;
+use super::shared::{dense_mlp, gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
-    attention: qwen3_moe::attention,
+    attention: gqa_attention,
     moe,
-    dense: qwen3_moe::dense,
+    dense: dense_mlp,
 };
 
 /// `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`.

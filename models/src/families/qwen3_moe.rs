@@ -6,23 +6,18 @@ use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::expert_selection::ExpertSelection;
-use crate::layers::attention::{Attention, GqaAttention};
 use crate::layers::experts::load_experts;
 use crate::layers::moe::MoeBlock;
 use crate::layers::router::Router;
-use crate::layers::{Mlp, MlpNames};
-use crate::model::FamilyLoader;
+use crate::layers::MlpNames;
+
+use super::shared::{dense_mlp, gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
-    attention,
+    attention: gqa_attention,
     moe,
-    dense,
+    dense: dense_mlp,
 };
-
-/// `self_attn.*` (q/k norm presence comes from the config).
-pub(crate) fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
-    Ok(Box::new(GqaAttention::load(&w.pp("self_attn"), config)?))
-}
 
 /// `mlp.gate` and the selected `mlp.experts.*`.
 fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
@@ -30,14 +25,4 @@ fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result
     let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
     let experts = load_experts(&w.pp("experts"), config, MlpNames::HF, selection)?;
     Ok(MoeBlock::new(router, experts, None))
-}
-
-/// `mlp.{gate,up,down}_proj` of width `intermediate_size`.
-pub(crate) fn dense(w: &Weights, config: &ModelConfig) -> Result<Mlp> {
-    Mlp::load(
-        &w.pp("mlp"),
-        config.hidden_size,
-        config.intermediate_size,
-        MlpNames::HF,
-    )
 }

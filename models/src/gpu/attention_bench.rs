@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, ExecutorExt, Gemm, KernelArg, Launch, MatrixRef, WeightLayout,
 };
-use rackfill_kernels::paged::{AttentionShape, BlockPool, BlockTable, StepArrays};
+use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable, StepArrays};
 use serde::Serialize;
 
 use super::model::BLOCK_TOKENS;

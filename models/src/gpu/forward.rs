@@ -8,7 +8,7 @@ use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, WeightLayout,
 };
 
-use rackfill_kernels::paged::{BlockTable, StepArrays};
+use rackfill_kernels::kv_blocks::{BlockTable, StepArrays};
 
 use super::attention::{gqa, linear, mla, Step};
 use super::ops::{AttentionStep, Ops};

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
-use rackfill_kernels::paged::{AttentionShape, BlockPool, BlockTable};
+use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable};
 
 use super::weights::{Experts, GpuAttention, GpuWeights};
 use crate::config::ModelConfig;

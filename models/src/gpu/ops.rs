@@ -7,7 +7,7 @@ use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg as A, Launch, MatrixRef, WeightLayout,
 };
 use rackfill_kernels::cuda::CudaError;
-use rackfill_kernels::paged::{AttentionShape, StepArrays, ATTENTION_THREADS};
+use rackfill_kernels::kv_blocks::{AttentionShape, StepArrays, ATTENTION_THREADS};
 
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;

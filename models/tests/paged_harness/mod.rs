@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use rackfill_kernels::cuda::exec::{
     round_bf16, DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch,
 };
-use rackfill_kernels::paged::{
+use rackfill_kernels::kv_blocks::{
     AttentionShape, BlockPool, BlockTable, PagedError, StepArrays, ATTENTION_THREADS,
 };
 use rackfill_models::layers::attention::causal_attention;

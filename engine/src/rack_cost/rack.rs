@@ -1,6 +1,6 @@
 //! The rack a layer is costed on: GPUs, scale-up fabric and per-GPU compute, plus the efficiency
 //! curves that turn peak figures into achieved ones. The one description of the hardware that
-//! both the EP runtime's per-layer simulated makespan ([`crate::cost`]) and `rackfill simulate`
+//! both the EP runtime's per-layer simulated makespan ([`super::moe_layer`]) and `rackfill simulate`
 //! cost with, so their figures compare.
 //!
 //! Built-in: [`Rack::nvl72`], the GB200-class figures of UltraEP's Table 2 on a 72-GPU NVLink

@@ -2,7 +2,7 @@
 //! `presence_penalty` and `frequency_penalty` (over the tokens generated so far), and the
 //! `repetition_penalty` of transformers and vLLM (over the prompt and the generated tokens).
 //!
-//! They change which token is drawn, never the reported logprobs (see [`crate::sampling`]).
+//! They change which token is drawn, never the reported logprobs (see [`super`]).
 //! Their ranges are checked with the other sampling parameters ([`SamplingParams::validate`]).
 //! In order, for a token `t` with logit `l`:
 //! 1. repetition, if `t` is in the prompt or was generated: `l / r` when `l > 0`, else `l * r`;
@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use crate::sampling::SamplingParams;
+use super::params::SamplingParams;
 
 /// One sequence's adjustments, with the counts they depend on.
 #[derive(Debug, Clone)]

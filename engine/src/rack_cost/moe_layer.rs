@@ -25,7 +25,7 @@ use rackfill_balancer::reuse::replica_stream;
 use rackfill_balancer::{Layout, LoadMatrix, Plan};
 use serde::Serialize;
 
-use crate::rack::Rack;
+use super::rack::Rack;
 
 /// Bytes of one weight or activation value on the rack (BF16).
 pub const BYTES_PER_ELEMENT: u64 = 2;
