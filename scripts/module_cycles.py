@@ -165,8 +165,11 @@ def module_edges(sources):
             if target:
                 bindings[name] = target
         paths = [path for path, _ in uses]
-        paths += re.findall(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", text)
-        paths += re.findall(r"(?<![:\w])(" + IDENT + r"(?:::" + IDENT + r")+)", text)
+        # Inline paths outside `use` items: those are expanded above, and the prefix of a
+        # grouped `use a::b::{c, d};` (`a::b`) names nothing by itself.
+        body = re.sub(r"\buse\s+[^;]+;", "", text)
+        paths += re.findall(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", body)
+        paths += re.findall(r"(?<![:\w])(" + IDENT + r"(?:::" + IDENT + r")+)", body)
         for path in paths:
             segs = [s for s in path.split("::") if s and s != "*"]
             target = absolute(mod, segs)

@@ -10,11 +10,11 @@ extern "C" __global__ void copy_rows_f32(const float* __restrict__ x, u32 x_stri
         out[(u64)r * out_stride + c] = x[(u64)r * x_stride + c];
 }
 
-// out[i, :] = x[rows[i], :] for i < n; x is [*, dim] f32. Grid: n blocks.
+// out[i, :] = x[rows[i], :] for i < n; x is [*, dim] f32. Grid-stride over rows (any grid).
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, u32 dim, const u32* __restrict__ rows,
                                            u32 n, float* __restrict__ out) {
-    const u32 i = blockIdx.x;
-    if (i >= n) return;
-    const float* src = x + (u64)rows[i] * dim;
-    for (u32 c = threadIdx.x; c < dim; c += blockDim.x) out[(u64)i * dim + c] = src[c];
+    for (u32 i = blockIdx.x; i < n; i += gridDim.x) {
+        const float* src = x + (u64)rows[i] * dim;
+        for (u32 c = threadIdx.x; c < dim; c += blockDim.x) out[(u64)i * dim + c] = src[c];
+    }
 }

@@ -5,14 +5,13 @@
 //                                                its expert (token order, then top-k order)
 //                 lookup_instance             -> instance by cumulative quota, destination rank
 //                 stable_rank_by_key(dest)    -> row of the pair in its destination's buffer
-//                 scatter_rows                -> the all-to-all send buffer, one segment per rank
-//   destination:  instance_keys + stable_rank_by_key + scatter_rows
+//                 scatter_rows_bf16           -> the all-to-all send buffer, one segment per rank
+//   destination:  instance_keys + stable_rank_by_key + scatter_rows_bf16
 //                                             -> one block per (expert, instance): group_by_instance
-//                 gather_rows                 -> outputs back in each sender's order
-//   source rank:  combine_topk                -> sum of router weight x output in top-k order
+//                 gather_rows_f32 (glue.cu)   -> outputs back in each sender's order
+//   source rank:  combine_topk_rows (model.cu) -> sum of router weight x output in top-k order
 //
-// Everything is integer bookkeeping plus copies, except the combine, which uses explicitly
-// rounded multiplies and adds (never fused) so that it is bitwise equal to the CPU combine.
+// Everything here is integer bookkeeping plus copies: rows move bit for bit.
 
 // Stable counting: out_pos[i] = number of j < i with keys[j] == keys[i]; out_offsets = exclusive
 // prefix of the per-key counts (n_keys + 1 entries). Keys >= n_keys are counted in *out_bad and
@@ -164,16 +163,6 @@ __device__ void scatter_rows_of(const T* __restrict__ in_rows, u32 n, u32 hidden
     }
 }
 
-extern "C" __global__ void scatter_rows(const float* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
-                                        const u32* __restrict__ key, const u32* __restrict__ pos,
-                                        const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
-                                        const u32* __restrict__ meta_b, float* __restrict__ out_rows,
-                                        u32* __restrict__ out_index, u32* __restrict__ out_meta_a,
-                                        u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
-    scatter_rows_of(in_rows, n, hidden, row_div, key, pos, offsets, meta_a, meta_b, out_rows, out_index,
-                    out_meta_a, out_meta_b, out_row_of);
-}
-
 extern "C" __global__ void scatter_rows_bf16(const bf16* __restrict__ in_rows, u32 n, u32 hidden, u32 row_div,
                                              const u32* __restrict__ key, const u32* __restrict__ pos,
                                              const u32* __restrict__ offsets, const u32* __restrict__ meta_a,
@@ -182,33 +171,4 @@ extern "C" __global__ void scatter_rows_bf16(const bf16* __restrict__ in_rows, u
                                              u32* __restrict__ out_meta_b, u32* __restrict__ out_row_of) {
     scatter_rows_of(in_rows, n, hidden, row_div, key, pos, offsets, meta_a, meta_b, out_rows, out_index,
                     out_meta_a, out_meta_b, out_row_of);
-}
-
-// out[i] = src[index[i]], row by row.
-extern "C" __global__ void gather_rows(const float* __restrict__ src, const u32* __restrict__ index, u32 n,
-                                       u32 hidden, float* __restrict__ out) {
-    for (u32 i = blockIdx.x; i < n; i += gridDim.x) {
-        const float* from = src + (u64)index[i] * hidden;
-        float* to = out + (u64)i * hidden;
-        for (u32 h = threadIdx.x; h < hidden; h += blockDim.x) to[h] = from[h];
-    }
-}
-
-// permute.rs scatter_pairs + combine: out[t] = sum over k = 0..top_k, in order, of
-// weights[p] * rows[row_of_pair[p]] with p = t * top_k + k, accumulated from zero with separately
-// rounded multiply and add, exactly like the CPU loop (NVRTC would otherwise fuse them).
-extern "C" __global__ void combine_topk(const float* __restrict__ rows, const u32* __restrict__ row_of_pair,
-                                        const float* __restrict__ weights, u32 tokens, u32 top_k, u32 hidden,
-                                        float* __restrict__ out) {
-    for (u32 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        for (u32 h = threadIdx.x; h < hidden; h += blockDim.x) {
-            float acc = 0.0f;
-            for (u32 k = 0; k < top_k; ++k) {
-                const u64 p = (u64)t * top_k + k;
-                const float y = rows[(u64)row_of_pair[p] * hidden + h];
-                acc = __fadd_rn(acc, __fmul_rn(weights[p], y));
-            }
-            out[(u64)t * hidden + h] = acc;
-        }
-    }
 }

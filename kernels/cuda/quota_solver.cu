@@ -512,7 +512,12 @@ quota_solve(const SolverParams params, const u64* __restrict__ load, const u32* 
         const u64 bound = max_u64(avg, bound_terms);
         ctl.lower_bound = bound;
         ctl.hi = hi0;
+#ifdef RACKFILL_HOST_EMULATOR
+        // The emulator can switch packed keys off, to run both pick paths on one layer.
+        ctl.key_shift = g_emu_packed_keys ? packed_key_shift(R, hi0) : NONE_U32;
+#else
         ctl.key_shift = packed_key_shift(R, hi0);
+#endif
         ctl.lo = max_u64(bound, avg);
         ctl.step = max_u64(ctl.lo / 1024ull, 1ull);
         ctl.galloping = 1;

@@ -4,15 +4,16 @@
 //! and relay versus direct fan-out. Times come from CUDA events around the kernels
 //! alone (inputs already on the device); medians over the repetitions.
 
+use super::exec::{DeviceBuffer, Executor, Stream};
 use super::replicate::{DeviceTileStream, RankBuffers};
-use super::solver::GpuQuotaSolver;
+use super::solver::DeviceQuotaSolver;
 use super::tile_plan::{TileGeometry, TilePlanner};
 use super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
-use super::{CudaError, Gpu};
-use cudarc::driver::sys::CUevent_flags;
+use super::CudaError;
 use rackfill_balancer::quota::{QuotaPlanner, TargetRule};
 use rackfill_balancer::relay::{plan_transfers, RelayConfig};
 use rackfill_balancer::{Balancer, Layout, LoadMatrix, Plan};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Solver latency for one shape.
@@ -109,22 +110,19 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// Times `f` (which enqueues work on the GPU's stream) with CUDA events, median of `reps`.
+/// Times `f` (which queues work on the main stream) with events, median of `reps`.
 fn time_us(
-    gpu: &Gpu,
+    exec: &dyn Executor,
     reps: usize,
     mut f: impl FnMut() -> Result<(), CudaError>,
 ) -> Result<f64, CudaError> {
-    let ctx = gpu.context();
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     f()?; // warm-up
     let mut samples = Vec::with_capacity(reps);
     for _ in 0..reps {
-        start.record(gpu.stream())?;
+        let start = exec.record(Stream::MAIN)?;
         f()?;
-        end.record(gpu.stream())?;
-        samples.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
+        let end = exec.record(Stream::MAIN)?;
+        samples.push(exec.elapsed(&start, &end)?.as_secs_f64() * 1e6);
     }
     Ok(median(samples))
 }
@@ -132,14 +130,14 @@ fn time_us(
 /// Solver latency on 16 skewed inputs of shape `R x E`, `n_slot` slots, and plan identity
 /// with the CPU planner.
 pub fn solver_latency(
-    gpu: &Gpu,
+    exec: &Arc<dyn Executor>,
     ranks: usize,
     experts: usize,
     n_slot: usize,
     reps: usize,
 ) -> Result<SolverBench, CudaError> {
     let layout = Layout::contiguous(ranks, experts, n_slot)?;
-    let mut solver = GpuQuotaSolver::new(gpu, &layout, 1, TargetRule::BestFit)?;
+    let mut solver = DeviceQuotaSolver::new(Arc::clone(exec), &layout, 1, TargetRule::BestFit)?;
     let mut cpu = QuotaPlanner::new(1);
     let inputs = 16;
     let (mut gpu_us, mut cpu_us, mut identical) = (Vec::new(), Vec::new(), 0);
@@ -148,7 +146,9 @@ pub fn solver_latency(
         let (gpu_plan, _) = solver.plan(&load)?;
         let cpu_plan = cpu.plan(&layout, &load)?;
         identical += usize::from(gpu_plan == cpu_plan);
-        gpu_us.push(time_us(gpu, reps, || solver.launch())?);
+        gpu_us.push(time_us(exec.as_ref(), reps, || {
+            solver.solve_on(Stream::MAIN, &load)
+        })?);
         let mut samples = Vec::with_capacity(reps);
         for _ in 0..reps {
             let t = Instant::now();
@@ -172,7 +172,7 @@ pub fn solver_latency(
 /// Relay planning for a skewed layer of shape `R x E`, `n_slot` slots, `expert_bytes` experts:
 /// the device planner over the solver's plan against the host path over the same plan.
 pub fn tile_planning_latency(
-    gpu: &Gpu,
+    exec: &Arc<dyn Executor>,
     ranks: usize,
     experts: usize,
     n_slot: usize,
@@ -181,7 +181,7 @@ pub fn tile_planning_latency(
 ) -> Result<TilePlanBench, CudaError> {
     let layout = Layout::contiguous(ranks, experts, n_slot)?;
     let load = skewed_load(ranks, experts, 7);
-    let mut solver = GpuQuotaSolver::new(gpu, &layout, 1, TargetRule::BestFit)?;
+    let mut solver = DeviceQuotaSolver::new(Arc::clone(exec), &layout, 1, TargetRule::BestFit)?;
     let (plan, _) = solver.plan(&load)?;
     let (home_offsets, _) = packed_homes(&layout, expert_bytes);
     let geometry = TileGeometry {
@@ -190,10 +190,14 @@ pub fn tile_planning_latency(
         tile_bytes: DEFAULT_TILE_BYTES,
         relay: RelayConfig::default(),
     };
-    let mut planner =
-        TilePlanner::new(gpu, &layout, &geometry, std::slice::from_ref(&home_offsets))?;
-    let gpu_median_us = time_us(gpu, reps, || {
-        planner.plan(gpu, solver.device_plan(), Some(solver.status()), 0)
+    let planner = TilePlanner::new(
+        Arc::clone(exec),
+        &layout,
+        &geometry,
+        std::slice::from_ref(&home_offsets),
+    )?;
+    let gpu_median_us = time_us(exec.as_ref(), reps, || {
+        planner.plan(Stream::MAIN, solver.device_plan(), Some(solver.status()), 0)
     })?;
     let buffers = BufferLayout {
         expert_bytes,
@@ -209,7 +213,7 @@ pub fn tile_planning_latency(
         host.push(started.elapsed().as_secs_f64() * 1e6);
         want = Some(stream);
     }
-    let got = planner.download(gpu)?;
+    let got = planner.download(Stream::MAIN)?;
     Ok(TilePlanBench {
         gpu_median_us,
         host_median_us: median(host),
@@ -239,7 +243,7 @@ struct Distribution {
 }
 
 fn distribution(
-    gpu: &Gpu,
+    exec: &dyn Executor,
     layout: &Layout,
     plan: &Plan,
     expert_bytes: u64,
@@ -254,28 +258,32 @@ fn distribution(
     };
     let tasks = tiles::compile(plan, &schedule, &buffers_layout, DEFAULT_TILE_BYTES)?;
     let slot_buffer = layout.slots_per_rank() * expert_bytes as usize;
-    let buffers = RankBuffers::zeroed(gpu, &home_bytes, slot_buffer, &tasks.flags_per_rank)?;
+    let homes = home_bytes
+        .iter()
+        .map(|&n| exec.alloc_zeroed(n))
+        .collect::<Result<Arc<[DeviceBuffer]>, _>>()?;
+    let buffers = RankBuffers::new(exec, homes, (slot_buffer, 1), &tasks.flags_per_rank)?;
     Ok(Distribution {
-        stream: DeviceTileStream::upload(gpu, &tasks, layout.ranks())?,
+        stream: DeviceTileStream::upload(exec, Stream::MAIN, &tasks, layout.ranks())?,
         stored_bytes: tasks.stored_bytes,
         buffers,
     })
 }
 
-fn time_distribution(gpu: &Gpu, d: &mut Distribution, reps: usize) -> Result<f64, CudaError> {
-    let blocks = gpu.info().multiprocessors * 2;
-    let us = time_us(gpu, reps, || {
-        d.buffers.reset_flags(gpu)?;
-        d.stream.launch(gpu, &d.buffers, blocks, 512)
+fn time_distribution(exec: &dyn Executor, d: &Distribution, reps: usize) -> Result<f64, CudaError> {
+    let blocks = exec.multiprocessors() * 2;
+    let us = time_us(exec, reps, || {
+        d.stream
+            .launch(exec, Stream::MAIN, (&d.buffers, 0), (blocks, 512), None)
     })?;
-    d.stream.finish(gpu)?;
+    d.stream.finish(exec, Stream::MAIN)?;
     Ok(us)
 }
 
 /// Distribution of a skewed layer's replicas, `expert_bytes` per expert, and a device-to-device
 /// copy of the same number of bytes.
 pub fn distribution_bandwidth(
-    gpu: &Gpu,
+    exec: &dyn Executor,
     ranks: usize,
     experts: usize,
     n_slot: usize,
@@ -284,13 +292,12 @@ pub fn distribution_bandwidth(
 ) -> Result<DistributionBench, CudaError> {
     let layout = Layout::contiguous(ranks, experts, n_slot)?;
     let plan = QuotaPlanner::new(1).plan(&layout, &skewed_load(ranks, experts, 7))?;
-    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &RelayConfig::default())?;
-    let kernel_us = time_distribution(gpu, &mut d, reps)?;
-    let s = gpu.stream();
+    let d = distribution(exec, &layout, &plan, expert_bytes, &RelayConfig::default())?;
+    let kernel_us = time_distribution(exec, &d, reps)?;
     let bytes = d.stored_bytes.max(1) as usize;
-    let src = s.alloc_zeros::<u8>(bytes)?;
-    let mut dst = s.alloc_zeros::<u8>(bytes)?;
-    let copy_us = time_us(gpu, reps, || Ok(s.memcpy_dtod(&src, &mut dst)?))?;
+    let src = exec.alloc_zeroed(bytes)?;
+    let dst = exec.alloc_zeroed(bytes)?;
+    let copy_us = time_us(exec, reps, || exec.copy(&src, 0, &dst, 0, bytes))?;
     Ok(DistributionBench {
         stored_bytes: d.stored_bytes,
         kernel_us,
@@ -301,7 +308,7 @@ pub fn distribution_bandwidth(
 /// One expert replicated on `fanout` ranks (each rank one slot), sent directly from its home and
 /// through the default relay tree.
 pub fn relay_vs_direct(
-    gpu: &Gpu,
+    exec: &dyn Executor,
     fanout: usize,
     expert_bytes: u64,
     reps: usize,
@@ -323,10 +330,10 @@ pub fn relay_vs_direct(
         .trees
         .first()
         .map_or(0, |t| t.relays.len());
-    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &direct)?;
-    let direct_us = time_distribution(gpu, &mut d, reps)?;
-    let mut d = distribution(gpu, &layout, &plan, expert_bytes, &relay)?;
-    let relay_us = time_distribution(gpu, &mut d, reps)?;
+    let d = distribution(exec, &layout, &plan, expert_bytes, &direct)?;
+    let direct_us = time_distribution(exec, &d, reps)?;
+    let d = distribution(exec, &layout, &plan, expert_bytes, &relay)?;
+    let relay_us = time_distribution(exec, &d, reps)?;
     Ok(RelayBench {
         direct_us,
         relay_us,

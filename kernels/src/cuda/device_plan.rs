@@ -2,84 +2,96 @@
 //! ([`DevicePlan`]): what the quota solver writes and the relay planner and token permute read,
 //! so the solver, the permute and the tile planner depend on this file and not on each other.
 
-use super::{to_u32, CudaError, Gpu};
-use cudarc::driver::{CudaSlice, CudaStream};
+use super::exec::{DeviceBuffer, Executor, ExecutorExt, Stream};
+use super::{to_u32, CudaError};
 use rackfill_balancer::{Instance, Layout, LoadMatrix, Plan, PlanParts, PlanViolation};
-use std::sync::Arc;
 
 /// A plan in device memory, in the flat layout of [`PlanArrays`].
 pub struct DevicePlan {
     ranks: usize,
     experts: usize,
     slots_per_rank: usize,
-    pub(crate) slots: CudaSlice<i32>,
-    pub(crate) inst_offsets: CudaSlice<u32>,
-    pub(crate) inst_rank: CudaSlice<u32>,
-    pub(crate) inst_quota: CudaSlice<u64>,
-    pub(crate) split_offsets: CudaSlice<u32>,
-    pub(crate) cumulative: CudaSlice<u64>,
+    /// i32 `[R * n_slot]`.
+    pub(crate) slots: DeviceBuffer,
+    /// u32 `[E + 1]`.
+    pub(crate) inst_offsets: DeviceBuffer,
+    /// u32 `[instances]`.
+    pub(crate) inst_rank: DeviceBuffer,
+    /// u64 `[instances]`.
+    pub(crate) inst_quota: DeviceBuffer,
+    /// u32 `[E + 1]`.
+    pub(crate) split_offsets: DeviceBuffer,
+    /// u64 `[cells]`.
+    pub(crate) cumulative: DeviceBuffer,
 }
 
 impl DevicePlan {
-    /// Buffers for any plan of `layout` whose split fits `cumulative_capacity` entries.
+    /// Buffers for any plan of `layout` whose split fits `cumulative_capacity` entries,
+    /// allocated in `stream`'s order.
     pub(crate) fn alloc(
-        gpu: &Gpu,
+        exec: &dyn Executor,
+        stream: Stream,
         layout: &Layout,
         cumulative_capacity: usize,
     ) -> Result<Self, CudaError> {
-        let s = gpu.stream();
         let (r, e) = (layout.ranks(), layout.experts());
         let instances = e + r * layout.slots_per_rank();
+        let alloc = |bytes: usize| exec.alloc_zeroed_on(stream, bytes);
         Ok(Self {
             ranks: r,
             experts: e,
             slots_per_rank: layout.slots_per_rank(),
-            slots: s.alloc_zeros((r * layout.slots_per_rank()).max(1))?,
-            inst_offsets: s.alloc_zeros(e + 1)?,
-            inst_rank: s.alloc_zeros(instances.max(1))?,
-            inst_quota: s.alloc_zeros(instances.max(1))?,
-            split_offsets: s.alloc_zeros(e + 1)?,
-            cumulative: s.alloc_zeros(cumulative_capacity.max(1))?,
+            slots: alloc(4 * r * layout.slots_per_rank())?,
+            inst_offsets: alloc(4 * (e + 1))?,
+            inst_rank: alloc(4 * instances)?,
+            inst_quota: alloc(8 * instances)?,
+            split_offsets: alloc(4 * (e + 1))?,
+            cumulative: alloc(8 * cumulative_capacity)?,
         })
     }
 
-    /// Uploads a host plan (from any balancer).
-    pub fn upload(gpu: &Gpu, plan: &Plan) -> Result<Self, CudaError> {
+    /// Uploads a host plan (from any balancer) in `stream`'s order.
+    pub fn upload(exec: &dyn Executor, stream: Stream, plan: &Plan) -> Result<Self, CudaError> {
         let a = PlanArrays::from_plan(plan)?;
-        let s = gpu.stream();
-        let nonempty = |v: &[u64]| if v.is_empty() { vec![0] } else { v.to_vec() };
+        let up = |bytes: Vec<u8>| exec.upload_on(stream, &bytes);
         Ok(Self {
             ranks: plan.ranks(),
             experts: plan.experts(),
             slots_per_rank: plan.slots_per_rank(),
-            slots: s.clone_htod(&if a.slots.is_empty() {
-                vec![-1]
-            } else {
-                a.slots
-            })?,
-            inst_offsets: s.clone_htod(&a.inst_offsets)?,
-            inst_rank: s.clone_htod(&a.inst_rank)?,
-            inst_quota: s.clone_htod(&nonempty(&a.inst_quota))?,
-            split_offsets: s.clone_htod(&a.split_offsets)?,
-            cumulative: s.clone_htod(&nonempty(&a.cumulative))?,
+            slots: up(a.slots.iter().flat_map(|v| v.to_le_bytes()).collect())?,
+            inst_offsets: up(le_u32(&a.inst_offsets))?,
+            inst_rank: up(le_u32(&a.inst_rank))?,
+            inst_quota: up(le_u64(&a.inst_quota))?,
+            split_offsets: up(le_u32(&a.split_offsets))?,
+            cumulative: up(le_u64(&a.cumulative))?,
         })
     }
 
-    /// Downloads the arrays (sized by the plan's own offsets) on `s`.
-    pub fn download(&self, s: &Arc<CudaStream>) -> Result<PlanArrays, CudaError> {
-        let inst_offsets = s.clone_dtoh(&self.inst_offsets)?;
-        let split_offsets = s.clone_dtoh(&self.split_offsets)?;
+    /// Downloads the arrays (sized by the plan's own offsets) after the work `stream` queued.
+    pub fn download(&self, exec: &dyn Executor, stream: Stream) -> Result<PlanArrays, CudaError> {
+        let inst_offsets = exec.download_u32_on(stream, &self.inst_offsets)?;
+        let split_offsets = exec.download_u32_on(stream, &self.split_offsets)?;
         let instances = inst_offsets[self.experts] as usize;
         let cells = split_offsets[self.experts] as usize;
-        if instances > self.inst_rank.len() || cells > self.cumulative.len() {
-            return Err(rackfill_balancer::PlanViolation::Shape.into());
+        if instances * 8 > self.inst_quota.bytes() || cells * 8 > self.cumulative.bytes() {
+            return Err(PlanViolation::Shape.into());
         }
-        let slots = s.clone_dtoh(&self.slots)?;
+        let words = |buffer: &DeviceBuffer, n: usize, width: usize| {
+            let mut bytes = vec![0u8; n * width];
+            exec.read_on(stream, buffer, 0, &mut bytes).map(|()| bytes)
+        };
+        let slots = words(&self.slots, self.ranks * self.slots_per_rank, 4)?;
+        let inst_rank = words(&self.inst_rank, instances, 4)?;
+        let inst_quota = words(&self.inst_quota, instances, 8)?;
+        let cumulative = words(&self.cumulative, cells, 8)?;
         Ok(PlanArrays {
-            slots: slots[..self.ranks * self.slots_per_rank].to_vec(),
-            inst_rank: s.clone_dtoh(&self.inst_rank.slice(..instances))?,
-            inst_quota: s.clone_dtoh(&self.inst_quota.slice(..instances))?,
-            cumulative: s.clone_dtoh(&self.cumulative.slice(..cells))?,
+            slots: slots
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect(),
+            inst_rank: from_le_u32(&inst_rank),
+            inst_quota: from_le_u64(&inst_quota),
+            cumulative: from_le_u64(&cumulative),
             inst_offsets,
             split_offsets,
         })
@@ -94,6 +106,28 @@ impl DevicePlan {
     pub fn experts(&self) -> usize {
         self.experts
     }
+}
+
+fn le_u32(values: &[u32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn le_u64(values: &[u64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn from_le_u32(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect()
+}
+
+fn from_le_u64(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect()
 }
 
 /// [`PlanArrays::inst_offsets`] of `plan` alone: expert `e`'s instances are

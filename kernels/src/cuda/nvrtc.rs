@@ -82,19 +82,8 @@ pub const PERMUTE: KernelSource = KernelSource {
         "stable_rank_by_key",
         "lookup_instance",
         "instance_keys",
-        "scatter_rows",
         "scatter_rows_bf16",
-        "gather_rows",
-        "combine_topk",
     ],
-};
-
-/// The gated activation between an expert's two grouped GEMMs.
-pub const EXPERTS: KernelSource = KernelSource {
-    name: "experts",
-    file: "experts.cu",
-    source: include_str!("../../cuda/experts.cu"),
-    entry_points: &["silu_mul"],
 };
 
 /// The dense parts of a decoder layer (whole-model path): embedding, norms, RoPE, adds,
@@ -137,17 +126,12 @@ pub const GLUE: KernelSource = KernelSource {
     entry_points: &["copy_rows_f32", "gather_rows_f32"],
 };
 
-/// The sources of the whole-model path, its EP data plane included (permute and replica
-/// streaming): what the host emulator compiles for [`super::exec::Emulator`].
-pub const WHOLE_MODEL_SOURCES: [KernelSource; 5] = [MODEL, ATTENTION, GLUE, PERMUTE, REPLICATE];
-
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 8] = [
+pub const SOURCES: [KernelSource; 7] = [
     QUOTA_SOLVER,
     REPLICATE,
     TILE_PLAN,
     PERMUTE,
-    EXPERTS,
     MODEL,
     ATTENTION,
     GLUE,

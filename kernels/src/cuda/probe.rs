@@ -105,10 +105,10 @@ fn query(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
 /// The CUDA major version of cudarc's driver bindings (feature `cuda-13000`).
 const BINDINGS_MAJOR: i32 = 13;
 
-/// An opened device: its context, a stream, and every kernel compiled for its architecture.
-/// Cloning is cheap (shared handles): the solver, GEMM and data plane each keep one.
+/// An opened device: its context, a stream, and every kernel compiled for its architecture:
+/// what [`super::exec::GpuExecutor`] runs on (nothing else holds one).
 #[derive(Debug, Clone)]
-pub struct Gpu {
+pub(crate) struct Gpu {
     info: DeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -129,7 +129,7 @@ struct Kernel {
 impl Gpu {
     /// Opens device `ordinal`, compiles every kernel source for its exact architecture with
     /// NVRTC (to CUBIN) and loads them.
-    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+    pub(crate) fn open(ordinal: usize) -> Result<Self, CudaError> {
         let info = probe_device(ordinal)?;
         let (major, minor) = nvrtc::nvrtc_version().map_err(nvrtc::CompileFailure::from)?;
         // Kernels load as CUBINs, which any driver of NVRTC's major version runs (minor
@@ -166,56 +166,18 @@ impl Gpu {
     }
 
     /// What the probe found.
-    pub fn info(&self) -> &DeviceInfo {
+    pub(crate) fn info(&self) -> &DeviceInfo {
         &self.info
     }
 
     /// The context (for allocating buffers the kernels read and write).
-    pub fn context(&self) -> &Arc<CudaContext> {
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
     /// The stream every launcher of this module enqueues on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
-    }
-
-    /// The same device and kernels enqueuing on a new stream forked from this one's: work that
-    /// runs beside this stream's, ordered against it only by the events its caller records.
-    pub fn fork(&self) -> Result<Self, CudaError> {
-        Ok(Self {
-            stream: self.stream.fork()?,
-            ..self.clone()
-        })
-    }
-
-    /// A loaded kernel entry point.
-    pub(crate) fn function(&self, name: &'static str) -> &CudaFunction {
-        &self.kernel(name).function
-    }
-
-    /// The most dynamic shared memory one block of kernel `name` may take, in bytes.
-    pub(crate) fn dynamic_shared_limit(&self, name: &'static str) -> usize {
-        self.kernel(name).dynamic_shared_limit
-    }
-
-    /// Fails with [`CudaError::SharedMemory`] unless a launch of kernel `name` may take `bytes`
-    /// of dynamic shared memory (a launch asking for more fails with a bare driver error).
-    pub(crate) fn check_dynamic_shared(
-        &self,
-        name: &'static str,
-        bytes: usize,
-    ) -> Result<(), CudaError> {
-        let limit = self.dynamic_shared_limit(name);
-        if bytes <= limit {
-            Ok(())
-        } else {
-            Err(CudaError::SharedMemory {
-                what: name,
-                needed: bytes,
-                limit,
-            })
-        }
     }
 
     /// A loaded entry point by a name not known at compile time (the executor's launches), with
@@ -224,11 +186,6 @@ impl Gpu {
         self.kernels
             .get(name)
             .map(|k| (&k.function, k.dynamic_shared_limit))
-    }
-
-    fn kernel(&self, name: &'static str) -> &Kernel {
-        // Every entry point of every source was loaded in `open`, and callers name only those.
-        &self.kernels[name]
     }
 }
 

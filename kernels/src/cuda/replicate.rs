@@ -1,23 +1,26 @@
 //! Launching the tile-streaming replica distribution (`kernels/cuda/replicate.cu`).
 //!
 //! Ranks are reached through a [`PeerTable`]: for every rank, the device addresses of its home
-//! (main expert) weights, its redundant-slot buffer and its ready-counter array. With NVLink peer
-//! access enabled those are other GPUs' buffers (unified addressing makes them plain pointers;
-//! peer access covers `cuMemAlloc` memory, while buffers from a stream-ordered pool, as cudarc
-//! allocates them, also need `cuMemPoolSetAccess` for the reading device);
-//! [`RankBuffers`] instead keeps every rank's buffers on one GPU, which runs the same kernel
-//! over the same task stream: how the data plane is tested on a single device.
+//! (main expert) weights, its redundant-slot buffer and its ready-counter array. With peer memory
+//! those are other GPUs' buffers (unified addressing makes them plain pointers);
+//! [`RankBuffers`] instead keeps every rank's buffers on one device, which runs the same kernel
+//! over the same task stream: how the data plane runs ranks that share a device, and how it is
+//! tested on the host emulator.
+//!
+//! `tile_stream` writes the slots and counters through the table's raw pointers: whatever reads
+//! a slot after streaming (the expert GEMMs, [`RankBuffers::slot`] downloads) must be ordered
+//! after the kernel, on the stream that streamed it or behind an event of that stream.
 
+use super::exec::{DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch, Stream};
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{to_u32, CudaError, Gpu};
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use super::{to_u32, CudaError};
 use std::sync::Arc;
 
 /// Device pointers of every rank's buffers, indexed by rank.
 pub struct PeerTable {
-    home: CudaSlice<u64>,
-    slots: CudaSlice<u64>,
-    flags: CudaSlice<u64>,
+    home: DeviceBuffer,
+    slots: DeviceBuffer,
+    flags: DeviceBuffer,
     ranks: usize,
 }
 
@@ -25,14 +28,13 @@ impl PeerTable {
     /// A table from raw device addresses (`home[r]`, `slots[r]`, `flags[r]` for rank `r`).
     ///
     /// # Safety
-    /// Every address must stay valid, and be accessible from the launching device (peer access
-    /// enabled; for memory-pool allocations, pool access granted), for as long as
-    /// kernels use the table; each buffer must be at least as large as the task streams launched
-    /// with it address (the home weights up to the largest home offset plus `expert_bytes`, the
-    /// slot buffer `n_slot * slot_bytes`, the flag array the stream's `flags_per_rank[r]`
-    /// counters).
+    /// Every address must stay valid, and be accessible from the launching device, for as long
+    /// as kernels use the table; each buffer must be at least as large as the task streams
+    /// launched with it address (the home weights up to the largest home offset plus
+    /// `expert_bytes`, the slot buffer `n_slot * slot_bytes`, the flag array the stream's
+    /// `flags_per_rank[r]` counters).
     pub unsafe fn from_raw(
-        gpu: &Gpu,
+        exec: &dyn Executor,
         home: &[u64],
         slots: &[u64],
         flags: &[u64],
@@ -45,11 +47,10 @@ impl PeerTable {
             }
             .into());
         }
-        let stream = gpu.stream();
         Ok(Self {
-            home: stream.clone_htod(home)?,
-            slots: stream.clone_htod(slots)?,
-            flags: stream.clone_htod(flags)?,
+            home: exec.upload_u64(home)?,
+            slots: exec.upload_u64(slots)?,
+            flags: exec.upload_u64(flags)?,
             ranks,
         })
     }
@@ -60,68 +61,27 @@ impl PeerTable {
     }
 }
 
-/// Every rank's home weights, slot buffer and ready counters on one GPU, with the peer table
-/// that addresses them (built once: the buffers are never reallocated).
-///
-/// `tile_stream` reaches these buffers through the table's raw pointers, so cudarc records no
-/// read or write of them for that kernel: whatever reads a slot after streaming (the expert
-/// GEMMs, `GpuMoe::slot_contents`) must run on the [`Gpu::stream`] that streamed it, which
-/// orders it after the kernel. A consumer on another stream would need an explicit event wait.
+/// Every rank's home weights, slot buffer and ready counters on one device, with the peer tables
+/// that address them (built once: the buffers are never reallocated). A slot buffer holds one
+/// or several slot *sets* of `set_bytes` each (one per MoE layer when every layer keeps its own
+/// replicas); a stream fills one set, addressed by that set's table.
 pub struct RankBuffers {
     /// Shared with every [`Self::sharing_homes`] of these buffers.
-    homes: Arc<[CudaSlice<u8>]>,
-    slots: Vec<CudaSlice<u8>>,
-    flags: Vec<CudaSlice<u32>>,
-    table: PeerTable,
+    homes: Arc<[DeviceBuffer]>,
+    slots: Vec<DeviceBuffer>,
+    flags: Vec<DeviceBuffer>,
+    set_bytes: usize,
+    /// One per slot set.
+    tables: Vec<PeerTable>,
 }
 
 impl RankBuffers {
-    /// Uploads each rank's home weights and allocates a zeroed slot buffer of
-    /// `slot_buffer_bytes` and `flags[r]` ready counters per rank.
+    /// Takes each rank's home weights and allocates zeroed slot buffers of `sets` sets of
+    /// `set_bytes` and `flags[r]` ready counters per rank.
     pub fn new(
-        gpu: &Gpu,
-        homes: &[Vec<u8>],
-        slot_buffer_bytes: usize,
-        flags: &[u32],
-    ) -> Result<Self, CudaError> {
-        let stream = gpu.stream();
-        let home_bufs = homes
-            .iter()
-            .map(|h| stream.clone_htod(if h.is_empty() { &[0u8][..] } else { h }))
-            .collect::<Result<Vec<_>, _>>()?;
-        Self::with_homes(gpu, home_bufs.into(), slot_buffer_bytes, flags)
-    }
-
-    /// Like [`Self::new`] with zero-filled home weights of `home_bytes[r]` bytes (benchmarks).
-    pub fn zeroed(
-        gpu: &Gpu,
-        home_bytes: &[usize],
-        slot_buffer_bytes: usize,
-        flags: &[u32],
-    ) -> Result<Self, CudaError> {
-        let stream = gpu.stream();
-        let home_bufs = home_bytes
-            .iter()
-            .map(|&n| stream.alloc_zeros::<u8>(n.max(1)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Self::with_homes(gpu, home_bufs.into(), slot_buffer_bytes, flags)
-    }
-
-    /// Buffers of their own (slots and ready counters, as [`Self::new`] makes them) that read
-    /// these buffers' home weights: a second set of slots streamed from the same experts.
-    pub fn sharing_homes(
-        &self,
-        gpu: &Gpu,
-        slot_buffer_bytes: usize,
-        flags: &[u32],
-    ) -> Result<Self, CudaError> {
-        Self::with_homes(gpu, Arc::clone(&self.homes), slot_buffer_bytes, flags)
-    }
-
-    fn with_homes(
-        gpu: &Gpu,
-        homes: Arc<[CudaSlice<u8>]>,
-        slot_buffer_bytes: usize,
+        exec: &dyn Executor,
+        homes: Arc<[DeviceBuffer]>,
+        (set_bytes, sets): (usize, usize),
         flags: &[u32],
     ) -> Result<Self, CudaError> {
         if flags.len() != homes.len() {
@@ -131,36 +91,72 @@ impl RankBuffers {
             }
             .into());
         }
-        let stream = gpu.stream();
-        let (mut slot_bufs, mut flag_bufs) = (Vec::new(), Vec::new());
+        let total = set_bytes
+            .checked_mul(sets.max(1))
+            .ok_or(crate::KernelError::Overflow {
+                what: "slot buffer bytes",
+            })?;
+        let (mut slots, mut flag_buffers) = (Vec::new(), Vec::new());
         for &n in flags {
-            slot_bufs.push(stream.alloc_zeros::<u8>(slot_buffer_bytes.max(1))?);
-            flag_bufs.push(stream.alloc_zeros::<u32>((n as usize).max(1))?);
+            slots.push(exec.alloc_zeroed(total)?);
+            flag_buffers.push(exec.alloc_zeroed(n as usize * 4)?);
         }
-        let table = peer_table(gpu, &homes, &slot_bufs, &flag_bufs)?;
+        let addresses = |buffers: &[DeviceBuffer], offset: usize| -> Vec<u64> {
+            buffers.iter().map(|b| b.at(offset)).collect()
+        };
+        let tables = (0..sets.max(1))
+            .map(|set| {
+                let (h, s, f) = (
+                    addresses(&homes, 0),
+                    addresses(&slots, set * set_bytes),
+                    addresses(&flag_buffers, 0),
+                );
+                // SAFETY: the buffers belong to the `RankBuffers` that keeps the tables next to
+                // them and never replaces them; set `set` lies inside every slot buffer;
+                // launches check their sizes first ([`Self::check`]).
+                unsafe { PeerTable::from_raw(exec, &h, &s, &f) }
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Self {
             homes,
-            slots: slot_bufs,
-            flags: flag_bufs,
-            table,
+            slots,
+            flags: flag_buffers,
+            set_bytes,
+            tables,
         })
     }
 
-    /// Zeroes every ready counter (before each distribution).
-    pub fn reset_flags(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
-        for f in &mut self.flags {
-            gpu.stream().memset_zeros(f)?;
+    /// Buffers of their own (slots and ready counters, as [`Self::new`] makes them) that read
+    /// these buffers' home weights: another lane's slots streamed from the same experts.
+    pub fn sharing_homes(
+        &self,
+        exec: &dyn Executor,
+        (set_bytes, sets): (usize, usize),
+        flags: &[u32],
+    ) -> Result<Self, CudaError> {
+        Self::new(exec, Arc::clone(&self.homes), (set_bytes, sets), flags)
+    }
+
+    /// Bytes of one slot set.
+    pub fn set_bytes(&self) -> usize {
+        self.set_bytes
+    }
+
+    /// Queues zeroing every ready counter on `stream` (before each distribution).
+    pub fn reset_flags(&self, exec: &dyn Executor, stream: Stream) -> Result<(), CudaError> {
+        for f in &self.flags {
+            exec.zero_on(stream, f, 0, f.bytes())?;
         }
         Ok(())
     }
 
     /// Rank `r`'s home weights.
-    pub fn home(&self, rank: usize) -> Option<&CudaSlice<u8>> {
+    pub fn home(&self, rank: usize) -> Option<&DeviceBuffer> {
         self.homes.get(rank)
     }
 
-    /// Rank `r`'s slot buffer.
-    pub fn slots(&self, rank: usize) -> Option<&CudaSlice<u8>> {
+    /// Rank `r`'s slot buffer (every set).
+    pub fn slots(&self, rank: usize) -> Option<&DeviceBuffer> {
         self.slots.get(rank)
     }
 
@@ -169,12 +165,19 @@ impl RankBuffers {
         self.homes.len()
     }
 
-    /// The table addressing these buffers.
-    pub(crate) fn table(&self) -> &PeerTable {
-        &self.table
+    /// The table addressing these buffers with slot set `set`.
+    pub(crate) fn table(&self, set: usize) -> Result<&PeerTable, CudaError> {
+        self.tables.get(set).ok_or_else(|| {
+            crate::KernelError::OutOfRange {
+                what: "slot set",
+                value: set as u64,
+                limit: self.tables.len() as u64,
+            }
+            .into()
+        })
     }
 
-    /// Whether every buffer is large enough for `needs`.
+    /// Whether every buffer is large enough for `needs` (slots within one set).
     pub(crate) fn check(&self, needs: &[RankNeeds]) -> Result<(), CudaError> {
         if needs.len() != self.ranks() {
             return Err(crate::KernelError::RankCount {
@@ -185,11 +188,11 @@ impl RankBuffers {
         }
         for (rank, need) in needs.iter().enumerate() {
             let checks = [
-                ("home weights", self.homes[rank].len() as u64, need.home),
-                ("slot buffer", self.slots[rank].len() as u64, need.slots),
+                ("home weights", self.homes[rank].bytes() as u64, need.home),
+                ("slot set", self.set_bytes as u64, need.slots),
                 (
                     "ready counters",
-                    self.flags[rank].len() as u64 * 4,
+                    self.flags[rank].bytes() as u64,
                     u64::from(need.flags) * 4,
                 ),
             ];
@@ -206,24 +209,6 @@ impl RankBuffers {
         }
         Ok(())
     }
-}
-
-/// The table addressing buffers that all live on `gpu`.
-fn peer_table(
-    gpu: &Gpu,
-    homes: &[CudaSlice<u8>],
-    slots: &[CudaSlice<u8>],
-    flags: &[CudaSlice<u32>],
-) -> Result<PeerTable, CudaError> {
-    let stream = gpu.stream();
-    let ptrs = |bufs: &[CudaSlice<u8>]| -> Vec<u64> {
-        bufs.iter().map(|b| b.device_ptr(stream).0).collect()
-    };
-    let flag_ptrs: Vec<u64> = flags.iter().map(|b| b.device_ptr(stream).0).collect();
-    // SAFETY: the buffers belong to the `RankBuffers` that keeps the table next to them and
-    // rebuilds it whenever one is replaced; launches through `DeviceTileStream::launch` check
-    // their sizes first.
-    unsafe { PeerTable::from_raw(gpu, &ptrs(homes), &ptrs(slots), &flag_ptrs) }
 }
 
 /// How much of each rank's buffers a task stream touches.
@@ -255,43 +240,111 @@ fn rank_needs(stream: &TileStream, ranks: usize) -> Vec<RankNeeds> {
     needs
 }
 
-/// A compiled tile stream on the device, ready to launch.
+/// The bytes of task structs as the kernel reads them.
+pub(crate) fn task_bytes(tasks: &[TileTask]) -> Vec<u8> {
+    tasks
+        .iter()
+        .flat_map(|t| {
+            let words = [
+                t.src_rank,
+                t.src_kind,
+                t.len,
+                t.dst_begin,
+                t.n_dst,
+                t.wait_flag as u32,
+                t.wait_target,
+                t.reserved,
+            ];
+            [t.src_offset, t.tile_offset]
+                .into_iter()
+                .flat_map(u64::to_le_bytes)
+                .chain(words.into_iter().flat_map(u32::to_le_bytes))
+                .collect::<Vec<u8>>()
+        })
+        .collect()
+}
+
+/// The bytes of destination structs as the kernel reads them.
+pub(crate) fn dst_bytes(dsts: &[TileDst]) -> Vec<u8> {
+    dsts.iter()
+        .flat_map(|d| {
+            d.offset
+                .to_le_bytes()
+                .into_iter()
+                .chain(d.rank.to_le_bytes())
+                .chain(d.ready_flag.to_le_bytes())
+        })
+        .collect()
+}
+
+/// Task structs from the bytes the kernel wrote.
+pub(crate) fn tasks_from_bytes(bytes: &[u8]) -> Vec<TileTask> {
+    bytes
+        .chunks_exact(std::mem::size_of::<TileTask>())
+        .map(|b| {
+            let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+            let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+            TileTask {
+                src_offset: u64_at(0),
+                tile_offset: u64_at(8),
+                src_rank: u32_at(16),
+                src_kind: u32_at(20),
+                len: u32_at(24),
+                dst_begin: u32_at(28),
+                n_dst: u32_at(32),
+                wait_flag: u32_at(36) as i32,
+                wait_target: u32_at(40),
+                reserved: u32_at(44),
+            }
+        })
+        .collect()
+}
+
+/// Destination structs from the bytes the kernel wrote.
+pub(crate) fn dsts_from_bytes(bytes: &[u8]) -> Vec<TileDst> {
+    bytes
+        .chunks_exact(std::mem::size_of::<TileDst>())
+        .map(|b| TileDst {
+            offset: u64::from_le_bytes(b[0..8].try_into().expect("8 bytes")),
+            rank: u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+            ready_flag: i32::from_le_bytes(b[12..16].try_into().expect("4 bytes")),
+        })
+        .collect()
+}
+
+/// A compiled (host-built) tile stream on the device, ready to launch.
 pub struct DeviceTileStream {
-    tasks: CudaSlice<TileTask>,
-    dsts: CudaSlice<TileDst>,
+    tasks: DeviceBuffer,
+    dsts: DeviceBuffer,
     /// The task count, on the device (the kernel reads it there, as it does after `plan_tiles`).
-    count: CudaSlice<u32>,
-    counter: CudaSlice<u32>,
+    count: DeviceBuffer,
+    /// The claim counter, then the stall word.
+    counter: DeviceBuffer,
     n_tasks: u32,
     tile_bytes: u32,
     needs: Vec<RankNeeds>,
 }
 
 impl DeviceTileStream {
-    /// Uploads a task stream for `ranks` ranks, after [`TileStream::check_runnable`]: a stream
-    /// the kernel would misread or wait on forever is refused here.
-    pub fn upload(gpu: &Gpu, stream: &TileStream, ranks: usize) -> Result<Self, CudaError> {
-        stream.check_runnable(ranks)?;
-        let s = gpu.stream();
-        let tasks: &[TileTask] = if stream.tasks.is_empty() {
-            &[TileTask::default()]
-        } else {
-            &stream.tasks
-        };
-        let dsts: &[TileDst] = if stream.dsts.is_empty() {
-            &[TileDst::default()]
-        } else {
-            &stream.dsts
-        };
-        let n_tasks = to_u32(stream.tasks.len(), "tile tasks")?;
+    /// Uploads a task stream for `ranks` ranks in `stream`'s order, after
+    /// [`TileStream::check_runnable`]: a stream the kernel would misread or wait on forever is
+    /// refused here.
+    pub fn upload(
+        exec: &dyn Executor,
+        stream: Stream,
+        tiles: &TileStream,
+        ranks: usize,
+    ) -> Result<Self, CudaError> {
+        tiles.check_runnable(ranks)?;
+        let n_tasks = to_u32(tiles.tasks.len(), "tile tasks")?;
         Ok(Self {
-            tasks: s.clone_htod(tasks)?,
-            dsts: s.clone_htod(dsts)?,
-            count: s.clone_htod(&[n_tasks])?,
-            counter: s.alloc_zeros(2)?,
+            tasks: exec.upload_on(stream, &task_bytes(&tiles.tasks))?,
+            dsts: exec.upload_on(stream, &dst_bytes(&tiles.dsts))?,
+            count: exec.upload_on(stream, &n_tasks.to_le_bytes())?,
+            counter: exec.alloc_zeroed_on(stream, 8)?,
             n_tasks,
-            tile_bytes: stream.tile_bytes,
-            needs: rank_needs(stream, ranks),
+            tile_bytes: tiles.tile_bytes,
+            needs: rank_needs(tiles, ranks),
         })
     }
 
@@ -305,39 +358,48 @@ impl DeviceTileStream {
         self.n_tasks == 0
     }
 
-    /// Waits for the last launch; fails if a relay chunk never became ready (the kernel gave
-    /// up instead of spinning: the stream was broken).
-    pub fn finish(&self, gpu: &Gpu) -> Result<(), CudaError> {
-        check_not_stalled(gpu, &self.counter)
+    /// Waits for the last launch (queued on `stream`); fails if a relay chunk never became ready
+    /// (the kernel gave up instead of spinning: the stream was broken).
+    pub fn finish(&self, exec: &dyn Executor, stream: Stream) -> Result<(), CudaError> {
+        check_not_stalled(exec, stream, &self.counter)
     }
 
-    /// Runs the stream over ranks that all live on this GPU, after checking every buffer is
-    /// large enough. The ready counters must be zero ([`RankBuffers::reset_flags`]); the call
-    /// only enqueues on the GPU's stream.
+    /// The claim counter and stall word (a slot wait reads the stall word).
+    pub(crate) fn counter(&self) -> &DeviceBuffer {
+        &self.counter
+    }
+
+    /// Queues the stream on `stream` over ranks that all live on this device, into their slot
+    /// set `set`, after checking every buffer is large enough; the ready counters are zeroed
+    /// first. With `landed`, every stored tile is also counted per slot.
     pub fn launch(
-        &mut self,
-        gpu: &Gpu,
-        buffers: &RankBuffers,
-        blocks: u32,
-        threads: u32,
+        &self,
+        exec: &dyn Executor,
+        stream: Stream,
+        (buffers, set): (&RankBuffers, usize),
+        grid: (u32, u32),
+        landed: Option<&LandedBytes>,
     ) -> Result<(), CudaError> {
         buffers.check(&self.needs)?;
+        let table = buffers.table(set)?;
+        buffers.reset_flags(exec, stream)?;
         // SAFETY: the table addresses `buffers`, just checked against what the tasks touch.
-        unsafe { self.launch_peers(gpu, &buffers.table, blocks, threads) }
+        unsafe { self.launch_peers(exec, stream, table, grid, landed) }
     }
 
-    /// Runs the stream through any peer table (e.g. NVLink peers), `blocks` persistent blocks of
-    /// `threads` threads.
+    /// Queues the stream through any peer table (e.g. NVLink peers), `grid.0` persistent blocks
+    /// of `grid.1` threads.
     ///
     /// # Safety
     /// The table's buffers must be as large as this stream touches (see [`PeerTable::from_raw`])
     /// and their ready counters zero.
     pub unsafe fn launch_peers(
-        &mut self,
-        gpu: &Gpu,
+        &self,
+        exec: &dyn Executor,
+        stream: Stream,
         peers: &PeerTable,
-        blocks: u32,
-        threads: u32,
+        (blocks, threads): (u32, u32),
+        landed: Option<&LandedBytes>,
     ) -> Result<(), CudaError> {
         if peers.ranks() != self.needs.len() {
             return Err(crate::KernelError::RankCount {
@@ -346,33 +408,30 @@ impl DeviceTileStream {
             }
             .into());
         }
-        if self.n_tasks == 0 {
-            return Ok(());
-        }
-        let grid = blocks.clamp(1, self.n_tasks);
-        let buffers = TaskBuffers {
+        let tasks = TaskBuffers {
             tasks: &self.tasks,
-            count: self.count.slice(..),
+            count: self.count.ptr(),
             dsts: &self.dsts,
-            counter: &mut self.counter,
+            counter: &self.counter,
             tile_bytes: self.tile_bytes,
-            landed: None,
+            landed,
         };
+        let blocks = blocks.clamp(1, self.n_tasks.max(1));
         // SAFETY: the tasks were validated against the plan and buffer layout when compiled, and
         // the caller vouches for the peer table.
-        unsafe { launch_tile_stream(gpu, buffers, peers, grid, threads) }
+        unsafe { launch_tile_stream(exec, stream, tasks, peers, (blocks, threads)) }
     }
 }
 
 /// A task stream in device memory, wherever it was built.
 pub(crate) struct TaskBuffers<'a> {
-    pub tasks: &'a CudaSlice<TileTask>,
-    /// One `u32`: how many of `tasks` to run.
-    pub count: CudaView<'a, u32>,
-    pub dsts: &'a CudaSlice<TileDst>,
+    pub tasks: &'a DeviceBuffer,
+    /// The address of one `u32`: how many of `tasks` to run.
+    pub count: u64,
+    pub dsts: &'a DeviceBuffer,
     /// Two `u32`s, zeroed here: the persistent grid's claim counter and the stall word
     /// ([`check_not_stalled`]).
-    pub counter: &'a mut CudaSlice<u32>,
+    pub counter: &'a DeviceBuffer,
     pub tile_bytes: u32,
     /// Per (rank, slot) byte counters the kernel adds every landed tile to (`None`: not kept).
     pub landed: Option<&'a LandedBytes>,
@@ -383,8 +442,8 @@ pub(crate) struct TaskBuffers<'a> {
 /// counter), and `wait_slot` holds a stream until one slot's counter reaches the expert's bytes,
 /// so a GEMM reading that replica can start while other replicas still stream.
 pub struct LandedBytes {
-    /// `[rank * n_slot + slot]`.
-    counters: CudaSlice<u32>,
+    /// u32 `[rank * n_slot + slot]`.
+    counters: DeviceBuffer,
     slot_bytes: u64,
     n_slot: u32,
 }
@@ -392,7 +451,12 @@ pub struct LandedBytes {
 impl LandedBytes {
     /// Counters for `ranks` ranks of `n_slot` slots of `slot_bytes` each (a slot's bytes must
     /// fit a `u32` counter).
-    pub fn new(gpu: &Gpu, ranks: usize, n_slot: usize, slot_bytes: u64) -> Result<Self, CudaError> {
+    pub fn new(
+        exec: &dyn Executor,
+        ranks: usize,
+        n_slot: usize,
+        slot_bytes: u64,
+    ) -> Result<Self, CudaError> {
         if slot_bytes > u64::from(u32::MAX) {
             return Err(crate::KernelError::Overflow {
                 what: "slot bytes (landed-byte counters are 32-bit)",
@@ -400,112 +464,116 @@ impl LandedBytes {
             .into());
         }
         Ok(Self {
-            counters: gpu.stream().alloc_zeros((ranks * n_slot).max(1))?,
+            counters: exec.alloc_zeroed(4 * ranks * n_slot)?,
             slot_bytes,
             n_slot: to_u32(n_slot, "slots per rank")?,
         })
     }
 
-    /// Zeroes every counter on `gpu`'s stream (before each replication).
-    pub fn reset(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
-        Ok(gpu.stream().memset_zeros(&mut self.counters)?)
+    /// Queues zeroing every counter on `stream` (before each replication).
+    pub fn reset(&self, exec: &dyn Executor, stream: Stream) -> Result<(), CudaError> {
+        exec.zero_on(stream, &self.counters, 0, self.counters.bytes())
     }
 
-    /// Queues on `gpu`'s stream a wait until `rank`'s slot `slot` holds `bytes` landed bytes;
-    /// it gives up when the stream's stall word (`counter[1]` of the replication's
-    /// [`TaskBuffers`]) is raised, or raises it after the stall limit.
+    /// Every counter, after the work `stream` queued (tests, debugging).
+    pub fn read(&self, exec: &dyn Executor, stream: Stream) -> Result<Vec<u32>, CudaError> {
+        exec.download_u32_on(stream, &self.counters)
+    }
+
+    /// Queues on `stream` a wait until `rank`'s slot `slot` holds `bytes` landed bytes; it gives
+    /// up when the replication's stall word (the second word of `counter`) is raised, or raises
+    /// it after the stall limit.
     pub(crate) fn wait(
         &self,
-        gpu: &Gpu,
+        exec: &dyn Executor,
+        stream: Stream,
         (rank, slot): (usize, usize),
         bytes: u64,
-        stall_word: &CudaSlice<u32>,
+        counter: &DeviceBuffer,
     ) -> Result<(), CudaError> {
         let index = rank * self.n_slot as usize + slot;
-        if slot >= self.n_slot as usize || index >= self.counters.len() {
+        let capacity = self.counters.bytes() / 4;
+        if slot >= self.n_slot as usize || index >= capacity {
             return Err(crate::KernelError::OutOfRange {
                 what: "slot to wait for",
                 value: index as u64,
-                limit: self.counters.len() as u64,
+                limit: capacity as u64,
             }
             .into());
         }
-        let (index, target) = (
-            to_u32(index, "slot index")?,
-            to_u32(bytes as usize, "slot bytes")?,
-        );
-        let stalled = stall_word.slice(1..2);
-        let mut launch = gpu.stream().launch_builder(gpu.function("wait_slot"));
-        launch
-            .arg(&self.counters)
-            .arg(&index)
-            .arg(&target)
-            .arg(&stalled);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match `wait_slot`; `index` is inside the counters (checked above) and
-        // the stall word is one `u32` of a live buffer.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        let args = [
+            KernelArg::from(&self.counters),
+            KernelArg::U32(to_u32(index, "slot index")?),
+            KernelArg::U32(to_u32(bytes as usize, "slot bytes")?),
+            KernelArg::Ptr(counter.at(4)),
+        ];
+        // SAFETY: `wait_slot(landed, index, target, stalled)`; `index` is inside the counters
+        // (checked above) and the stall word is the second `u32` of a live counter pair.
+        unsafe { exec.launch_on(stream, "wait_slot", Launch::blocks(1, 32), &args) }
     }
 }
 
 /// Waits for the stream that used `counter` ([`TaskBuffers::counter`]) and fails if its stall
 /// word is raised.
-pub(crate) fn check_not_stalled(gpu: &Gpu, counter: &CudaSlice<u32>) -> Result<(), CudaError> {
-    let words = gpu.stream().clone_dtoh(counter)?;
+pub(crate) fn check_not_stalled(
+    exec: &dyn Executor,
+    stream: Stream,
+    counter: &DeviceBuffer,
+) -> Result<(), CudaError> {
+    let words = exec.download_u32_on(stream, counter)?;
     match words.get(1) {
         Some(0) => Ok(()),
         _ => Err(CudaError::TileStreamStalled),
     }
 }
 
-/// Enqueues `tile_stream` with `blocks` persistent blocks of `threads` threads (blocks beyond
-/// the task count exit at once).
+/// Queues `tile_stream` on `stream` with `blocks` persistent blocks of `threads` threads
+/// (blocks beyond the task count exit at once); zeroes the claim counter and stall word first.
 ///
 /// # Safety
 /// Every task must stay inside the buffers `peers` addresses and the ready counters be zero.
 pub(crate) unsafe fn launch_tile_stream(
-    gpu: &Gpu,
-    stream: TaskBuffers<'_>,
+    exec: &dyn Executor,
+    stream: Stream,
+    tasks: TaskBuffers<'_>,
     peers: &PeerTable,
-    blocks: u32,
-    threads: u32,
+    (blocks, threads): (u32, u32),
 ) -> Result<(), CudaError> {
-    let s = gpu.stream();
     // Two stages of one tile each (double buffering).
-    let shared = 2 * stream.tile_bytes as usize;
-    gpu.check_dynamic_shared("tile_stream", shared)?;
-    s.memset_zeros(stream.counter)?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks.max(1), 1, 1),
-        block_dim: (threads.clamp(32, 1024) / 32 * 32, 1, 1),
-        shared_mem_bytes: shared as u32,
+    let shared = 2 * tasks.tile_bytes as usize;
+    let limit = exec.shared_limit("tile_stream")?;
+    if shared > limit {
+        return Err(CudaError::SharedMemory {
+            what: "tile_stream",
+            needed: shared,
+            limit,
+        });
+    }
+    exec.zero_on(stream, tasks.counter, 0, 8)?;
+    let (landed, slot_bytes, n_slot) = match tasks.landed {
+        Some(l) => (l.counters.ptr(), l.slot_bytes, l.n_slot),
+        None => (0, 0, 0),
     };
-    let (landed, slot_bytes, n_slot) = match stream.landed {
-        Some(l) => (Some(&l.counters), l.slot_bytes, l.n_slot),
-        None => (None, 0u64, 0u32),
+    let args = [
+        KernelArg::from(tasks.tasks),
+        KernelArg::Ptr(tasks.count),
+        KernelArg::from(tasks.dsts),
+        KernelArg::from(tasks.counter),
+        KernelArg::from(&peers.home),
+        KernelArg::from(&peers.slots),
+        KernelArg::from(&peers.flags),
+        KernelArg::U32(tasks.tile_bytes),
+        KernelArg::Ptr(landed),
+        KernelArg::U64(slot_bytes),
+        KernelArg::U32(n_slot),
+    ];
+    let launch = Launch {
+        grid: [blocks.max(1), 1, 1],
+        block: threads.clamp(32, 1024) / 32 * 32,
+        shared_bytes: shared as u32,
     };
-    let no_counters = 0u64;
-    let mut launch = s.launch_builder(gpu.function("tile_stream"));
-    launch
-        .arg(stream.tasks)
-        .arg(&stream.count)
-        .arg(stream.dsts)
-        .arg(stream.counter)
-        .arg(&peers.home)
-        .arg(&peers.slots)
-        .arg(&peers.flags)
-        .arg(&stream.tile_bytes);
-    match landed {
-        Some(counters) => launch.arg(counters),
-        None => launch.arg(&no_counters),
-    };
-    launch.arg(&slot_bytes).arg(&n_slot);
-    // SAFETY: arguments match `tile_stream`; the caller vouches for the tasks and the table.
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
+    // SAFETY: `tile_stream(tasks, task_count, dsts, next_task[2], home_base, slot_base,
+    // flag_base, tile_bytes, landed, slot_bytes, n_slot)`; the caller vouches for the tasks and
+    // the table.
+    unsafe { exec.launch_on(stream, "tile_stream", launch, &args) }
 }

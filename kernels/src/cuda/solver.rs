@@ -1,13 +1,14 @@
-//! Host side of the GPU quota solver (`kernels/cuda/quota_solver.cu`).
+//! Host side of the device quota solver (`kernels/cuda/quota_solver.cu`).
 //!
-//! [`GpuQuotaSolver`] uploads the layout once, then per layer uploads the load matrix (or takes
-//! one already on the device), launches the one-block solver and leaves its plan on the device as
-//! a [`DevicePlan`]: slot assignment, quotas, and the cumulative reroute split the token permute
-//! reads directly. [`DevicePlan::download`] + [`PlanArrays::into_plan`] turn it into a
-//! [`Plan`], validated, equal to the CPU planner's for the same input.
+//! [`DeviceQuotaSolver`] uploads the layout once, then per layer uploads the load matrix,
+//! launches the one-block solver and leaves its plan on the device as a [`DevicePlan`]: slot
+//! assignment, quotas, and the cumulative reroute split the token permute reads directly.
+//! [`DevicePlan::download`] + [`PlanArrays::into_plan`](super::PlanArrays::into_plan) turn it
+//! into a [`Plan`], validated, equal to the CPU planner's for the same input. It runs on any
+//! [`Executor`]: a GPU, or the host emulator that checks it against the CPU planner in CI.
 
-use super::{to_u32, CudaError, DevicePlan, Gpu};
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use super::exec::{DeviceBuffer, Executor, ExecutorExt, KernelArg, KernelParams, Launch, Stream};
+use super::{to_u32, CudaError, DevicePlan};
 use rackfill_balancer::quota::TargetRule;
 use rackfill_balancer::{Layout, LoadMatrix, Plan};
 use std::sync::Arc;
@@ -49,8 +50,9 @@ pub struct SolverParams {
     pub w_rank: u32,
 }
 
-// SAFETY: plain `repr(C)` integers, the same layout as the CUDA struct.
-unsafe impl DeviceRepr for SolverParams {}
+// SAFETY: plain `repr(C)` integers without padding (a u64 then 28 u32s: 120 bytes), the same
+// layout as the CUDA struct.
+unsafe impl KernelParams for SolverParams {}
 
 /// Most probe warps per block (the kernel's `MAX_WARPS`).
 pub const MAX_WARPS: u32 = 32;
@@ -217,34 +219,33 @@ pub struct SolveStats {
     pub packed_keys: bool,
 }
 
-/// The quota planner on the GPU, for one layout, keeping its device buffers between layers.
-pub struct GpuQuotaSolver {
-    gpu: Gpu,
+/// The quota planner on a device, for one layout, keeping its device buffers between layers.
+pub struct DeviceQuotaSolver {
+    exec: Arc<dyn Executor>,
     layout: Layout,
     u_min: u64,
     shape: SolverShape,
-    main_offsets: CudaSlice<u32>,
-    mains: CudaSlice<u32>,
-    home: CudaSlice<u32>,
-    load: CudaSlice<u64>,
-    status: CudaSlice<u64>,
+    main_offsets: DeviceBuffer,
+    mains: DeviceBuffer,
+    home: DeviceBuffer,
+    load: DeviceBuffer,
+    status: DeviceBuffer,
     plan: DevicePlan,
 }
 
-impl GpuQuotaSolver {
+impl DeviceQuotaSolver {
     /// A solver for `layout` with the quota floor and target rule of
     /// [`rackfill_balancer::quota::QuotaPlanner::with_rule`].
     pub fn new(
-        gpu: &Gpu,
+        exec: Arc<dyn Executor>,
         layout: &Layout,
         u_min: u64,
         rule: TargetRule,
     ) -> Result<Self, CudaError> {
         let u_min = u_min.max(1);
         // The kernel's static shared memory (its search state) comes out of the same budget.
-        let limit = gpu.dynamic_shared_limit("quota_solve");
+        let limit = exec.shared_limit("quota_solve")?;
         let shape = SolverShape::fit(layout, u_min, rule, limit)?;
-        let stream = gpu.stream();
         let mut offsets = Vec::with_capacity(layout.ranks() + 1);
         let mut mains = Vec::with_capacity(layout.experts());
         for r in 0..layout.ranks() {
@@ -253,17 +254,17 @@ impl GpuQuotaSolver {
         }
         offsets.push(to_u32(mains.len(), "main offsets")?);
         let capacity = shape.params.cumulative_capacity as usize;
-        let plan = DevicePlan::alloc(gpu, layout, capacity)?;
+        let plan = DevicePlan::alloc(exec.as_ref(), Stream::MAIN, layout, capacity)?;
         Ok(Self {
-            gpu: gpu.clone(),
+            main_offsets: exec.upload_u32(&offsets)?,
+            mains: exec.upload_u32(&mains)?,
+            home: exec.upload_u32(layout.home_map())?,
+            load: exec.alloc_zeroed(8 * layout.ranks() * layout.experts())?,
+            status: exec.alloc_zeroed(8 * STATUS_LEN)?,
+            exec,
             layout: layout.clone(),
             u_min,
             shape,
-            main_offsets: stream.clone_htod(&offsets)?,
-            mains: stream.clone_htod(&nonempty(mains))?,
-            home: stream.clone_htod(&nonempty(layout.home_map().to_vec()))?,
-            load: stream.alloc_zeros((layout.ranks() * layout.experts()).max(1))?,
-            status: stream.alloc_zeros(STATUS_LEN)?,
             plan,
         })
     }
@@ -276,50 +277,39 @@ impl GpuQuotaSolver {
         )
     }
 
-    /// Uploads `load` and solves; the plan stays on the device ([`Self::device_plan`]).
-    pub fn solve(&mut self, load: &LoadMatrix) -> Result<(), CudaError> {
+    /// Uploads `load` and queues the solve on `stream`; the plan stays on the device
+    /// ([`Self::device_plan`]).
+    pub fn solve_on(&mut self, stream: Stream, load: &LoadMatrix) -> Result<(), CudaError> {
         load.check_shape(&self.layout)?;
-        if !load.as_flat().is_empty() {
-            self.gpu
-                .stream()
-                .memcpy_htod(load.as_flat(), &mut self.load)?;
-        }
-        self.launch()
-    }
-
-    /// Solves the load already in the solver's device buffer ([`Self::load_buffer`]), e.g.
-    /// written there by the count exchange: no host transfer on the critical path.
-    pub fn launch(&mut self) -> Result<(), CudaError> {
-        let stream = self.gpu.stream();
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (self.shape.params.warps * 32, 1, 1),
-            shared_mem_bytes: self.shape.shared_bytes as u32,
+        let bytes: Vec<u8> = load
+            .as_flat()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        self.exec.write_on(stream, &self.load, 0, &bytes)?;
+        let p = &self.plan;
+        let args = [
+            KernelArg::params(&self.shape.params),
+            KernelArg::from(&self.load),
+            KernelArg::from(&self.main_offsets),
+            KernelArg::from(&self.mains),
+            KernelArg::from(&self.home),
+            KernelArg::from(&self.status),
+            KernelArg::from(&p.slots),
+            KernelArg::from(&p.inst_offsets),
+            KernelArg::from(&p.inst_rank),
+            KernelArg::from(&p.inst_quota),
+            KernelArg::from(&p.split_offsets),
+            KernelArg::from(&p.cumulative),
+        ];
+        let launch = Launch {
+            grid: [1, 1, 1],
+            block: self.shape.params.warps * 32,
+            shared_bytes: self.shape.shared_bytes as u32,
         };
-        let p = &mut self.plan;
-        let mut launch = stream.launch_builder(self.gpu.function("quota_solve"));
-        launch
-            .arg(&self.shape.params)
-            .arg(&self.load)
-            .arg(&self.main_offsets)
-            .arg(&self.mains)
-            .arg(&self.home)
-            .arg(&mut self.status)
-            .arg(&mut p.slots)
-            .arg(&mut p.inst_offsets)
-            .arg(&mut p.inst_rank)
-            .arg(&mut p.inst_quota)
-            .arg(&mut p.split_offsets)
-            .arg(&mut p.cumulative);
         // SAFETY: the arguments match `quota_solve`'s signature one for one; every buffer has the
         // size the shape's parameters promise the kernel (allocated from the same layout).
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// The device buffer [`Self::launch`] reads the `R x E` load matrix from.
-    pub fn load_buffer(&mut self) -> &mut CudaSlice<u64> {
-        &mut self.load
+        unsafe { self.exec.launch_on(stream, "quota_solve", launch, &args) }
     }
 
     /// The plan of the last solve, on the device.
@@ -329,17 +319,14 @@ impl GpuQuotaSolver {
 
     /// The kernel's status words (word 0 nonzero: it failed); [`super::tile_plan`] reads them
     /// to plan nothing after a failed solve.
-    pub fn status(&self) -> &CudaSlice<u64> {
+    pub fn status(&self) -> &DeviceBuffer {
         &self.status
     }
 
-    /// Waits for the last solve and returns its statistics (an error if the kernel reported one).
-    pub fn stats(&self) -> Result<SolveStats, CudaError> {
-        self.stats_on(self.gpu.stream())
-    }
-
-    fn stats_on(&self, stream: &Arc<CudaStream>) -> Result<SolveStats, CudaError> {
-        let s = stream.clone_dtoh(&self.status)?;
+    /// Waits for the last solve (queued on `stream`, or ordered before it) and returns its
+    /// statistics (an error if the kernel reported one).
+    pub fn stats_on(&self, stream: Stream) -> Result<SolveStats, CudaError> {
+        let s = self.exec.download_u64_on(stream, &self.status)?;
         if s[0] != 0 {
             return Err(CudaError::Solver(s[0]));
         }
@@ -354,33 +341,27 @@ impl GpuQuotaSolver {
         })
     }
 
-    /// Solves `load` and downloads the plan, validated against the layout and load.
+    /// Solves `load` on the main stream and downloads the plan, validated against the layout
+    /// and load.
     pub fn plan(&mut self, load: &LoadMatrix) -> Result<(Plan, SolveStats), CudaError> {
-        self.solve(load)?;
-        self.download(self.gpu.stream(), load)
+        self.solve_on(Stream::MAIN, load)?;
+        self.download(Stream::MAIN, load)
     }
 
-    /// Downloads the last solve's plan for `load` on `stream`, validated. On a stream other than
-    /// the GPU's, the caller orders it after the solve (an event), and the copy overlaps whatever
-    /// the GPU's stream runs next, e.g. the replica streaming of the plan.
+    /// Downloads the last solve's plan for `load` after the work of `stream`, validated. On a
+    /// stream other than the solve's, the caller orders it after the solve (an event), and the
+    /// copy overlaps whatever the solve's stream runs next, e.g. the replica streaming of the
+    /// plan.
     pub fn download(
         &self,
-        stream: &Arc<CudaStream>,
+        stream: Stream,
         load: &LoadMatrix,
     ) -> Result<(Plan, SolveStats), CudaError> {
         let stats = self.stats_on(stream)?;
-        let arrays = self.plan.download(stream)?;
+        let arrays = self.plan.download(self.exec.as_ref(), stream)?;
         let plan = arrays.into_plan(&self.layout, load, self.u_min)?;
         Ok((plan, stats))
     }
-}
-
-/// cudarc cannot allocate zero-length buffers; kernels never read past the real length.
-fn nonempty<T: Default>(mut v: Vec<T>) -> Vec<T> {
-    if v.is_empty() {
-        v.push(T::default());
-    }
-    v
 }
 
 #[cfg(test)]

@@ -12,15 +12,17 @@
 //! for the worst plan the layout allows (every slot filled); the kernel still checks each
 //! capacity and plans nothing, with a [`TilePlanFault`], rather than write past one.
 
+use super::exec::{DeviceBuffer, Executor, ExecutorExt, KernelArg, KernelParams, Launch, Stream};
 use super::replicate::{
-    check_not_stalled, launch_tile_stream, LandedBytes, RankBuffers, RankNeeds, TaskBuffers,
+    check_not_stalled, dsts_from_bytes, launch_tile_stream, tasks_from_bytes, LandedBytes,
+    RankBuffers, RankNeeds, TaskBuffers,
 };
 use super::tiles::{TileDst, TileStream, TileTask};
-use super::{to_u32, CudaError, DevicePlan, Gpu, TilePlanFault};
+use super::{to_u32, CudaError, DevicePlan, TilePlanFault};
 use crate::KernelError;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use rackfill_balancer::relay::{chunk_geometry, RelayConfig};
 use rackfill_balancer::Layout;
+use std::sync::Arc;
 
 /// Ranks and experts are packed into 21-bit fields of the kernel's edge keys.
 const MAX_IDS: usize = 1 << 21;
@@ -53,8 +55,9 @@ pub struct TilePlanParams {
     pub reserved: u32,
 }
 
-// SAFETY: plain `repr(C)` integers with the CUDA struct's layout.
-unsafe impl cudarc::driver::DeviceRepr for TilePlanParams {}
+// SAFETY: plain `repr(C)` integers without padding (three u64s then 14 u32s: 80 bytes), the
+// CUDA struct's layout.
+unsafe impl KernelParams for TilePlanParams {}
 
 /// What one replica distribution looks like: the expert and slot sizes, the tile, the relay
 /// settings.
@@ -161,20 +164,22 @@ pub struct TilePlanCounts {
 
 /// The device relay planner and its task buffers, sized once for a layout and geometry.
 pub struct TilePlanner {
+    exec: Arc<dyn Executor>,
     params: TilePlanParams,
-    /// `[moe layer][expert]` home offsets, flat.
-    home_offsets: CudaSlice<u64>,
+    /// u64 `[moe layer][expert]` home offsets, flat.
+    home_offsets: DeviceBuffer,
     layers: usize,
     /// A zero status word, the guard for plans that did not come from the solver.
-    no_fault: CudaSlice<u64>,
+    no_fault: DeviceBuffer,
     /// The arena when it does not fit in shared memory (one byte otherwise).
-    global_arena: CudaSlice<u8>,
-    tasks: CudaSlice<TileTask>,
-    dsts: CudaSlice<TileDst>,
-    /// status, tasks, destinations, groups.
-    header: CudaSlice<u32>,
-    flags_per_rank: CudaSlice<u32>,
-    counter: CudaSlice<u32>,
+    global_arena: DeviceBuffer,
+    tasks: DeviceBuffer,
+    dsts: DeviceBuffer,
+    /// u32: status, tasks, destinations, groups.
+    header: DeviceBuffer,
+    flags_per_rank: DeviceBuffer,
+    /// The streaming kernel's claim counter, then its stall word.
+    counter: DeviceBuffer,
     /// What any plan can touch per rank: every home range, every slot, the counter capacity.
     needs: Vec<RankNeeds>,
 }
@@ -183,7 +188,7 @@ impl TilePlanner {
     /// A planner for `layout` whose expert `e` of MoE layer `l` starts at `home_offsets[l][e]` in
     /// its home rank's weight buffer. Allocates for the worst plan.
     pub fn new(
-        gpu: &Gpu,
+        exec: Arc<dyn Executor>,
         layout: &Layout,
         geometry: &TileGeometry,
         home_offsets: &[Vec<u64>],
@@ -192,7 +197,7 @@ impl TilePlanner {
         // Shared memory when the arena fits beside the kernel's own (the sequential steps then
         // never wait on global loads); a global buffer otherwise.
         let arena = params.arena_bytes();
-        if arena <= gpu.dynamic_shared_limit("plan_tiles") {
+        if arena <= exec.shared_limit("plan_tiles")? {
             params.arena_in_shared = 1;
         }
         for offsets in home_offsets {
@@ -212,25 +217,27 @@ impl TilePlanner {
                 *need = (*need).max(offset.saturating_add(params.expert_bytes));
             }
         }
-        let s = gpu.stream();
         let flat: Vec<u64> = home_offsets.iter().flatten().copied().collect();
         let global = if params.arena_in_shared == 1 {
             1
         } else {
             arena
         };
+        let task_bytes = std::mem::size_of::<TileTask>() * params.task_capacity as usize;
+        let dst_bytes = std::mem::size_of::<TileDst>() * params.dst_capacity as usize;
         Ok(Self {
-            home_offsets: s.clone_htod(if flat.is_empty() { &[0][..] } else { &flat })?,
+            home_offsets: exec.upload_u64(&flat)?,
             layers: home_offsets.len(),
-            no_fault: s.alloc_zeros(1)?,
-            global_arena: s.alloc_zeros(global)?,
-            tasks: s.alloc_zeros((params.task_capacity as usize).max(1))?,
-            dsts: s.alloc_zeros((params.dst_capacity as usize).max(1))?,
-            header: s.alloc_zeros(4)?,
-            flags_per_rank: s.alloc_zeros(layout.ranks().max(1))?,
-            counter: s.alloc_zeros(2)?,
+            no_fault: exec.alloc_zeroed(8)?,
+            global_arena: exec.alloc_zeroed(global)?,
+            tasks: exec.alloc_zeroed(task_bytes)?,
+            dsts: exec.alloc_zeroed(dst_bytes)?,
+            header: exec.alloc_zeroed(16)?,
+            flags_per_rank: exec.alloc_zeroed(4 * layout.ranks())?,
+            counter: exec.alloc_zeroed(8)?,
             needs,
             params,
+            exec,
         })
     }
 
@@ -244,13 +251,19 @@ impl TilePlanner {
         self.params.flag_capacity
     }
 
-    /// Enqueues `plan_tiles` for MoE layer `layer` over `plan`. With `guard` (the solver's status
-    /// words), a solver failure plans nothing instead of reading a half-written plan.
+    /// The streaming kernel's claim counter and stall word (what a slot wait reads).
+    pub(crate) fn counter(&self) -> &DeviceBuffer {
+        &self.counter
+    }
+
+    /// Queues `plan_tiles` on `stream` for MoE layer `layer` over `plan`. With `guard` (the
+    /// solver's status words), a solver failure plans nothing instead of reading a half-written
+    /// plan.
     pub fn plan(
-        &mut self,
-        gpu: &Gpu,
+        &self,
+        stream: Stream,
         plan: &DevicePlan,
-        guard: Option<&CudaSlice<u64>>,
+        guard: Option<&DeviceBuffer>,
         layer: usize,
     ) -> Result<(), CudaError> {
         if layer >= self.layers {
@@ -267,87 +280,93 @@ impl TilePlanner {
             return Err(rackfill_balancer::PlanViolation::Shape.into());
         }
         let e = self.params.experts as usize;
-        let offsets = self.home_offsets.slice(layer * e..(layer + 1) * e);
-        let s = gpu.stream();
-        let mut launch = s.launch_builder(gpu.function("plan_tiles"));
-        launch
-            .arg(&self.params)
-            .arg(guard.unwrap_or(&self.no_fault))
-            .arg(&plan.slots)
-            .arg(&plan.inst_offsets)
-            .arg(&plan.inst_rank)
-            .arg(&offsets)
-            .arg(&mut self.global_arena)
-            .arg(&mut self.tasks)
-            .arg(&mut self.dsts)
-            .arg(&mut self.header)
-            .arg(&mut self.flags_per_rank);
+        let args = [
+            KernelArg::params(&self.params),
+            KernelArg::from(guard.unwrap_or(&self.no_fault)),
+            KernelArg::from(&plan.slots),
+            KernelArg::from(&plan.inst_offsets),
+            KernelArg::from(&plan.inst_rank),
+            KernelArg::Ptr(self.home_offsets.at(layer * e * 8)),
+            KernelArg::from(&self.global_arena),
+            KernelArg::from(&self.tasks),
+            KernelArg::from(&self.dsts),
+            KernelArg::from(&self.header),
+            KernelArg::from(&self.flags_per_rank),
+        ];
         let shared = if self.params.arena_in_shared == 1 {
             self.params.arena_bytes() as u32
         } else {
             0
         };
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shared,
+        let launch = Launch {
+            grid: [1, 1, 1],
+            block: THREADS,
+            shared_bytes: shared,
         };
         // SAFETY: arguments match `plan_tiles`; the arena (shared or global) and the output
         // buffers have the sizes the parameters promise (allocated from them), and the plan
         // buffers belong to a DevicePlan of the same layout (checked above), which the kernel
         // bounds-checks.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        unsafe { self.exec.launch_on(stream, "plan_tiles", launch, &args) }
     }
 
-    /// Enqueues `tile_stream` over the tasks the last [`Self::plan`] wrote (`blocks` persistent
-    /// blocks of `threads`); the ready counters are zeroed first. Nothing moves if it failed.
-    /// With `landed`, the kernel also counts every slot's landed bytes there (zeroed by the
-    /// caller, who waits on them with [`Self::wait_for_slot`]).
+    /// Queues `tile_stream` on `stream` over the tasks the last [`Self::plan`] wrote (`blocks`
+    /// persistent blocks of `threads`) into the buffers' slot set `set`; the ready counters are
+    /// zeroed first. Nothing moves if planning failed. With `landed`, the kernel also counts
+    /// every slot's landed bytes there (zeroed by the caller, who waits on them with
+    /// [`Self::wait_for_slot`]).
     pub fn stream(
-        &mut self,
-        gpu: &Gpu,
-        buffers: &mut RankBuffers,
+        &self,
+        stream: Stream,
+        (buffers, set): (&RankBuffers, usize),
         (blocks, threads): (u32, u32),
         landed: Option<&LandedBytes>,
     ) -> Result<(), CudaError> {
         buffers.check(&self.needs)?;
-        buffers.reset_flags(gpu)?;
+        let table = buffers.table(set)?;
+        buffers.reset_flags(self.exec.as_ref(), stream)?;
         let tasks = TaskBuffers {
             tasks: &self.tasks,
-            count: self.header.slice(1..2),
+            count: self.header.at(4),
             dsts: &self.dsts,
-            counter: &mut self.counter,
+            counter: &self.counter,
             tile_bytes: self.params.tile_bytes,
             landed,
         };
         // SAFETY: `plan_tiles` writes only tasks inside the slots and home ranges of the layout
         // (or none), and `buffers` was just checked to be that large with enough counters.
-        unsafe { launch_tile_stream(gpu, tasks, buffers.table(), blocks, threads) }
+        unsafe { launch_tile_stream(self.exec.as_ref(), stream, tasks, table, (blocks, threads)) }
     }
 
-    /// Lowers the stall word on `gpu`'s stream: before a replication whose slots other streams
-    /// will wait on, so a wait queued there never reads the last layer's word.
-    pub fn clear_stall(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
-        Ok(gpu.stream().memset_zeros(&mut self.counter)?)
+    /// Queues lowering the stall word on `stream`: before a replication whose slots other
+    /// streams will wait on, so a wait queued there never reads the last layer's word.
+    pub fn clear_stall(&self, stream: Stream) -> Result<(), CudaError> {
+        self.exec.zero_on(stream, &self.counter, 0, 8)
     }
 
-    /// Queues on `gpu`'s stream a wait until `rank`'s slot `slot` holds `bytes` bytes landed by
-    /// the last [`Self::stream`] given `landed`; a stalled stream ends the wait (and the host's
+    /// Queues on `stream` a wait until `rank`'s slot `slot` holds `bytes` bytes landed by the
+    /// last [`Self::stream`] given `landed`; a stalled stream ends the wait (and the host's
     /// [`Self::finish`] reports it).
     pub fn wait_for_slot(
         &self,
-        gpu: &Gpu,
+        stream: Stream,
         landed: &LandedBytes,
         (rank, slot): (usize, usize),
         bytes: u64,
     ) -> Result<(), CudaError> {
-        landed.wait(gpu, (rank, slot), bytes, &self.counter)
+        landed.wait(
+            self.exec.as_ref(),
+            stream,
+            (rank, slot),
+            bytes,
+            &self.counter,
+        )
     }
 
-    /// Waits for the last [`Self::plan`] and returns what it built, or why it built nothing.
-    pub fn counts(&self, gpu: &Gpu) -> Result<TilePlanCounts, CudaError> {
-        let h = gpu.stream().clone_dtoh(&self.header)?;
+    /// Waits for the last [`Self::plan`] (queued on `stream`, or before it) and returns what it
+    /// built, or why it built nothing.
+    pub fn counts(&self, stream: Stream) -> Result<TilePlanCounts, CudaError> {
+        let h = self.exec.download_u32_on(stream, &self.header)?;
         if h[0] != 0 {
             return Err(CudaError::TilePlan(TilePlanFault::from_status(h[0])));
         }
@@ -360,21 +379,34 @@ impl TilePlanner {
 
     /// Waits for the last [`Self::stream`] and returns what the planner built; fails if the
     /// planner built nothing or the stream stalled on a relay chunk.
-    pub fn finish(&self, gpu: &Gpu) -> Result<TilePlanCounts, CudaError> {
-        let counts = self.counts(gpu)?;
-        check_not_stalled(gpu, &self.counter)?;
+    pub fn finish(&self, stream: Stream) -> Result<TilePlanCounts, CudaError> {
+        let counts = self.counts(stream)?;
+        check_not_stalled(self.exec.as_ref(), stream, &self.counter)?;
         Ok(counts)
     }
 
     /// Downloads the last built stream (verification against the host compiler; debugging).
-    pub fn download(&self, gpu: &Gpu) -> Result<TileStream, CudaError> {
-        let counts = self.counts(gpu)?;
-        let s = gpu.stream();
+    pub fn download(&self, stream: Stream) -> Result<TileStream, CudaError> {
+        let counts = self.counts(stream)?;
+        let exec = self.exec.as_ref();
+        let read = |buffer: &DeviceBuffer, bytes: usize| {
+            let mut out = vec![0u8; bytes];
+            exec.read_on(stream, buffer, 0, &mut out).map(|()| out)
+        };
+        let tasks = read(
+            &self.tasks,
+            counts.tasks as usize * std::mem::size_of::<TileTask>(),
+        )?;
+        let dsts = read(
+            &self.dsts,
+            counts.destinations as usize * std::mem::size_of::<TileDst>(),
+        )?;
+        let mut flags = exec.download_u32_on(stream, &self.flags_per_rank)?;
+        flags.truncate(self.params.ranks as usize);
         Ok(TileStream {
-            tasks: s.clone_dtoh(&self.tasks.slice(..counts.tasks as usize))?,
-            dsts: s.clone_dtoh(&self.dsts.slice(..counts.destinations as usize))?,
-            flags_per_rank: s
-                .clone_dtoh(&self.flags_per_rank.slice(..self.params.ranks as usize))?,
+            tasks: tasks_from_bytes(&tasks),
+            dsts: dsts_from_bytes(&dsts),
+            flags_per_rank: flags,
             tile_bytes: self.params.tile_bytes,
             stored_bytes: self.params.expert_bytes * u64::from(counts.destinations)
                 / u64::from(self.params.n_chunks),

@@ -62,15 +62,6 @@ pub struct TileDst {
     pub ready_flag: i32,
 }
 
-// SAFETY: plain `repr(C)` integers with the CUDA structs' layout.
-unsafe impl cudarc::driver::DeviceRepr for TileTask {}
-// SAFETY: as above.
-unsafe impl cudarc::driver::DeviceRepr for TileDst {}
-// SAFETY: all-zero bits are a valid value of each (plain integers).
-unsafe impl cudarc::driver::ValidAsZeroBits for TileTask {}
-// SAFETY: as above.
-unsafe impl cudarc::driver::ValidAsZeroBits for TileDst {}
-
 /// Where every byte of a replica distribution comes from and goes to, as device tasks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TileStream {

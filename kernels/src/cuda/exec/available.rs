@@ -2,10 +2,10 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::super::{CudaError, CudaUnavailable, Gpu};
-use super::device::GpuExecutor;
+use super::super::{CudaError, CudaUnavailable};
 use super::emulated::Emulator;
 use super::executor::Executor;
+use super::gpu::GpuExecutor;
 
 /// Environment variable: `1` makes [`available`] fail where GPU 0 cannot be opened (the GPU
 /// session's test runs, where a silent skip would hide a broken GPU path).
@@ -18,7 +18,7 @@ pub fn available() -> Vec<Arc<dyn Executor>> {
     static GPU: OnceLock<Option<Arc<GpuExecutor>>> = OnceLock::new();
     let gpu = GPU.get_or_init(|| {
         let required = std::env::var(REQUIRE_GPU_ENV).is_ok_and(|v| v == "1");
-        let opened = Gpu::open(0).and_then(GpuExecutor::new);
+        let opened = GpuExecutor::open(0);
         match opened {
             Ok(gpu) => Some(Arc::new(gpu)),
             Err(why) if required => panic!("{REQUIRE_GPU_ENV}=1 but GPU 0 is unusable: {why}"),

@@ -1,24 +1,34 @@
-//! The host emulator as an [`Executor`]: the whole-model CUDA sources
-//! ([`nvrtc::WHOLE_MODEL_SOURCES`]) compiled by the host's C++ compiler against
-//! `kernels/emulator/emu.h` into a shared library, loaded into this process. Device memory is
-//! host memory, a launch runs its blocks one after another (one std::thread per CUDA thread),
-//! and a GEMM is a plain f32-accumulating loop standing in for cuBLAS.
+//! The host emulator as an [`Executor`]: every CUDA source ([`nvrtc::SOURCES`]) compiled by the
+//! host's C++ compiler against `kernels/emulator/emu.h` into a shared library, loaded into this
+//! process. Device memory is host memory (shared anonymous mappings, so that the processes of a
+//! concurrent grid see it), a launch runs its blocks one after another (one std::thread per CUDA
+//! thread), or all at once as forked processes ([`EmulatorSettings::concurrent_blocks`]), and a
+//! GEMM is a plain f32-accumulating loop standing in for cuBLAS. Every call runs to completion
+//! before it returns, so streams are names and events timestamps.
 //!
 //! What it shows: the kernels' arithmetic, indexing and block-level synchronisation, run from the
-//! same host code as on a GPU. What it cannot: the GPU's memory ordering, timing, or a cuBLAS
-//! call's exact summation order (the reference GEMM is a different order, within f32 rounding).
+//! same host code as on a GPU. What it cannot: the GPU's memory ordering and stream concurrency,
+//! timing, or a cuBLAS call's exact summation order (the reference GEMM is a different order,
+//! within f32 rounding).
 
 use super::executor::{
-    DType, DeviceBuffer, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs, WeightLayout,
+    DType, DeviceBuffer, Event, EventInner, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs,
+    Stream, WeightLayout,
 };
+use super::host_memory::Mapping;
 use crate::cuda::{nvrtc, CudaError};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 const EMU_H: &str = include_str!("../../../emulator/emu.h");
 const LAUNCH_CPP: &str = include_str!("../../../emulator/launch.cpp");
+
+/// Dynamic shared memory a block may take: an H100's opt-in maximum.
+const SHARED_LIMIT: usize = 227 * 1024;
 
 /// Why the emulator could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +41,44 @@ pub enum EmulatorUnavailable {
     Io(String),
 }
 
+/// What the emulation of a launch may change; `EmuSettings` in `launch.cpp`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmulatorSettings {
+    /// 1: the blocks of a grid run at once, each a forked process (one-dimensional grids).
+    pub concurrent_blocks: u32,
+    /// Microseconds every system-scope fence stalls before it completes: holds producers back
+    /// so that consumers in other blocks really wait.
+    pub fence_delay_us: u32,
+    /// How long the replica stream waits for a relay chunk before it declares the stream broken
+    /// (`TILE_STALL_NS` on a GPU).
+    pub tile_stall_ns: u64,
+    /// 1: the quota solver picks targets by packed 32-bit keys where they fit (as on a GPU); 0:
+    /// always by the shuffle tree.
+    pub packed_keys: u32,
+    reserved: u32,
+}
+
+impl Default for EmulatorSettings {
+    fn default() -> Self {
+        Self {
+            concurrent_blocks: 0,
+            fence_delay_us: 0,
+            tile_stall_ns: 5_000_000_000,
+            packed_keys: 1,
+            reserved: 0,
+        }
+    }
+}
+
+/// What one launch observed (`EmuStats` in `launch.cpp`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct LaunchStats {
+    backoffs: u64,
+    max_warp_ops: u64,
+}
+
 type LaunchFn = unsafe extern "C" fn(
     *const c_char,
     c_uint,
@@ -39,15 +87,26 @@ type LaunchFn = unsafe extern "C" fn(
     c_uint,
     c_ulonglong,
     *mut *mut c_void,
+    *const EmulatorSettings,
+    *mut LaunchStats,
 ) -> c_int;
 
-/// The whole-model kernels on the CPU.
-pub struct Emulator {
+/// The library every [`Emulator`] of a process shares.
+struct Library {
     _library: libloading::Library,
     launch: LaunchFn,
     /// The emulation keeps a launch's state in globals of the library: one launch at a time.
     running: Mutex<()>,
     path: PathBuf,
+}
+
+/// Every kernel on the CPU.
+pub struct Emulator {
+    library: Arc<Library>,
+    settings: EmulatorSettings,
+    streams: AtomicUsize,
+    backoffs: AtomicU64,
+    max_warp_ops: AtomicU64,
 }
 
 impl Emulator {
@@ -69,6 +128,30 @@ impl Emulator {
                 }
             })
             .clone()
+    }
+
+    /// An emulator over the same library whose launches run with `settings` (its own streams
+    /// and counters): a test's emulation settings never reach another test's launches.
+    pub fn with_settings(&self, settings: EmulatorSettings) -> Emulator {
+        Emulator {
+            library: Arc::clone(&self.library),
+            settings,
+            streams: AtomicUsize::new(1),
+            backoffs: AtomicU64::new(0),
+            max_warp_ops: AtomicU64::new(0),
+        }
+    }
+
+    /// Wait-loop back-offs (`__nanosleep`) of this emulator's launches so far, over every block.
+    pub fn backoffs(&self) -> u64 {
+        self.backoffs.load(Ordering::Relaxed)
+    }
+
+    /// The most warp-synchronous operations (shuffles, reductions, warp barriers) one thread ran
+    /// in one launch of this emulator so far: the length of a kernel's warp-level critical
+    /// path, a count and not a time.
+    pub fn max_warp_ops(&self) -> u64 {
+        self.max_warp_ops.load(Ordering::Relaxed)
     }
 
     /// Builds the emulator library in `dir` (reused when the same sources were built there
@@ -127,25 +210,33 @@ impl Emulator {
         let launch = unsafe { library.get::<LaunchFn>(b"emu_launch\0") }
             .map(|f| *f)
             .map_err(|e| EmulatorUnavailable::Io(e.to_string()))?;
-        Ok(Self {
+        let library = Library {
             _library: library,
             launch,
             running: Mutex::new(()),
             path: lib,
+        };
+        Ok(Self {
+            library: Arc::new(library),
+            settings: EmulatorSettings::default(),
+            streams: AtomicUsize::new(1),
+            backoffs: AtomicU64::new(0),
+            max_warp_ops: AtomicU64::new(0),
         })
     }
 }
 
-/// The whole-model sources as host C++ (`kernels.inc`) and their launch table (`entries.inc`).
+/// Every source as host C++ (`kernels.inc`) and its launch table (`entries.inc`).
 fn host_sources() -> (String, String) {
-    let prelude = nvrtc::MODEL
+    let prelude = nvrtc::QUOTA_SOLVER
         .program()
         .split_once("#line 1")
         .map(|(prelude, _)| prelude.to_string())
         .unwrap_or_default();
-    let mut kernels = prelude;
+    // The replica stream's stall limit is the emulator's, set per launch.
+    let mut kernels = prelude + "#define TILE_STALL_NS g_tile_stall_ns\n";
     let mut entries = String::new();
-    for source in nvrtc::WHOLE_MODEL_SOURCES {
+    for source in nvrtc::SOURCES {
         kernels += &format!("#line 1 \"{}\"\n{}\n", source.file, source.source);
         for entry in source.entry_points {
             entries += &format!("KERNEL({entry})\n");
@@ -168,21 +259,53 @@ fn fnv1a(text: &str) -> u64 {
     })
 }
 
+impl Emulator {
+    fn check_stream(&self, stream: Stream) -> Result<(), CudaError> {
+        if stream.0 < self.streams.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err(CudaError::Exec(format!(
+                "{stream:?} was not made by this executor"
+            )))
+        }
+    }
+}
+
 impl Executor for Emulator {
     fn describe(&self) -> String {
-        format!("host emulator ({})", self.path.display())
+        format!("host emulator ({})", self.library.path.display())
     }
 
-    fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {
-        let memory = vec![0u128; bytes.div_ceil(16).max(1)].into_boxed_slice();
+    fn multiprocessors(&self) -> u32 {
+        1
+    }
+
+    fn shared_limit(&self, _kernel: &str) -> Result<usize, CudaError> {
+        Ok(SHARED_LIMIT)
+    }
+
+    fn new_stream(&self) -> Result<Stream, CudaError> {
+        Ok(Stream(self.streams.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    fn alloc_zeroed_on(&self, stream: Stream, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        self.check_stream(stream)?;
+        let memory = Mapping::new(bytes)?;
         Ok(DeviceBuffer {
-            ptr: memory.as_ptr() as u64,
+            ptr: memory.address(),
             bytes,
             _owner: Owner::Host(memory),
         })
     }
 
-    fn write(&self, dst: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), CudaError> {
+    fn write_on(
+        &self,
+        stream: Stream,
+        dst: &DeviceBuffer,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
         dst.check(offset, bytes.len())?;
         // SAFETY: checked to lie inside `dst`, host memory this emulator allocated.
         unsafe {
@@ -191,27 +314,44 @@ impl Executor for Emulator {
         Ok(())
     }
 
-    fn read(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+    fn read_on(
+        &self,
+        stream: Stream,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
         src.check(offset, out.len())?;
-        // SAFETY: as in `write`.
+        // SAFETY: as in `write_on`.
         unsafe {
             std::ptr::copy_nonoverlapping(src.at(offset) as *const u8, out.as_mut_ptr(), out.len());
         }
         Ok(())
     }
 
-    fn synchronize(&self) -> Result<(), CudaError> {
-        Ok(()) // every launch and GEMM has finished when its call returns
-    }
-
-    fn copy(
+    fn zero_on(
         &self,
-        src: &DeviceBuffer,
-        src_offset: usize,
+        stream: Stream,
         dst: &DeviceBuffer,
-        dst_offset: usize,
+        offset: usize,
         bytes: usize,
     ) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
+        dst.check(offset, bytes)?;
+        // SAFETY: as in `write_on`.
+        unsafe { std::ptr::write_bytes(dst.at(offset) as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn copy_on(
+        &self,
+        stream: Stream,
+        (src, src_offset): (&DeviceBuffer, usize),
+        (dst, dst_offset): (&DeviceBuffer, usize),
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
         src.check(src_offset, bytes)?;
         dst.check(dst_offset, bytes)?;
         // SAFETY: both ranges lie inside host memory this emulator allocated (checked); `copy`
@@ -226,35 +366,60 @@ impl Executor for Emulator {
         Ok(())
     }
 
-    unsafe fn launch(
+    unsafe fn launch_on(
         &self,
+        stream: Stream,
         kernel: &str,
         launch: Launch,
         args: &[KernelArg],
     ) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
+        if launch.shared_bytes as usize > SHARED_LIMIT {
+            return Err(CudaError::SharedMemory {
+                what: "a kernel launch",
+                needed: launch.shared_bytes as usize,
+                limit: SHARED_LIMIT,
+            });
+        }
         let name =
             CString::new(kernel).map_err(|_| CudaError::Exec("kernel name holds a NUL".into()))?;
         let mut packed = PackedArgs::new(args);
         let mut pointers = packed.pointers();
         let [gx, gy, gz] = launch.grid;
-        let _one_at_a_time = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the caller vouches for the arguments (this function's contract); the library
-        // reads `pointers.len()` parameters of the kernel's own types.
-        let status = unsafe {
-            (self.launch)(
-                name.as_ptr(),
-                gx,
-                gy,
-                gz,
-                launch.block,
-                u64::from(launch.shared_bytes),
-                pointers.as_mut_ptr(),
-            )
+        let mut stats = LaunchStats::default();
+        let status = {
+            let _one_at_a_time = self
+                .library
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the caller vouches for the arguments (this function's contract); the
+            // library reads `pointers.len()` parameters of the kernel's own types, the settings
+            // and writes the stats, both live across the call.
+            unsafe {
+                (self.library.launch)(
+                    name.as_ptr(),
+                    gx,
+                    gy,
+                    gz,
+                    launch.block,
+                    u64::from(launch.shared_bytes),
+                    pointers.as_mut_ptr(),
+                    &self.settings,
+                    &mut stats,
+                )
+            }
         };
+        self.backoffs.fetch_add(stats.backoffs, Ordering::Relaxed);
+        self.max_warp_ops
+            .fetch_max(stats.max_warp_ops, Ordering::Relaxed);
         match status {
             0 => Ok(()),
             1 => Err(CudaError::Exec(format!(
                 "the emulator has no kernel '{kernel}'"
+            ))),
+            3 => Err(CudaError::Exec(format!(
+                "{kernel}: a block of a concurrent grid died"
             ))),
             _ => Err(CudaError::Exec(format!(
                 "{kernel}: unrunnable launch {launch:?}"
@@ -262,12 +427,42 @@ impl Executor for Emulator {
         }
     }
 
-    unsafe fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError> {
+    unsafe fn gemm_on(&self, stream: Stream, gemm: &Gemm) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
         gemm.check()?;
         // SAFETY: the caller vouches that every operand addresses host memory of this emulator
         // holding the described matrices (this function's contract).
         unsafe { reference_gemm(gemm) };
         Ok(())
+    }
+
+    fn record(&self, stream: Stream) -> Result<Event, CudaError> {
+        self.check_stream(stream)?;
+        Ok(Event {
+            inner: EventInner::Host(Instant::now()),
+        })
+    }
+
+    fn wait_for(&self, stream: Stream, event: &Event) -> Result<(), CudaError> {
+        self.check_stream(stream)?;
+        match event.inner {
+            // Recorded after its work had run: nothing to wait for.
+            EventInner::Host(_) => Ok(()),
+            EventInner::Device(_) => Err(CudaError::Exec("an event of another executor".into())),
+        }
+    }
+
+    fn elapsed(&self, from: &Event, to: &Event) -> Result<Duration, CudaError> {
+        match (&from.inner, &to.inner) {
+            (EventInner::Host(from), EventInner::Host(to)) => {
+                Ok(to.saturating_duration_since(*from))
+            }
+            _ => Err(CudaError::Exec("an event of another executor".into())),
+        }
+    }
+
+    fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(()) // every launch and GEMM has finished when its call returns
     }
 }
 

@@ -12,8 +12,9 @@ pub struct DeviceBuffer {
 
 /// What keeps a buffer's memory alive.
 pub(super) enum Owner {
-    /// Host memory standing in for device memory (the emulator), 16-byte aligned.
-    Host(#[allow(dead_code)] Box<[u128]>),
+    /// A shared anonymous mapping of host memory standing in for device memory (the emulator):
+    /// page-aligned, and visible to the processes a concurrent grid forks.
+    Host(#[allow(dead_code)] super::host_memory::Mapping),
     /// A CUDA allocation.
     Device(#[allow(dead_code)] cudarc::driver::CudaSlice<u8>),
 }
@@ -60,6 +61,60 @@ pub enum KernelArg {
     I32(i32),
     F32(f32),
     U64(u64),
+    /// A struct passed by value ([`KernelArg::params`]).
+    Struct(ParamBytes),
+}
+
+impl KernelArg {
+    /// A `repr(C)` parameter struct passed by value, byte for byte.
+    pub fn params<T: KernelParams>(value: &T) -> Self {
+        Self::Struct(ParamBytes::of(value))
+    }
+}
+
+/// A `repr(C)` struct of plain integers laid out exactly as a kernel's parameter struct, so it
+/// can be passed by value as that parameter.
+///
+/// # Safety
+/// The type must be `repr(C)`, hold no padding, pointers or references, and be at most
+/// [`ParamBytes::CAPACITY`] bytes.
+pub unsafe trait KernelParams: Copy {}
+
+/// The bytes of a by-value struct parameter, 8-byte aligned (at most [`Self::CAPACITY`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParamBytes {
+    words: [u64; 16],
+    len: usize,
+}
+
+impl ParamBytes {
+    /// The largest struct parameter.
+    pub const CAPACITY: usize = 128;
+
+    fn of<T: KernelParams>(value: &T) -> Self {
+        let len = std::mem::size_of::<T>();
+        assert!(
+            len <= Self::CAPACITY,
+            "a kernel parameter struct of {len} bytes"
+        );
+        let mut words = [0u64; 16];
+        // SAFETY: `T` is plain bytes without padding (the `KernelParams` contract) and fits the
+        // words (asserted); the regions do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (value as *const T).cast::<u8>(),
+                words.as_mut_ptr().cast::<u8>(),
+                len,
+            );
+        }
+        Self { words, len }
+    }
+
+    /// The struct's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` bytes of the words were written from the struct (at most their size).
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
 }
 
 impl From<&DeviceBuffer> for KernelArg {
@@ -70,31 +125,61 @@ impl From<&DeviceBuffer> for KernelArg {
 
 /// The parameter values laid out for `cuLaunchKernel`: `pointers()[i]` points at parameter i.
 pub(super) struct PackedArgs {
-    values: Vec<u64>,
+    values: Vec<[u64; 16]>,
 }
 
 impl PackedArgs {
     pub(super) fn new(args: &[KernelArg]) -> Self {
         let values = args
             .iter()
-            .map(|a| match *a {
-                KernelArg::Ptr(p) | KernelArg::U64(p) => p,
-                KernelArg::U32(v) => u64::from(v),
-                KernelArg::I32(v) => u64::from(v as u32),
-                KernelArg::F32(v) => u64::from(v.to_bits()),
+            .map(|a| {
+                let mut slot = [0u64; 16];
+                slot[0] = match *a {
+                    KernelArg::Ptr(p) | KernelArg::U64(p) => p,
+                    KernelArg::U32(v) => u64::from(v),
+                    KernelArg::I32(v) => u64::from(v as u32),
+                    KernelArg::F32(v) => u64::from(v.to_bits()),
+                    KernelArg::Struct(bytes) => return bytes.words,
+                };
+                slot
             })
             .collect();
         Self { values }
     }
 
-    /// One pointer per parameter; each 8-byte slot holds a 4-byte parameter in its first bytes
-    /// (little-endian), where the kernel reads it.
+    /// One pointer per parameter; each slot holds a 4-byte parameter in its first bytes
+    /// (little-endian), where the kernel reads it, and a struct parameter as its bytes.
     pub(super) fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
         self.values
             .iter_mut()
-            .map(|v| (v as *mut u64).cast())
+            .map(|v| v.as_mut_ptr().cast())
             .collect()
     }
+}
+
+/// An ordered queue of device work on an [`Executor`]: what is queued on one stream runs in
+/// order; work on two streams runs concurrently, ordered only by the [`Event`]s one waits for.
+/// [`Stream::MAIN`] is every executor's first stream, the one the methods without a stream
+/// use; [`Executor::new_stream`] makes more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Stream(pub(super) usize);
+
+impl Stream {
+    /// The executor's first stream.
+    pub const MAIN: Stream = Stream(0);
+}
+
+/// A point in a stream's work, recorded by [`Executor::record`]: another stream can wait for
+/// it ([`Executor::wait_for`]) and two of them time what ran between ([`Executor::elapsed`]).
+pub struct Event {
+    pub(super) inner: EventInner,
+}
+
+pub(super) enum EventInner {
+    /// A CUDA event (timing enabled).
+    Device(cudarc::driver::CudaEvent),
+    /// The emulator runs every call to completion: the time it was recorded.
+    Host(std::time::Instant),
 }
 
 /// A launch's geometry: a grid of up to three dimensions of 1-D blocks.
@@ -226,26 +311,115 @@ impl Gemm {
     }
 }
 
-/// Runs kernels and GEMMs on one device (a GPU, or the host emulator), in order: every call is
-/// queued on one stream, and reads ([`Executor::read`]) wait for what was queued before them.
+/// Runs kernels, copies and GEMMs on one device (a GPU, or the host emulator), queued on
+/// [`Stream`]s: in order on each, concurrently across them, ordered by [`Event`]s. The methods
+/// without a stream argument use [`Stream::MAIN`]; reads wait for what their stream queued.
+///
+/// Buffers used on several streams must be ordered by events before the one that frees them
+/// drops them: a buffer's memory goes back to the device in the order of the stream it was
+/// allocated on ([`Executor::alloc_zeroed_on`]).
 pub trait Executor: Send + Sync {
     /// What runs the kernels, for logs ("NVIDIA H100 (sm_90)", "host emulator").
     fn describe(&self) -> String;
 
-    /// `bytes` of zeroed device memory.
-    fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, CudaError>;
+    /// Streaming multiprocessors (what sizes a persistent grid; 1 on the emulator).
+    fn multiprocessors(&self) -> u32;
 
-    /// Copies `bytes` into `dst` at `offset`.
-    fn write(&self, dst: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), CudaError>;
+    /// The most dynamic shared memory one block of `kernel` may take, in bytes.
+    fn shared_limit(&self, kernel: &str) -> Result<usize, CudaError>;
 
-    /// Copies `out.len()` bytes from `src` at `offset`, after all queued work.
-    fn read(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CudaError>;
+    /// A new stream, starting after everything [`Stream::MAIN`] has queued so far.
+    fn new_stream(&self) -> Result<Stream, CudaError>;
 
-    /// Waits for everything queued so far (what a phase's wall time is measured to).
-    fn synchronize(&self) -> Result<(), CudaError>;
+    /// `bytes` of zeroed device memory, allocated (and later freed) in `stream`'s order.
+    fn alloc_zeroed_on(&self, stream: Stream, bytes: usize) -> Result<DeviceBuffer, CudaError>;
+
+    /// Copies `bytes` into `dst` at `offset` after the work `stream` queued; returns once done.
+    fn write_on(
+        &self,
+        stream: Stream,
+        dst: &DeviceBuffer,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), CudaError>;
+
+    /// Copies `out.len()` bytes from `src` at `offset`, after the work `stream` queued.
+    fn read_on(
+        &self,
+        stream: Stream,
+        src: &DeviceBuffer,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), CudaError>;
+
+    /// Queues zeroing `bytes` of `dst` from `offset`.
+    fn zero_on(
+        &self,
+        stream: Stream,
+        dst: &DeviceBuffer,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(), CudaError>;
 
     /// Queues a device-to-device copy of `bytes` from `src` at `src_offset` to `dst` at
     /// `dst_offset` (what moves rows between the buffers of ranks sharing a device).
+    fn copy_on(
+        &self,
+        stream: Stream,
+        src: (&DeviceBuffer, usize),
+        dst: (&DeviceBuffer, usize),
+        bytes: usize,
+    ) -> Result<(), CudaError>;
+
+    /// Queues kernel `kernel` with `args` on `stream`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number and type, and every pointer must
+    /// address device memory large enough for what the kernel reads and writes at that launch,
+    /// alive until the kernel has run.
+    unsafe fn launch_on(
+        &self,
+        stream: Stream,
+        kernel: &str,
+        launch: Launch,
+        args: &[KernelArg],
+    ) -> Result<(), CudaError>;
+
+    /// Queues `gemm` on `stream`.
+    ///
+    /// # Safety
+    /// Every operand must address device memory holding the matrices its sizes and strides
+    /// describe, alive until the product has run.
+    unsafe fn gemm_on(&self, stream: Stream, gemm: &Gemm) -> Result<(), CudaError>;
+
+    /// An event after everything `stream` queued so far.
+    fn record(&self, stream: Stream) -> Result<Event, CudaError>;
+
+    /// Makes `stream`'s later work wait for `event`.
+    fn wait_for(&self, stream: Stream, event: &Event) -> Result<(), CudaError>;
+
+    /// The device time between two events of one stream (waits for `to`).
+    fn elapsed(&self, from: &Event, to: &Event) -> Result<std::time::Duration, CudaError>;
+
+    /// Waits for everything queued on every stream.
+    fn synchronize(&self) -> Result<(), CudaError>;
+
+    /// [`Self::alloc_zeroed_on`] the main stream.
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        self.alloc_zeroed_on(Stream::MAIN, bytes)
+    }
+
+    /// [`Self::write_on`] the main stream.
+    fn write(&self, dst: &DeviceBuffer, offset: usize, bytes: &[u8]) -> Result<(), CudaError> {
+        self.write_on(Stream::MAIN, dst, offset, bytes)
+    }
+
+    /// [`Self::read_on`] the main stream.
+    fn read(&self, src: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        self.read_on(Stream::MAIN, src, offset, out)
+    }
+
+    /// [`Self::copy_on`] the main stream.
     fn copy(
         &self,
         src: &DeviceBuffer,
@@ -253,35 +427,50 @@ pub trait Executor: Send + Sync {
         dst: &DeviceBuffer,
         dst_offset: usize,
         bytes: usize,
-    ) -> Result<(), CudaError>;
+    ) -> Result<(), CudaError> {
+        self.copy_on(Stream::MAIN, (src, src_offset), (dst, dst_offset), bytes)
+    }
 
-    /// Queues kernel `kernel` with `args`.
+    /// [`Self::launch_on`] the main stream.
     ///
     /// # Safety
-    /// `args` must match the kernel's parameters in number and type, and every pointer must
-    /// address device memory large enough for what the kernel reads and writes at that launch.
+    /// As [`Self::launch_on`].
     unsafe fn launch(
         &self,
         kernel: &str,
         launch: Launch,
         args: &[KernelArg],
-    ) -> Result<(), CudaError>;
+    ) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_on(Stream::MAIN, kernel, launch, args) }
+    }
 
-    /// Queues `gemm`.
+    /// [`Self::gemm_on`] the main stream.
     ///
     /// # Safety
-    /// Every operand must address device memory holding the matrices its sizes and strides
-    /// describe.
-    unsafe fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError>;
+    /// As [`Self::gemm_on`].
+    unsafe fn gemm(&self, gemm: &Gemm) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_on(Stream::MAIN, gemm) }
+    }
 }
 
 /// Typed uploads and downloads for any [`Executor`].
 pub trait ExecutorExt: Executor {
     /// A new buffer holding `bytes`.
     fn upload(&self, bytes: &[u8]) -> Result<DeviceBuffer, CudaError> {
-        let buffer = self.alloc_zeroed(bytes.len())?;
-        self.write(&buffer, 0, bytes)?;
+        self.upload_on(Stream::MAIN, bytes)
+    }
+
+    /// A new buffer holding `bytes`, allocated in `stream`'s order.
+    fn upload_on(&self, stream: Stream, bytes: &[u8]) -> Result<DeviceBuffer, CudaError> {
+        let buffer = self.alloc_zeroed_on(stream, bytes.len())?;
+        self.write_on(stream, &buffer, 0, bytes)?;
         Ok(buffer)
+    }
+
+    fn upload_u64(&self, values: &[u64]) -> Result<DeviceBuffer, CudaError> {
+        self.upload(&le_bytes(values.iter().map(|v| v.to_le_bytes())))
     }
 
     fn upload_f32(&self, values: &[f32]) -> Result<DeviceBuffer, CudaError> {
@@ -319,11 +508,26 @@ pub trait ExecutorExt: Executor {
     }
 
     fn download_u32(&self, src: &DeviceBuffer) -> Result<Vec<u32>, CudaError> {
+        self.download_u32_on(Stream::MAIN, src)
+    }
+
+    /// The buffer's `u32`s, after the work `stream` queued.
+    fn download_u32_on(&self, stream: Stream, src: &DeviceBuffer) -> Result<Vec<u32>, CudaError> {
         let mut bytes = vec![0u8; src.bytes() / 4 * 4];
-        self.read(src, 0, &mut bytes)?;
+        self.read_on(stream, src, 0, &mut bytes)?;
         Ok(bytes
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// The buffer's `u64`s, after the work `stream` queued.
+    fn download_u64_on(&self, stream: Stream, src: &DeviceBuffer) -> Result<Vec<u64>, CudaError> {
+        let mut bytes = vec![0u8; src.bytes() / 8 * 8];
+        self.read_on(stream, src, 0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
             .collect())
     }
 }

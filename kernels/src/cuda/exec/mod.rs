@@ -1,8 +1,9 @@
-//! Running the whole-model kernels: one [`Executor`] interface with two implementations, the
-//! GPU ([`GpuExecutor`]: NVRTC-compiled kernels through the driver API, cuBLAS for GEMMs) and the
-//! host emulator ([`Emulator`]: the same CUDA C sources compiled as C++ and run block by block on
-//! the CPU, a reference GEMM in Rust). Code written against [`Executor`] (the GPU model in
-//! `rackfill-models`) therefore runs unchanged, and is checked, on machines without a GPU.
+//! Running the kernels: one [`Executor`] interface with two implementations, the GPU
+//! ([`GpuExecutor`]: NVRTC-compiled kernels through the driver API, cuBLAS for GEMMs, streams and
+//! events) and the host emulator ([`Emulator`]: the same CUDA C sources compiled as C++ and run
+//! on the CPU, a reference GEMM in Rust). Code written against [`Executor`] (the GPU model in
+//! `rackfill-models`, the MoE data plane in [`super::moe`]) therefore runs unchanged, and is
+//! checked, on machines without a GPU. cudarc's types appear only beneath it.
 //!
 //! Memory is raw: a [`DeviceBuffer`] is a device address and a length, kernels take
 //! [`KernelArg`]s exactly as `cuLaunchKernel` takes parameters, and GEMMs are described by
@@ -11,14 +12,15 @@
 //! enough, as with any CUDA launch.
 
 mod available;
-mod device;
 mod emulated;
 mod executor;
+mod gpu;
+mod host_memory;
 
 pub use available::{available, REQUIRE_GPU_ENV};
-pub use device::GpuExecutor;
-pub use emulated::{Emulator, EmulatorUnavailable};
+pub use emulated::{Emulator, EmulatorSettings, EmulatorUnavailable};
 pub use executor::{
-    bf16_to_f32, f32_to_bf16, round_bf16, DType, DeviceBuffer, Executor, ExecutorExt, Gemm,
-    KernelArg, Launch, MatrixRef, WeightLayout,
+    bf16_to_f32, f32_to_bf16, round_bf16, DType, DeviceBuffer, Event, Executor, ExecutorExt, Gemm,
+    KernelArg, KernelParams, Launch, MatrixRef, ParamBytes, Stream, WeightLayout,
 };
+pub use gpu::GpuExecutor;

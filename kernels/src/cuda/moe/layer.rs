@@ -1,467 +1,690 @@
-//! One MoE layer on a [`GpuMoe`], in three stages that queue their work and hand a
-//! [`LayerInFlight`] on: [`GpuMoe::dispatch_layer`] (replicas queued on the replica stream,
-//! inputs uploaded, tokens permuted and exchanged), [`GpuMoe::experts_layer`] (the grouped
-//! GEMMs: main instances, then each replica instance behind its own slot's wait) and
-//! [`GpuMoe::combine_layer`] (outputs back, weighted sum, download). Between stages nothing waits
-//! on the host, so two micro-batches on two lanes ([`GpuMoe::another_lane`]) keep the device
-//! busy with one while the host queues the other.
+//! One MoE layer on a [`MoeLane`], in stages the engine interleaves with other work (the other
+//! micro-batch's, in a two-batch step):
+//!
+//! 1. [`MoeLane::count`]: each local rank's pairs ranked among their expert's, which counts them
+//!    too: the `ranks x E` load matrix is the one host copy before the plan;
+//! 2. [`MoeLane::solve`] (quota balancers): the plan solved on the device, the replication
+//!    queued right behind it from the plan where the solver left it, and the host's copy of the
+//!    plan downloaded on a side stream while the replicas stream;
+//! 3. [`MoeLane::send`]: the replication (unless the solve queued it), then token assignment by
+//!    cumulative quota on every local source and the dispatch into each destination's receive
+//!    buffer (device copies between ranks here, host buffers and the group's transport to
+//!    ranks elsewhere). With pipelined experts it does not wait for the replicas;
+//! 4. [`MoeLane::experts`]: per destination, rows grouped by instance, main instances' GEMMs
+//!    first, then each replica's behind a wait for its own slot's landed bytes;
+//! 5. [`MoeLane::combine`]: outputs back into each source's send layout, their router-weighted
+//!    sum in top-k order added into the block's output, the replication checked.
+//!
+//! The rows each instance receives follow from the plan's split and the gathered counts
+//! ([`Routes`]), so every copy and GEMM is sized on the host without reading anything back.
 
-use super::plane::{
-    f32_view, plan_on_device, GpuMoe, GpuPhases, LayerRun, RankInput, Replication, Solved,
-};
-use crate::cuda::exchange::{Exchange, ReceivedRows};
-use crate::cuda::gemm::{GemmGroup, WeightOrder};
-use crate::cuda::permute::{self, DeviceDispatch, Received, Routed};
-use crate::cuda::{instance_offsets, to_u32, CudaError, DevicePlan, Gpu};
-use crate::permute::check_len;
-use crate::weights::{weight_source, WeightSource};
-use crate::KernelError;
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
-use rackfill_balancer::{Plan, PlanViolation};
 use std::time::Duration;
+
+use rackfill_balancer::{LoadMatrix, Plan, PlanViolation};
+
+use super::super::exec::{DeviceBuffer, Event, Executor, ExecutorExt, Stream};
+use super::super::{CudaError, DevicePlan};
+use super::plane::{MoeLane, Replication, SolvedOnDevice, Streamed};
+use super::remote::HostExchange;
+use super::routes::{check, Routes};
+use super::steps::{GroupWork, Received, Sent, Source, Steps};
+use crate::KernelError;
+
+/// One MoE layer's routed rows of a batch on the device, every local rank's rows one after
+/// another, as the model's router leaves them. A layer owns them from [`MoeLane::send`] until
+/// [`MoeLane::combine`] hands them back with the routed experts' sum added into `output`.
+pub struct RoutedRows {
+    /// bf16 `[rows, H]`: the normalised FFN inputs.
+    pub x: DeviceBuffer,
+    /// u32 `[rows, top_k]`: expert ids.
+    pub experts: DeviceBuffer,
+    /// f32 `[rows, top_k]`: router weights.
+    pub weights: DeviceBuffer,
+    /// f32 `[rows, H]`: where the routed sum is added (holding the shared experts' output).
+    pub output: DeviceBuffer,
+    /// Rows of each local rank, in rank order (they sum to `rows`).
+    pub rank_rows: Vec<usize>,
+    pub top_k: usize,
+    /// The stream that wrote them, which reads `output` after the combine.
+    pub stream: Stream,
+}
+
+impl RoutedRows {
+    /// Each local rank's range of pairs (token-major, `top_k` per row), in rank order.
+    fn rank_pairs(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        let k = self.top_k;
+        self.rank_rows.iter().scan(0, move |start, &rows| {
+            let range = *start * k..(*start + rows) * k;
+            *start += rows;
+            Some(range)
+        })
+    }
+}
+
+/// What [`MoeLane::count`] found: the local ranks' rows of the load matrix, and each pair's rank
+/// among its expert's pairs on its source (kept on the device for the dispatch).
+pub struct Counted {
+    /// `[local rank][expert]`: pairs.
+    pub counts: Vec<Vec<u64>>,
+    /// Per local rank: u32 `[rows_r * top_k]` (`None` without rows).
+    occurrence: Vec<Option<DeviceBuffer>>,
+}
 
 /// A layer between its stages: everything the next stage reads, on the device.
 pub struct LayerInFlight {
     layer: usize,
     plan: Plan,
-    top_k: usize,
-    /// The device plan is the solver's (else the uploaded one).
-    solved: bool,
-    /// Events of the replication (on the replica stream); timing events around the dispatch and
-    /// the experts (on the main stream).
+    /// The plan the permute and grouping read: the solver's (`None`) or this one, uploaded.
+    uploaded: Option<DevicePlan>,
+    routes: Routes,
     replication: Replication,
-    dispatch: (CudaEvent, CudaEvent),
-    experts: Option<(CudaEvent, CudaEvent)>,
-    sources: Vec<Option<SourceRows>>,
-    dispatches: Vec<Option<DeviceDispatch>>,
-    exchange: Exchange,
-    received: Vec<Option<ReceivedRows>>,
-    /// Per rank: its outputs in received order, once the experts ran.
-    computed: Vec<Option<CudaSlice<f32>>>,
+    rows: RoutedRows,
+    occurrence: Vec<Option<DeviceBuffer>>,
+    /// Per local source: its send layout.
+    sent: Vec<Option<Sent>>,
+    /// Per local destination: what it received.
+    received: Vec<Option<Received>>,
+    /// Per local destination: its outputs in received order, once the experts ran.
+    computed: Vec<Option<DeviceBuffer>>,
+    dispatch: (Event, Event),
+    experts: Option<(Event, Event)>,
 }
 
-/// Events that time device work (the default flags; the driver's `CU_EVENT_DISABLE_TIMING`
-/// would make `elapsed_ms` fail).
-const TIMING: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
+/// What one layer moved, and the events that time its phases on the device.
+pub struct LayerRun {
+    /// Per local rank: token bytes received from other ranks (dispatched bf16 rows with their
+    /// expert and instance ids, then the f32 outputs of the rows it sent away).
+    pub token_recv_bytes: Vec<u64>,
+    /// Per local rank: replica weight bytes received.
+    pub replica_recv_bytes: Vec<u64>,
+    pub timing: LayerTiming,
+}
 
-impl GpuMoe {
-    /// Stage 1 of MoE layer `layer` (its index among the MoE layers) under `plan`: the
-    /// replication (already queued after [`Self::solve_layer`] for the same layer and plan; any
-    /// other plan is uploaded and distributed first), then every rank's `inputs` uploaded,
-    /// permuted by cumulative quotas and exchanged; without pipelined experts the dispatch waits
-    /// for the replicas.
-    pub fn dispatch_layer(
-        &mut self,
-        layer: usize,
-        plan: &Plan,
-        inputs: &[RankInput<'_>],
-        top_k: usize,
-    ) -> Result<LayerInFlight, CudaError> {
-        // The engine calls from its own threads; cuBLAS needs the context current there.
-        self.gpu.context().bind_to_thread()?;
-        let ranks = self.layout.ranks();
-        if inputs.len() != ranks {
-            return Err(KernelError::RankCount {
-                got: inputs.len(),
-                ranks,
-            }
-            .into());
-        }
-        if layer >= self.home_offsets.len() {
-            return Err(KernelError::OutOfRange {
-                what: "MoE layer",
-                value: layer as u64,
-                limit: self.home_offsets.len() as u64,
-            }
-            .into());
-        }
-        if (plan.ranks(), plan.experts(), plan.slots_per_rank())
-            != (ranks, self.layout.experts(), self.layout.slots_per_rank())
-        {
-            return Err(PlanViolation::Shape.into());
-        }
-        let (solved, replication) = match self.solved.take() {
-            Some(Solved {
-                layer: l,
-                plan: p,
-                replication,
-            }) if l == layer && p == *plan => (true, replication),
-            _ => {
-                self.uploaded = Some(DevicePlan::upload(&self.gpu, plan)?);
-                (false, self.start_replication(layer, false)?)
-            }
-        };
-        let s = self.gpu.stream();
-        if !self.pipelined {
-            s.wait(&replication.end)?;
-        }
-        let begin = s.record_event(TIMING)?;
-        let (device_plan, _) = plan_on_device(&self.solver, &self.uploaded, solved)?;
-        let sources = upload_inputs(&self.gpu, inputs, self.hidden, top_k)?;
-        let dispatches = sources
-            .iter()
-            .enumerate()
-            .map(|(rank, source)| {
-                source
-                    .as_ref()
-                    .map(|s| {
-                        let routed = Routed {
-                            x: &s.x,
-                            experts: &s.experts,
-                            pairs: s.pairs,
-                            hidden: self.hidden,
-                            top_k,
-                        };
-                        permute::permute_tokens(&self.gpu, device_plan, rank, routed)
-                    })
-                    .transpose()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let exchange = Exchange::new(&dispatches, ranks);
-        let received = (0..ranks)
-            .map(|dst| exchange.gather(&self.gpu, &dispatches, dst, self.hidden))
-            .collect::<Result<Vec<_>, _>>()?;
-        let end = s.record_event(TIMING)?;
-        Ok(LayerInFlight {
-            layer,
-            plan: plan.clone(),
-            top_k,
-            solved,
-            replication,
-            dispatch: (begin, end),
-            experts: None,
-            sources,
-            dispatches,
-            exchange,
-            received,
-            computed: Vec::new(),
+/// Events around each phase of a layer; [`LayerTiming::resolve`] reads the device times once the
+/// step's work has run (reading them earlier would wait for it).
+pub struct LayerTiming {
+    replicate: (Event, Event),
+    dispatch: (Event, Event),
+    experts: (Event, Event),
+    combine: (Event, Event),
+}
+
+/// Device time of each phase of a layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LayerPhases {
+    pub replicate: Duration,
+    pub dispatch: Duration,
+    pub experts: Duration,
+    pub combine: Duration,
+}
+
+impl LayerTiming {
+    /// The phases' device times (waits for the layer's work).
+    pub fn resolve(&self, exec: &dyn Executor) -> Result<LayerPhases, CudaError> {
+        let time = |(a, b): &(Event, Event)| exec.elapsed(a, b);
+        Ok(LayerPhases {
+            replicate: time(&self.replicate)?,
+            dispatch: time(&self.dispatch)?,
+            experts: time(&self.experts)?,
+            combine: time(&self.combine)?,
         })
     }
+}
 
-    /// Stage 2: every rank's main-expert GEMMs, then the replica instances', each behind a wait
-    /// for its own slot to have landed (with pipelined experts; otherwise the dispatch already
-    /// waited for the whole replication).
-    pub fn experts_layer(&self, flight: &mut LayerInFlight) -> Result<(), CudaError> {
-        self.gpu.context().bind_to_thread()?;
-        let s = self.gpu.stream();
-        let begin = s.record_event(TIMING)?;
-        let (device_plan, _) = plan_on_device(&self.solver, &self.uploaded, flight.solved)?;
-        let layer_plan = LayerPlan {
-            host: &flight.plan,
-            device: device_plan,
-            inst_offsets: &instance_offsets(&flight.plan)?,
+impl MoeLane {
+    fn steps(&self) -> Steps<'_> {
+        Steps {
+            exec: self.shared.exec.as_ref(),
+            stream: self.main,
+            hidden: self.shared.hidden,
+            inter: self.shared.inter,
+            experts: self.shared.layout.experts(),
+        }
+    }
+
+    fn check_rows(&self, rows: &RoutedRows) -> Result<(), CudaError> {
+        let shared = &self.shared;
+        if rows.rank_rows.len() != shared.local.len() {
+            return Err(KernelError::RankCount {
+                got: rows.rank_rows.len(),
+                ranks: shared.local.len(),
+            }
+            .into());
+        }
+        if rows.top_k == 0 {
+            return Err(KernelError::ZeroDimension { what: "top_k" }.into());
+        }
+        let n: usize = rows.rank_rows.iter().sum();
+        let pairs = n * rows.top_k;
+        let at_least = |what, len: usize, needed: usize| {
+            if len < needed {
+                Err(KernelError::Length {
+                    what,
+                    len,
+                    expected: needed,
+                })
+            } else {
+                Ok(())
+            }
         };
-        let mut pending = Vec::with_capacity(flight.received.len());
-        for (rank, recv) in flight.received.iter().enumerate() {
-            pending.push(match recv {
-                Some(recv) => Some(self.main_experts(flight.layer, &layer_plan, rank, recv)?),
-                None => None,
-            });
-        }
-        if self.pipelined {
-            // The slot waits read counters the replica stream zeroes first.
-            s.wait(&flight.replication.counters_clear)?;
-        }
-        flight.computed = pending
-            .into_iter()
-            .map(|p| p.map(|p| self.replica_experts(p)).transpose())
-            .collect::<Result<Vec<_>, _>>()?;
-        flight.experts = Some((begin, s.record_event(TIMING)?));
+        at_least("routed row bytes", rows.x.bytes(), n * shared.hidden * 2)?;
+        at_least("expert id bytes", rows.experts.bytes(), pairs * 4)?;
+        at_least("router weight bytes", rows.weights.bytes(), pairs * 4)?;
+        at_least("output bytes", rows.output.bytes(), n * shared.hidden * 4)?;
         Ok(())
     }
 
-    /// Stage 3: the outputs back into each source's send layout, the router-weighted sum in
-    /// top-k order, downloaded; then the replication is checked (a stalled relay, or with
-    /// verification a tile stream unlike the host compiler's, fails the layer) and the stages
-    /// timed.
-    pub fn combine_layer(&self, flight: LayerInFlight) -> Result<LayerRun, CudaError> {
-        self.gpu.context().bind_to_thread()?;
-        let (h, top_k) = (self.hidden, flight.top_k);
-        let Some(experts) = flight.experts else {
-            return Err(CudaError::StageOrder {
-                layer: flight.layer,
-                stage: "the combine",
-            });
+    /// Ranks every local rank's pairs among their expert's (token order, then top-k order) and
+    /// counts them: the local rows of the layer's load matrix, downloaded (`E + 2` words a
+    /// rank), the only host copy before the plan. An expert id out of range fails here.
+    pub fn count(&self, rows: &RoutedRows) -> Result<Counted, CudaError> {
+        self.check_rows(rows)?;
+        let exec = self.shared.exec.as_ref();
+        if rows.stream != self.main {
+            exec.wait_for(self.main, &exec.record(rows.stream)?)?;
+        }
+        let experts = self.shared.layout.experts();
+        let steps = self.steps();
+        let mut counted = Counted {
+            counts: Vec::with_capacity(rows.rank_rows.len()),
+            occurrence: Vec::with_capacity(rows.rank_rows.len()),
         };
-        let s = self.gpu.stream();
-        let begin = s.record_event(TIMING)?;
-        let mut outputs = Vec::with_capacity(flight.sources.len());
-        for (src, (source, dispatch)) in flight.sources.iter().zip(&flight.dispatches).enumerate() {
-            let (Some(source), Some(dispatch)) = (source, dispatch) else {
-                outputs.push(Vec::new());
+        for (index, pairs) in rows.rank_pairs().enumerate() {
+            if pairs.is_empty() {
+                counted.counts.push(vec![0; experts]);
+                counted.occurrence.push(None);
+                continue;
+            }
+            let ids = rows.experts.at(pairs.start * 4);
+            let ranked = steps.rank_by_key(ids, pairs.len(), experts)?;
+            let offsets = exec.download_u32_on(self.main, &ranked.offsets)?;
+            if offsets[experts + 1] != 0 {
+                return Err(CudaError::Exec(format!(
+                    "rank {}: {} routed expert ids are not below {experts}",
+                    self.shared.local.start + index,
+                    offsets[experts + 1]
+                )));
+            }
+            counted.counts.push(
+                offsets[..=experts]
+                    .windows(2)
+                    .map(|w| u64::from(w[1] - w[0]))
+                    .collect(),
+            );
+            counted.occurrence.push(Some(ranked.pos));
+        }
+        Ok(counted)
+    }
+
+    /// Whether this lane solves plans on the device.
+    pub fn has_solver(&self) -> bool {
+        self.solver.is_some()
+    }
+
+    /// Solves `load` for MoE layer `layer` on the device and, with every rank here and shared
+    /// slots, queues the layer's replication right behind it from the plan where the solver
+    /// left it. Returns the host's copy of the plan (validated, equal to the CPU planner's),
+    /// downloaded on a side stream while the replicas stream; `None` without a device solver.
+    pub fn solve(&mut self, layer: usize, load: &LoadMatrix) -> Result<Option<Plan>, CudaError> {
+        self.solved = None;
+        let Some(solver) = self.solver.as_mut() else {
+            return Ok(None);
+        };
+        let exec = self.shared.exec.clone();
+        solver.solve_on(self.main, load)?;
+        let solved = exec.record(self.main)?;
+        exec.wait_for(self.side, &solved)?;
+        let solver = self.solver.as_ref().expect("checked above");
+        let replication = self
+            .replicates_on_device()
+            .then(|| self.replicate_on_device(layer, solver.device_plan(), Some(solver.status())))
+            .transpose()?;
+        let (plan, _) = solver.download(self.side, load)?;
+        if let Some(mut replication) = replication {
+            replication.fills(self, &plan);
+            self.solved = Some(SolvedOnDevice {
+                layer,
+                plan: plan.clone(),
+                replication,
+            });
+        }
+        Ok(Some(plan))
+    }
+
+    /// Stage 1 of MoE layer `layer` (its index among the MoE layers) under `plan`, solved on
+    /// `load` (every rank's counts): the replication (already queued after [`Self::solve`] for
+    /// the same layer and plan), then token assignment on every local source and the dispatch.
+    /// `remote` moves what goes to ranks of other processes (required when there are any).
+    pub fn send(
+        &mut self,
+        (layer, plan, load): (usize, &Plan, &LoadMatrix),
+        rows: RoutedRows,
+        counted: Counted,
+        remote: Option<&dyn HostExchange>,
+    ) -> Result<LayerInFlight, CudaError> {
+        self.check_rows(&rows)?;
+        let shared = self.shared.clone();
+        let layout = &shared.layout;
+        if (plan.ranks(), plan.experts(), plan.slots_per_rank())
+            != (layout.ranks(), layout.experts(), layout.slots_per_rank())
+        {
+            return Err(PlanViolation::Shape.into());
+        }
+        if layer >= shared.home_offsets.len() {
+            return Err(KernelError::OutOfRange {
+                what: "MoE layer",
+                value: layer as u64,
+                limit: shared.home_offsets.len() as u64,
+            }
+            .into());
+        }
+        check(
+            "ranks counted",
+            counted.occurrence.len(),
+            shared.local.len(),
+        )?;
+        if remote.is_none() && !shared.all_local() {
+            return Err(CudaError::Exec(
+                "ranks of other processes need a host exchange".into(),
+            ));
+        }
+        let exec = shared.exec.clone();
+        if rows.stream != self.main {
+            exec.wait_for(self.main, &exec.record(rows.stream)?)?;
+        }
+        let (uploaded, replication) = match self.solved.take() {
+            Some(s) if s.layer == layer && s.plan == *plan => (None, s.replication),
+            _ => {
+                let uploaded = DevicePlan::upload(exec.as_ref(), self.main, plan)?;
+                let replication = self.replicate(layer, (plan, &uploaded), remote)?;
+                (Some(uploaded), replication)
+            }
+        };
+        if !shared.config.pipelined_experts {
+            exec.wait_for(self.main, &replication.end)?;
+        }
+        let begin = exec.record(self.main)?;
+        let routes = Routes::new(plan, load)?;
+        let device_plan = match &uploaded {
+            Some(plan) => plan,
+            None => self
+                .solver
+                .as_ref()
+                .ok_or(KernelError::ZeroDimension {
+                    what: "device solver",
+                })?
+                .device_plan(),
+        };
+        let steps = self.steps();
+        let mut sent = Vec::with_capacity(shared.local.len());
+        for (index, (pairs, occurrence)) in rows.rank_pairs().zip(&counted.occurrence).enumerate() {
+            let source = source_of(&rows, &shared, index, pairs, occurrence.as_ref());
+            sent.push(
+                source
+                    .map(|s| steps.permute(device_plan, &s, layout.ranks()))
+                    .transpose()?,
+            );
+        }
+        let received = self.dispatch(&routes, &sent, remote)?;
+        let end = exec.record(self.main)?;
+        Ok(LayerInFlight {
+            layer,
+            plan: plan.clone(),
+            uploaded,
+            routes,
+            replication,
+            rows,
+            occurrence: counted.occurrence,
+            sent,
+            received,
+            computed: Vec::new(),
+            dispatch: (begin, end),
+            experts: None,
+        })
+    }
+
+    /// Every local destination's rows: segments of local senders copied on the device, those of
+    /// other processes' ranks through `remote` (each row's bf16 values, then the expert ids,
+    /// then the instance ids).
+    fn dispatch(
+        &self,
+        routes: &Routes,
+        sent: &[Option<Sent>],
+        remote: Option<&dyn HostExchange>,
+    ) -> Result<Vec<Option<Received>>, CudaError> {
+        let shared = &self.shared;
+        let exec = shared.exec.as_ref();
+        let ranks = shared.layout.ranks();
+        let row = shared.hidden * 2;
+        let steps = self.steps();
+        let mut received = Vec::with_capacity(shared.local.len());
+        for dst in shared.local.clone() {
+            let len = routes.received(dst);
+            received.push((len > 0).then(|| steps.receive_buffer(len)).transpose()?);
+        }
+        // Local senders: device copies.
+        for (index, dst) in shared.local.clone().enumerate() {
+            let Some(recv) = received[index].as_ref() else {
                 continue;
             };
-            let returned =
-                flight
-                    .exchange
-                    .scatter_back(&self.gpu, &flight.computed, dispatch, src, h)?;
-            let out = permute::combine(
-                &self.gpu,
-                dispatch,
-                &returned,
-                &source.weights,
-                source.pairs / top_k,
-                top_k,
-                h,
-            )?;
-            outputs.push(s.clone_dtoh(&out)?);
+            for (i, src) in shared.local.clone().enumerate() {
+                let n = routes.sent(src, dst);
+                let Some(from) = sent[i].as_ref().filter(|_| n > 0) else {
+                    continue;
+                };
+                let (at, to) = (routes.send_offset(src, dst), routes.recv_offset(src, dst));
+                exec.copy_on(
+                    self.main,
+                    (&from.rows, at * row),
+                    (&recv.rows, to * row),
+                    n * row,
+                )?;
+                exec.copy_on(
+                    self.main,
+                    (&from.experts, at * 4),
+                    (&recv.experts, to * 4),
+                    n * 4,
+                )?;
+                exec.copy_on(
+                    self.main,
+                    (&from.instances, at * 4),
+                    (&recv.instances, to * 4),
+                    n * 4,
+                )?;
+            }
         }
-        let end = s.record_event(TIMING)?;
-        end.synchronize()?;
-        self.finish_replication(flight.layer, &flight.plan)?;
-        let ranks = self.layout.ranks();
-        let replica_recv_bytes = (0..ranks)
-            .map(|rank| flight.plan.rank_slots(rank).iter().flatten().count() as u64)
-            .map(|filled| filled * self.expert_bytes)
-            .collect();
-        let elapsed = |(a, b): &(CudaEvent, CudaEvent)| -> Result<Duration, CudaError> {
-            Ok(Duration::from_secs_f64(
-                f64::from(a.elapsed_ms(b)?.max(0.0)) / 1e3,
-            ))
+        let Some(remote) = remote.filter(|_| !shared.all_local()) else {
+            return Ok(received);
         };
-        Ok(LayerRun {
-            outputs,
-            token_recv_bytes: flight.exchange.remote_bytes(h),
-            replica_recv_bytes,
-            phases: GpuPhases {
-                replicate: elapsed(&(flight.replication.begin, flight.replication.end))?,
-                dispatch: elapsed(&flight.dispatch)?,
-                experts: elapsed(&experts)?,
-                combine: elapsed(&(begin, end))?,
-            },
-        })
-    }
-
-    /// Expert compute on `rank`, main instances: group by instance, then the gate-up GEMM,
-    /// activation and down GEMM of every group whose weights are home (none of them reads a
-    /// slot, so they may run while the replicas stream).
-    fn main_experts<'r>(
-        &'r self,
-        layer: usize,
-        plan: &LayerPlan<'_>,
-        rank: usize,
-        recv: &ReceivedRows,
-    ) -> Result<RankExperts<'r>, CudaError> {
-        let (h, i) = (self.hidden, self.inter);
-        let received = Received {
-            rows: &recv.rows,
-            experts: &recv.experts,
-            instances: &recv.instances,
-            len: recv.len,
-            hidden: h,
-        };
-        let grouped =
-            permute::group_by_instance(&self.gpu, plan.device, plan.inst_offsets, rank, received)?;
-        let sources = grouped
-            .groups()
-            .iter()
-            .map(|g| self.instance_weights(layer, plan.host, rank, g.expert, g.instance))
-            .collect::<Result<Vec<_>, _>>()?;
-        let s = self.gpu.stream();
-        let rows = recv.len;
-        let mut experts = RankExperts {
-            rank,
-            gate_up: s.alloc_zeros::<f32>(rows * 2 * i)?,
-            act: s.alloc_zeros::<f32>(rows * i)?,
-            out: s.alloc_zeros::<f32>(rows * h)?,
-            grouped,
-            sources,
-        };
-        self.expert_gemms(&mut experts, false)?;
-        Ok(experts)
-    }
-
-    /// The replica instances' GEMMs of a rank whose main experts ran (each behind its slot's
-    /// wait when pipelined), then its outputs in received order.
-    fn replica_experts(&self, mut experts: RankExperts<'_>) -> Result<CudaSlice<f32>, CudaError> {
-        if experts.sources.iter().any(|s| s.slot.is_some()) {
-            self.expert_gemms(&mut experts, true)?;
+        // Other processes' ranks: through host buffers.
+        let mut outgoing = Vec::with_capacity(shared.local.len());
+        for (i, src) in shared.local.clone().enumerate() {
+            let mut messages = vec![Vec::new(); ranks];
+            for (dst, message) in messages.iter_mut().enumerate() {
+                let n = routes.sent(src, dst);
+                let Some(from) = sent[i]
+                    .as_ref()
+                    .filter(|_| n > 0 && shared.index(dst).is_none())
+                else {
+                    continue;
+                };
+                let at = routes.send_offset(src, dst);
+                *message = vec![0u8; n * (row + 8)];
+                let (rows, ids) = message.split_at_mut(n * row);
+                let (experts, instances) = ids.split_at_mut(n * 4);
+                exec.read_on(self.main, &from.rows, at * row, rows)?;
+                exec.read_on(self.main, &from.experts, at * 4, experts)?;
+                exec.read_on(self.main, &from.instances, at * 4, instances)?;
+            }
+            outgoing.push(messages);
         }
-        experts.grouped.return_outputs(&self.gpu, &experts.out)
+        let incoming = remote.all_to_all(outgoing).map_err(CudaError::Exec)?;
+        for (index, dst) in shared.local.clone().enumerate() {
+            for (src, message) in incoming[index].iter().enumerate() {
+                let n = routes.sent(src, dst);
+                if n == 0 || shared.index(src).is_some() {
+                    continue;
+                }
+                if message.len() != n * (row + 8) {
+                    return Err(CudaError::Exec(format!(
+                        "rank {dst} received {} bytes from rank {src}, expected {}",
+                        message.len(),
+                        n * (row + 8)
+                    )));
+                }
+                let recv = received[index].as_ref().ok_or(KernelError::ZeroDimension {
+                    what: "receive buffer",
+                })?;
+                let to = routes.recv_offset(src, dst);
+                let (rows, ids) = message.split_at(n * row);
+                let (experts, instances) = ids.split_at(n * 4);
+                exec.write_on(self.main, &recv.rows, to * row, rows)?;
+                exec.write_on(self.main, &recv.experts, to * 4, experts)?;
+                exec.write_on(self.main, &recv.instances, to * 4, instances)?;
+            }
+        }
+        Ok(received)
     }
 
-    /// Gate-up GEMM, `silu(gate) * up` and down GEMM of a rank's replica groups (`replicas`) or
-    /// main groups. The activation runs over all rows: rows of groups not computed yet read
-    /// zeros or their final values, and rewriting a row already computed writes the same bytes.
-    fn expert_gemms(&self, experts: &mut RankExperts<'_>, replicas: bool) -> Result<(), CudaError> {
-        let (h, i) = (self.hidden, self.inter);
-        let gate_up_bytes = (h * 2 * i * 4) as u64;
-        // Part 0: gate-up, the first `gate_up_bytes` of an expert; part 1: down, the rest.
-        let gemm_groups = |part: usize| -> Result<Vec<GemmGroup<'_>>, CudaError> {
-            experts
-                .grouped
-                .groups()
-                .iter()
-                .zip(&experts.sources)
-                .filter(|(_, w)| w.slot.is_some() == replicas)
-                .map(|(g, w)| {
-                    let (start, end) = match part {
-                        0 => (w.offset, w.offset + gate_up_bytes),
-                        _ => (w.offset + gate_up_bytes, w.offset + self.expert_bytes),
+    /// Stage 2: every local destination's expert GEMMs: main instances first, then each replica
+    /// instance, behind a wait for its own slot's landed bytes (with pipelined experts;
+    /// otherwise the dispatch already waited for the whole replication).
+    pub fn experts(&self, flight: &mut LayerInFlight) -> Result<(), CudaError> {
+        let shared = &self.shared;
+        let exec = shared.exec.as_ref();
+        let begin = exec.record(self.main)?;
+        let device_plan = match &flight.uploaded {
+            Some(plan) => plan,
+            None => self
+                .solver
+                .as_ref()
+                .ok_or(KernelError::ZeroDimension {
+                    what: "device solver",
+                })?
+                .device_plan(),
+        };
+        let n_instances = (0..flight.plan.experts())
+            .map(|e| flight.plan.instances(e).len())
+            .sum();
+        let steps = self.steps();
+        let waits = shared.config.pipelined_experts;
+        let mut computed = Vec::with_capacity(shared.local.len());
+        for (index, dst) in shared.local.clone().enumerate() {
+            let Some(recv) = flight.received[index].as_ref() else {
+                computed.push(None);
+                continue;
+            };
+            let mut works = Vec::new();
+            let mut slots = Vec::new();
+            let mut start = 0;
+            for &(expert, instance, rows) in &flight.routes.groups[dst] {
+                let (weights, slot) =
+                    self.weights_at((flight.layer, &flight.plan), dst, expert, instance)?;
+                works.push(GroupWork {
+                    start,
+                    rows,
+                    weights,
+                });
+                slots.push(slot);
+                start += rows;
+            }
+            // Main instances first: they need nothing that is still streaming.
+            let mut order: Vec<usize> = (0..works.len()).collect();
+            order.sort_by_key(|&g| slots[g].is_some());
+            let streamed = &flight.replication.streamed[index];
+            let counter = self.replication_counter(&flight.replication);
+            let mut before = |g: usize| -> Result<(), CudaError> {
+                match (slots[g], counter) {
+                    (Some(slot), Some(counter)) if waits && streamed[slot] => self.landed.wait(
+                        exec,
+                        self.main,
+                        (index, slot),
+                        shared.expert_bytes as u64,
+                        counter,
+                    ),
+                    _ => Ok(()),
+                }
+            };
+            computed.push(Some(steps.experts(
+                device_plan,
+                (dst, n_instances),
+                recv,
+                &works,
+                &order,
+                &mut before,
+            )?));
+        }
+        flight.computed = computed;
+        flight.experts = Some((begin, exec.record(self.main)?));
+        Ok(())
+    }
+
+    /// The stall word's buffer of a replication whose slots the device fills (`None`: it landed
+    /// through the host and nothing needs waiting for).
+    fn replication_counter<'a>(&'a self, replication: &'a Replication) -> Option<&'a DeviceBuffer> {
+        match &replication.how {
+            Streamed::Planner => self.tiles.as_ref().map(|t| t.counter()),
+            Streamed::Uploaded(stream) => Some(stream.counter()),
+            Streamed::Host => None,
+        }
+    }
+
+    /// Stage 3: every output back to its source (device copies, or through `remote`), each
+    /// source's router-weighted sum added into its output rows, the replication checked.
+    /// Returns what the layer moved and the rows, their output complete, ordered for their
+    /// stream.
+    pub fn combine(
+        &mut self,
+        flight: LayerInFlight,
+        remote: Option<&dyn HostExchange>,
+    ) -> Result<(LayerRun, RoutedRows), CudaError> {
+        let shared = self.shared.clone();
+        let exec = shared.exec.clone();
+        let experts = flight.experts.ok_or(CudaError::StageOrder {
+            layer: flight.layer,
+            stage: "combine",
+        })?;
+        let begin = exec.record(self.main)?;
+        let (h, ranks) = (shared.hidden, shared.layout.ranks());
+        let row = h * 4;
+        let routes = &flight.routes;
+        let steps = self.steps();
+        // Per local source: its pairs' outputs in its send layout.
+        let mut returned = Vec::with_capacity(shared.local.len());
+        for src in shared.local.clone() {
+            let pairs = routes.sent_total(src);
+            returned.push(
+                (pairs > 0)
+                    .then(|| exec.alloc_zeroed_on(self.main, pairs * row))
+                    .transpose()?,
+            );
+        }
+        for (i, src) in shared.local.clone().enumerate() {
+            for (index, dst) in shared.local.clone().enumerate() {
+                let n = routes.sent(src, dst);
+                let (Some(to), Some(Some(from))) =
+                    (returned[i].as_ref(), flight.computed.get(index))
+                else {
+                    continue;
+                };
+                if n == 0 {
+                    continue;
+                }
+                exec.copy_on(
+                    self.main,
+                    (from, routes.recv_offset(src, dst) * row),
+                    (to, routes.send_offset(src, dst) * row),
+                    n * row,
+                )?;
+            }
+        }
+        if let Some(remote) = remote.filter(|_| !shared.all_local()) {
+            let mut outgoing = Vec::with_capacity(shared.local.len());
+            for (index, dst) in shared.local.clone().enumerate() {
+                let mut messages = vec![Vec::new(); ranks];
+                for (src, message) in messages.iter_mut().enumerate() {
+                    let n = routes.sent(src, dst);
+                    let Some(Some(from)) = flight.computed.get(index) else {
+                        continue;
                     };
-                    Ok(GemmGroup {
-                        rows: g.rows.clone(),
-                        weight: f32_view(w.buffer, start, end)?,
-                    })
-                })
-                .collect()
-        };
-        let (g, order) = (&self.gpu, WeightOrder::InByOut);
-        let (gate_up_groups, down_groups) = (gemm_groups(0)?, gemm_groups(1)?);
-        if replicas && self.pipelined {
-            // Each replica's gate-up GEMM behind its own slot's wait (down GEMMs come after
-            // every wait, so they need none).
-            let slots = experts.sources.iter().filter_map(|w| w.slot);
-            for (group, slot) in gate_up_groups.iter().zip(slots) {
-                self.tiles.wait_for_slot(
-                    g,
-                    &self.landed,
-                    (experts.rank, slot),
-                    self.expert_bytes,
-                )?;
-                self.blas.run(
-                    g,
-                    &experts.grouped.rows,
-                    &mut experts.gate_up,
-                    h,
-                    2 * i,
-                    order,
-                    std::slice::from_ref(group),
-                )?;
+                    if n == 0 || shared.index(src).is_some() {
+                        continue;
+                    }
+                    *message = vec![0u8; n * row];
+                    exec.read_on(self.main, from, routes.recv_offset(src, dst) * row, message)?;
+                }
+                outgoing.push(messages);
             }
-        } else {
-            self.blas.run(
-                g,
-                &experts.grouped.rows,
-                &mut experts.gate_up,
-                h,
-                2 * i,
-                order,
-                &gate_up_groups,
-            )?;
+            let incoming = remote.all_to_all(outgoing).map_err(CudaError::Exec)?;
+            for (i, src) in shared.local.clone().enumerate() {
+                for (dst, message) in incoming[i].iter().enumerate() {
+                    let n = routes.sent(src, dst);
+                    if n == 0 || shared.index(dst).is_some() {
+                        continue;
+                    }
+                    if message.len() != n * row {
+                        return Err(CudaError::Exec(format!(
+                            "rank {src} got {} bytes of outputs back from rank {dst}, expected {}",
+                            message.len(),
+                            n * row
+                        )));
+                    }
+                    let to = returned[i].as_ref().ok_or(KernelError::ZeroDimension {
+                        what: "returned outputs",
+                    })?;
+                    exec.write_on(self.main, to, routes.send_offset(src, dst) * row, message)?;
+                }
+            }
         }
-        let rows = experts.act.len() / i;
-        let (rows32, i32_) = (to_u32(rows, "rows")?, to_u32(i, "intermediate size")?);
-        let s = self.gpu.stream();
-        let mut launch = s.launch_builder(self.gpu.function("silu_mul"));
-        launch
-            .arg(&experts.gate_up)
-            .arg(&rows32)
-            .arg(&i32_)
-            .arg(&mut experts.act);
-        let cfg = LaunchConfig {
-            grid_dim: (rows32.clamp(1, 65_535), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match `silu_mul`; `gate_up` holds rows x 2I and `act` rows x I.
-        unsafe { launch.launch(cfg) }?;
-        self.blas
-            .run(g, &experts.act, &mut experts.out, i, h, order, &down_groups)
-    }
-
-    /// Where `rank` reads the weights of `expert`'s `instance`: its home buffer for a main
-    /// expert, the slot the replica was streamed into otherwise (buffer, byte offset).
-    fn instance_weights(
-        &self,
-        layer: usize,
-        plan: &Plan,
-        rank: usize,
-        expert: u32,
-        instance: u32,
-    ) -> Result<InstanceWeights<'_>, CudaError> {
-        let misrouted = || KernelError::OutOfRange {
-            what: "expert instance on this rank",
-            value: u64::from(instance),
-            limit: plan.instances(expert as usize).len() as u64,
-        };
-        let (buffer, offset, slot) = match weight_source(&self.layout, plan, rank, expert, instance)
-            .ok_or_else(misrouted)?
+        for (index, (pairs, occurrence)) in
+            flight.rows.rank_pairs().zip(&flight.occurrence).enumerate()
         {
-            WeightSource::Home { .. } => (
-                self.buffers.home(rank),
-                self.home_offsets[layer][expert as usize],
-                None,
-            ),
-            WeightSource::Slot { slot } => (
-                self.buffers.slots(rank),
-                slot as u64 * self.expert_bytes,
-                Some(slot),
-            ),
-        };
-        Ok(InstanceWeights {
-            buffer: buffer.ok_or_else(misrouted)?,
-            offset,
-            slot,
-        })
-    }
-}
-
-/// Where a rank reads one expert instance's weights: a buffer and the byte offset of the
-/// expert in it; `slot` when it is a redundant slot (streamed by the layer's replication).
-#[derive(Clone, Copy)]
-struct InstanceWeights<'a> {
-    buffer: &'a CudaSlice<u8>,
-    offset: u64,
-    slot: Option<usize>,
-}
-
-/// One rank's expert step between its main and its replica instances' GEMMs.
-struct RankExperts<'a> {
-    rank: usize,
-    grouped: permute::DeviceGroups,
-    /// Per group of `grouped`.
-    sources: Vec<InstanceWeights<'a>>,
-    /// `rows x 2I`, `rows x I` and `rows x H`, group after group.
-    gate_up: CudaSlice<f32>,
-    act: CudaSlice<f32>,
-    out: CudaSlice<f32>,
-}
-
-/// A layer's plan as the expert step reads it: on the host (weight sources), on the device
-/// (instance keys) and its instance offsets on the host (group sizes without a download).
-struct LayerPlan<'a> {
-    host: &'a Plan,
-    device: &'a DevicePlan,
-    inst_offsets: &'a [u32],
-}
-
-/// One source rank's inputs on the device.
-struct SourceRows {
-    x: CudaSlice<f32>,
-    experts: CudaSlice<u32>,
-    weights: CudaSlice<f32>,
-    pairs: usize,
-}
-
-/// Uploads every rank's inputs (`None` for a rank without tokens: it sends nothing).
-fn upload_inputs(
-    gpu: &Gpu,
-    inputs: &[RankInput<'_>],
-    hidden: usize,
-    top_k: usize,
-) -> Result<Vec<Option<SourceRows>>, CudaError> {
-    if top_k == 0 {
-        return Err(KernelError::ZeroDimension { what: "top_k" }.into());
-    }
-    let s = gpu.stream();
-    inputs
-        .iter()
-        .map(|input| {
-            let tokens = input.x.len() / hidden;
-            check_len("x", input.x.len(), tokens * hidden)?;
-            check_len("experts", input.experts.len(), tokens * top_k)?;
-            check_len("weights", input.weights.len(), tokens * top_k)?;
-            if tokens == 0 {
-                return Ok(None);
+            let source = source_of(&flight.rows, &shared, index, pairs, occurrence.as_ref());
+            if let (Some(source), Some(sent), Some(back)) =
+                (source, &flight.sent[index], &returned[index])
+            {
+                steps.combine(&source, sent, back)?;
             }
-            Ok(Some(SourceRows {
-                x: s.clone_htod(input.x)?,
-                experts: s.clone_htod(input.experts)?,
-                weights: s.clone_htod(input.weights)?,
-                pairs: tokens * top_k,
-            }))
-        })
-        .collect()
+        }
+        let end = exec.record(self.main)?;
+        self.finish_replication(flight.layer, &flight.plan, &flight.replication)?;
+        if flight.rows.stream != self.main {
+            exec.wait_for(flight.rows.stream, &end)?;
+        }
+        let local = |per_rank: Vec<u64>| per_rank[shared.local.clone()].to_vec();
+        let dispatched = local(routes.received_from_others(2 * h as u64 + 8));
+        let sent_back = local(routes.sent_to_others(4 * h as u64));
+        let run = LayerRun {
+            token_recv_bytes: dispatched
+                .iter()
+                .zip(&sent_back)
+                .map(|(a, b)| a + b)
+                .collect(),
+            replica_recv_bytes: flight.replication.recv_bytes.clone(),
+            timing: LayerTiming {
+                replicate: (flight.replication.begin, flight.replication.end),
+                dispatch: flight.dispatch,
+                experts,
+                combine: (begin, end),
+            },
+        };
+        Ok((run, flight.rows))
+    }
+}
+
+/// Local rank `index`'s slice of the routed rows, `None` without pairs.
+fn source_of<'a>(
+    rows: &RoutedRows,
+    shared: &super::plane::Shared,
+    index: usize,
+    pairs: std::ops::Range<usize>,
+    occurrence: Option<&'a DeviceBuffer>,
+) -> Option<Source<'a>> {
+    let occurrence = occurrence.filter(|_| !pairs.is_empty())?;
+    let first_row = pairs.start / rows.top_k;
+    Some(Source {
+        rank: shared.local.start + index,
+        x: rows.x.at(first_row * shared.hidden * 2),
+        experts: rows.experts.at(pairs.start * 4),
+        weights: rows.weights.at(pairs.start * 4),
+        output: rows.output.at(first_row * shared.hidden * 4),
+        tokens: pairs.len() / rows.top_k,
+        top_k: rows.top_k,
+        occurrence,
+    })
+}
+
+impl MoeLane {
+    /// The three stages back to back: [`Self::send`], [`Self::experts`], [`Self::combine`].
+    pub fn run_layer(
+        &mut self,
+        (layer, plan, load): (usize, &Plan, &LoadMatrix),
+        rows: RoutedRows,
+        counted: Counted,
+        remote: Option<&dyn HostExchange>,
+    ) -> Result<(LayerRun, RoutedRows), CudaError> {
+        let mut flight = self.send((layer, plan, load), rows, counted, remote)?;
+        self.experts(&mut flight)?;
+        self.combine(flight, remote)
+    }
 }

@@ -1,37 +1,46 @@
-//! A whole MoE layer's data plane on the GPU, for `R` ranks whose buffers all live on one device:
-//! what the engine runs on a GPU host instead of its CPU data plane (docs/architecture.md, "One
-//! MoE layer of one step").
+//! The MoE data plane on a device ([`Executor`](super::exec::Executor): a GPU, or the host
+//! emulator that runs the same kernels in CI), in bf16 with f32 accumulation: what every MoE
+//! layer of `--device cuda` runs between the router and the residual, for the ranks this process
+//! holds. Per layer (UltraEP §4-§6, docs/gpu.md):
 //!
-//! Per layer, after the plan is known (solved here by [`crate::cuda::solver::GpuQuotaSolver`], or by any host
-//! balancer and uploaded):
+//! 1. the load counted where the router left its choices (the `ranks x E` counts are the one
+//!    host copy before the plan);
+//! 2. the plan: solved on the device by the quota solver ([`super::solver`]), or by a host
+//!    balancer and uploaded;
+//! 3. replicas: relay trees and tile tasks built on the device from the plan where it is
+//!    ([`super::tile_plan`]) and streamed by the persistent tile kernel ([`super::replicate`])
+//!    with per-chunk ready flags; with per-layer slots only replicas not already resident stream;
+//! 4. dispatch: instance lookup by cumulative quota, rows scattered into each source's send
+//!    layout, segments copied into each destination's receive buffer;
+//! 5. experts: rows grouped by instance, per instance a gate-up GEMM, `silu(gate) * up` and a
+//!    down GEMM (main experts from the home weights, replicas from their slot); with pipelined
+//!    experts the main instances' GEMMs run while replicas still stream, and each replica's wait
+//!    only for its own slot's landed bytes;
+//! 6. combine: outputs back into each source's send layout, their router-weighted sum in top-k
+//!    order added into the block's output.
 //!
-//! 1. replica weights, on the replica stream: the relay trees and tile tasks built on the device
-//!    from the plan ([`crate::cuda::tile_plan`]) and streamed by the persistent kernel from the home
-//!    weights into every rank's redundant slots ([`crate::cuda::replicate`]). With the device solver,
-//!    solve, relay planning and streaming are queued back to back ([`GpuMoe::solve_layer`]): the
-//!    host's copy of the plan is downloaded on a side stream while the replicas stream;
-//! 2. token permute by cumulative quotas on every source rank ([`crate::cuda::permute`]);
-//! 3. dispatch: each destination's segments copied device to device into its receive buffer,
-//!    sender after sender (the all-to-all of ranks sharing one GPU);
-//! 4. grouping by expert instance, the gate-up grouped GEMM, `silu(gate) * up`, the down grouped
-//!    GEMM (cuBLAS; main experts read the home weights, replicas their slot). With pipelined
-//!    experts steps 2-4 of the main experts run while the replicas stream, and each replica
-//!    instance's GEMMs wait only for their own slot: `tile_stream` counts the bytes landed per
-//!    slot, and a one-thread `wait_slot` kernel holds the main stream until the slot is whole;
-//! 5. return: outputs back to received order and copied into each source's send layout;
-//! 6. the weighted combine in top-k order, downloaded for the shared experts and the residual.
+//! Two micro-batches run on two [`MoeLane`]s (own streams, slots, counters, planner and solver
+//! over the same home experts), so one's experts run while the other's replicas and rows move.
+//! Ranks of other processes are reached through host buffers and the group's transport
+//! ([`HostExchange`]) until peer memory replaces it.
 //!
-//! Every expert's weights are uploaded once when the plane is built: per rank, its main
-//! experts of every MoE layer, layer after layer, each as the engine stores it (`[H, 2I]`
-//! gate-up then `[I, H]` down, row-major f32). The slots are shared by all layers, as on a rack.
-//!
-//! The layer runs in three stages (`layer.rs`) that queue their work without waiting on the host
-//! in between. A second lane ([`GpuMoe::another_lane`]: its own streams, slots, tile planner and
-//! cuBLAS handle over the same home weights) lets two micro-batches be in flight together, each
-//! on its own streams.
+//! - `plane`: [`DeviceMoe`], its [`MoeLane`]s, and where an instance's weights are;
+//! - `experts`: the home experts in device memory ([`HomeExperts`]);
+//! - `layer`: the stages of one layer on a lane;
+//! - `replicas`: the replica distribution;
+//! - `routes`: where every pair goes, worked out on the host from the plan and the counts;
+//! - `steps`: each step's kernel launches, copies and GEMMs;
+//! - `remote`: [`HostExchange`].
 
+mod experts;
 mod layer;
 mod plane;
+mod remote;
+mod replicas;
+mod routes;
+mod steps;
 
-pub use layer::LayerInFlight;
-pub use plane::{ExpertWeights, GpuMoe, GpuPhases, LayerRun, RankInput};
+pub use experts::{expert_bytes, ExpertWeights, HomeExperts};
+pub use layer::{Counted, LayerInFlight, LayerPhases, LayerRun, LayerTiming, RoutedRows};
+pub use plane::{DeviceMoe, MoeConfig, MoeLane};
+pub use remote::HostExchange;

@@ -2,7 +2,7 @@
 //! counts, exactly as the lookup kernel will route them: what sizes every copy and GEMM of the
 //! device data plane without reading anything back.
 
-use rackfill_balancer::Plan;
+use rackfill_balancer::{LoadMatrix, Plan};
 
 use super::super::{instance_offsets, CudaError};
 use crate::KernelError;
@@ -20,15 +20,15 @@ impl Routes {
     /// The rows of (source, expert) split over the expert's instances as the lookup kernel does:
     /// the `j`-th pair goes to the first instance whose cumulative quota exceeds `j`, the rest
     /// to the last.
-    pub(super) fn new(plan: &Plan, counts: &[Vec<u64>]) -> Result<Self, CudaError> {
+    pub(super) fn new(plan: &Plan, load: &LoadMatrix) -> Result<Self, CudaError> {
         let ranks = plan.ranks();
-        check("ranks of the counts", counts.len(), ranks)?;
+        check("ranks of the load", load.ranks(), ranks)?;
+        check("experts of the load", load.experts(), plan.experts())?;
         let offsets = instance_offsets(plan)?;
         let mut inst_rows = vec![0usize; *offsets.last().unwrap_or(&0) as usize];
         let mut sent = vec![vec![0usize; ranks]; ranks];
-        for (src, row) in counts.iter().enumerate() {
-            check("experts of the counts", row.len(), plan.experts())?;
-            for (e, &c) in row.iter().enumerate() {
+        for src in 0..ranks {
+            for (e, &c) in load.row(src).iter().enumerate() {
                 let instances = plan.instances(e);
                 let mut per = vec![0u64; instances.len()];
                 match plan.split(src, e) {
@@ -77,6 +77,16 @@ impl Routes {
     /// Rows `dst` receives before those of `src` (where they start in its receive buffer).
     pub(super) fn recv_offset(&self, src: usize, dst: usize) -> usize {
         self.sent[..src].iter().map(|row| row[dst]).sum()
+    }
+
+    /// Rows `dst` receives in all.
+    pub(super) fn received(&self, dst: usize) -> usize {
+        self.sent.iter().map(|row| row[dst]).sum()
+    }
+
+    /// Rows `src` sends in all (its pairs).
+    pub(super) fn sent_total(&self, src: usize) -> usize {
+        self.sent[src].iter().sum()
     }
 
     /// Per rank: rows it receives from other ranks, times `row_bytes`.
@@ -146,7 +156,7 @@ mod tests {
         };
         let plan = Algo::Quota.build(&settings).plan(&layout, &load).unwrap();
         assert!(plan.replicas() > 0, "the hot expert is replicated");
-        let routes = Routes::new(&plan, &counts).unwrap();
+        let routes = Routes::new(&plan, &load).unwrap();
         let total: u64 = counts.iter().flatten().sum();
         let sent: usize = routes.sent.iter().flatten().sum();
         let grouped: usize = routes.groups.iter().flatten().map(|g| g.2).sum();
