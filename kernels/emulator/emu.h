@@ -1,11 +1,11 @@
 // Host emulation of the CUDA subset rackfill's kernels use, so that the real kernel sources
 // (kernels/cuda/*.cu) run on a CPU: every CUDA thread a std::thread, __syncthreads / __syncwarp
-// as barriers, warp shuffles and match through a per-warp exchange buffer. One block runs in the
-// process (run_block); a grid of concurrent blocks runs as forked processes sharing a
-// DeviceMemory mapping (run_grid), so each block has its own __shared__ variables and blocks meet
-// only through global memory and its atomics, as on a GPU. Used by tests/cuda_emulated.rs on
-// machines without a GPU. What it cannot show: cp.async, the GPU's weaker memory ordering
-// (x86's is stronger), memory across GPUs, real warp scheduling.
+// as barriers, warp shuffles and match through a per-warp exchange buffer. launch.cpp builds the
+// host emulator (rackfill_kernels::cuda::exec::Emulator) on it: a grid's blocks one after another
+// in the process, or all at once as forked processes (run_block in each), each with its own
+// __shared__ variables, meeting only through global memory (shared mappings) and its atomics, as
+// on a GPU. What it cannot show: cp.async, the GPU's weaker memory ordering (x86's is stronger),
+// memory across GPUs, real warp scheduling.
 // Kernel sources test this to take their host stand-ins for inline PTX.
 #define RACKFILL_HOST_EMULATOR 1
 
@@ -16,10 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <iostream>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -29,7 +26,7 @@
 
 struct Idx { unsigned x, y, z; };
 static thread_local Idx threadIdx;
-static Idx blockIdx{0};  // per process: one block per process under run_grid
+static Idx blockIdx{0};  // per process: one block per process in a concurrent grid
 static Idx blockDim{0, 1, 1};
 static Idx gridDim{1, 1, 1};
 static thread_local int t_warp;
@@ -41,7 +38,7 @@ static unsigned char* g_smem;
 #define __syncthreads() g_block->arrive_and_wait()
 // Warp-synchronous operations (shuffles, matches, reductions, warp barriers) this thread has
 // run, and the most any thread of the block ran: the length of a kernel's warp-level critical
-// path, a count the solver test reports (not a time).
+// path, a count the emulator reports per launch (not a time).
 static thread_local unsigned long long t_warp_ops = 0;
 static std::atomic<unsigned long long> g_max_warp_ops{0};
 inline void warp_sync() {
@@ -168,12 +165,12 @@ static bool g_emu_packed_keys = true;
 // How long tile_stream waits for a relay chunk before it declares the stream broken
 // (TILE_STALL_NS, set per run by the emulator).
 static unsigned long long g_tile_stall_ns = 50000000ull;
-// Microseconds every system-scope fence stalls before it completes (run_grid sets it): the
+// Microseconds every system-scope fence stalls before it completes (set per launch): the
 // kernels fence right before they publish a ready counter, so a delay here holds producers back
 // and makes consumers in other blocks really wait.
 static unsigned g_fence_delay_us = 0;
 // Times a kernel backed off in a wait loop (__nanosleep), counted across every block when it
-// points into DeviceMemory.
+// points into memory the blocks share (launch.cpp's shared counters page).
 static unsigned long long* g_backoffs = nullptr;
 inline void __threadfence_system() {
     if (g_fence_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(g_fence_delay_us));
@@ -214,58 +211,4 @@ template <class F> void run_block(unsigned threads, F f, unsigned block = 0, uns
             while (t_warp_ops > most && !g_max_warp_ops.compare_exchange_weak(most, t_warp_ops)) {}
         });
     for (auto& t : ts) t.join();
-}
-
-// The GPU's global memory for a grid: one shared anonymous mapping that every forked block sees,
-// carved by a bump allocator (16-byte aligned, zero-filled). Whatever a kernel under run_grid
-// reads or writes across blocks must live here.
-struct DeviceMemory {
-    unsigned char* base;
-    size_t capacity, used = 0;
-    explicit DeviceMemory(size_t bytes) : capacity(bytes + 16) {
-        void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED) { std::perror("emulator: mmap"); std::exit(4); }
-        base = (unsigned char*)p;
-    }
-    ~DeviceMemory() { munmap(base, capacity); }
-    DeviceMemory(const DeviceMemory&) = delete;
-    DeviceMemory& operator=(const DeviceMemory&) = delete;
-    template <class T> T* alloc(size_t n) {
-        used = (used + 15) & ~(size_t)15;
-        const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
-        if (used + bytes > capacity) { std::fprintf(stderr, "emulator: device memory exhausted\n"); std::exit(4); }
-        T* p = (T*)(base + used);
-        used += bytes;
-        return p;
-    }
-    template <class T> T* copy(const T* src, size_t n) {
-        T* p = alloc<T>(n);
-        std::memcpy((void*)p, (const void*)src, n * sizeof(T));
-        return p;
-    }
-};
-
-// Runs `f` as a grid of `blocks` concurrent blocks of `threads` threads, each a forked process
-// with `smem_bytes` of its own dynamic shared memory. The caller must be single-threaded (no
-// block running) and keep in DeviceMemory all that blocks share. False if any block died.
-template <class F> bool run_grid(unsigned blocks, unsigned threads, size_t smem_bytes, F f) {
-    std::fflush(nullptr);
-    std::vector<pid_t> kids;
-    for (unsigned b = 0; b < blocks; ++b) {
-        const pid_t pid = fork();
-        if (pid < 0) { std::perror("emulator: fork"); std::exit(4); }
-        if (pid == 0) {
-            std::vector<unsigned char> smem(smem_bytes + 16);
-            g_smem = smem.data();
-            run_block(threads, f, b, blocks);
-            _exit(0);  // no atexit handlers, no second flush of the parent's buffers
-        }
-        kids.push_back(pid);
-    }
-    bool ok = true;
-    for (pid_t k : kids) {
-        int status = 0;
-        ok &= waitpid(k, &status, 0) == k && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    }
-    return ok;
 }

@@ -5,8 +5,8 @@
 //! and writes the tile tasks, and `tile_stream` reads the task count from device memory. The
 //! host reference is [`super::tiles::compile`] over
 //! [`rackfill_balancer::relay::plan_transfers`]: `plan_tiles` produces the same tasks, the same
-//! destinations and the same ready counters, entry for entry (tests/cuda_emulated.rs runs the
-//! kernel source against it on random plans; tests/cuda_replicate.rs on a GPU).
+//! destinations and the same ready counters, entry for entry (tests/device_kernels/tiles.rs
+//! compares them on random plans, on the host emulator and on a GPU where there is one).
 //!
 //! The device cannot allocate for the plan at hand, so [`TilePlanner::new`] sizes every buffer
 //! for the worst plan the layout allows (every slot filled); the kernel still checks each

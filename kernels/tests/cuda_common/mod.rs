@@ -1,35 +1,119 @@
-//! Shared by the `cuda_*` tests: the GPU (or the printed reason there is none) and test data.
+//! Shared by the device kernel tests: the executors to run on (the host emulator with a test's
+//! settings, GPU 0 where there is one), device buffer helpers, and test data.
 
 #![allow(dead_code)]
 
 #[path = "../common/mod.rs"]
 pub mod common;
 
-pub use common::Rng;
-use rackfill_balancer::{Layout, LoadMatrix, Plan};
-use rackfill_kernels::cuda::{CudaError, CudaUnavailable, Gpu};
+pub use common::{random_layout, Rng};
+use rackfill_balancer::{Layout, LoadMatrix};
+use rackfill_kernels::cuda::exec::{
+    self, DeviceBuffer, Emulator, EmulatorSettings, Executor, ExecutorExt,
+};
+use std::sync::Arc;
 
-/// Set to 1 on GPU hosts: a missing GPU then fails the tests instead of skipping them.
-pub const REQUIRE_GPU: &str = "RACKFILL_REQUIRE_GPU";
+/// One executor a test runs its kernels on.
+pub struct Device {
+    pub exec: Arc<dyn Executor>,
+    /// The same executor when it is the host emulator (its counters, its settings).
+    pub emulator: Option<Arc<Emulator>>,
+}
 
-/// Device 0 with every kernel compiled, or `None` after printing why the GPU part of a test is
-/// skipped. Only "no driver" and "no device" skip; any other failure (a kernel that does not
-/// compile or load, a broken driver) fails the test.
-pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(gpu) => Some(gpu),
-        Err(CudaError::Unavailable(
-            why @ (CudaUnavailable::NoDriver { .. } | CudaUnavailable::NoDevice),
-        )) => {
-            assert!(
-                std::env::var(REQUIRE_GPU).map_or(true, |v| v != "1"),
-                "{test}: {REQUIRE_GPU}=1 but no GPU: {why}"
-            );
-            eprintln!("{test}: skipped on this machine, no CUDA GPU ({why})");
-            None
-        }
-        Err(other) => panic!("{test}: the GPU exists but cannot be used: {other}"),
+impl Device {
+    /// Whether this is the host emulator.
+    pub fn emulated(&self) -> bool {
+        self.emulator.is_some()
     }
+
+    /// What runs the kernels, for assertion messages.
+    pub fn name(&self) -> String {
+        self.exec.describe()
+    }
+}
+
+/// Every executor this machine runs ([`exec::available`]), the host emulator launching with
+/// `settings` (an emulator of its own, so its counters are this test's).
+pub fn devices(settings: EmulatorSettings) -> Vec<Device> {
+    let shared = Emulator::shared();
+    exec::available()
+        .into_iter()
+        .map(|exec| match &shared {
+            Some(emu) if std::ptr::addr_eq(Arc::as_ptr(&exec), Arc::as_ptr(emu)) => {
+                let emulator = Arc::new(emu.with_settings(settings));
+                Device {
+                    exec: Arc::clone(&emulator) as Arc<dyn Executor>,
+                    emulator: Some(emulator),
+                }
+            }
+            _ => Device {
+                exec,
+                emulator: None,
+            },
+        })
+        .collect()
+}
+
+/// Every executor with the emulator's default settings.
+pub fn default_devices() -> Vec<Device> {
+    devices(EmulatorSettings::default())
+}
+
+/// The host emulator alone with `settings`; `None` (after the emulator printed why) without a
+/// C++ compiler.
+pub fn emulator(settings: EmulatorSettings) -> Option<Arc<Emulator>> {
+    Emulator::shared().map(|emu| Arc::new(emu.with_settings(settings)))
+}
+
+/// A buffer holding `values` as little-endian `u32` (one zero word for an empty slice, so that
+/// kernels always get a valid address).
+pub fn upload_u32(exec: &dyn Executor, values: &[u32]) -> DeviceBuffer {
+    exec.upload_u32(if values.is_empty() { &[0] } else { values })
+        .unwrap()
+}
+
+/// As [`upload_u32`] for `u64`.
+pub fn upload_u64(exec: &dyn Executor, values: &[u64]) -> DeviceBuffer {
+    exec.upload_u64(if values.is_empty() { &[0] } else { values })
+        .unwrap()
+}
+
+/// As [`upload_u32`] for `i32`.
+pub fn upload_i32(exec: &dyn Executor, values: &[i32]) -> DeviceBuffer {
+    let words: Vec<u32> = values.iter().map(|&v| v as u32).collect();
+    upload_u32(exec, &words)
+}
+
+/// A zeroed buffer of `bytes` (at least one).
+pub fn zeroed(exec: &dyn Executor, bytes: usize) -> DeviceBuffer {
+    exec.alloc_zeroed(bytes.max(1)).unwrap()
+}
+
+/// The first `n` `u32`s of a buffer.
+pub fn read_u32(exec: &dyn Executor, buffer: &DeviceBuffer, n: usize) -> Vec<u32> {
+    let mut bytes = vec![0u8; 4 * n];
+    exec.read(buffer, 0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The first `n` `u64`s of a buffer.
+pub fn read_u64(exec: &dyn Executor, buffer: &DeviceBuffer, n: usize) -> Vec<u64> {
+    let mut bytes = vec![0u8; 8 * n];
+    exec.read(buffer, 0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The first `n` bytes of a buffer.
+pub fn read_bytes(exec: &dyn Executor, buffer: &DeviceBuffer, n: usize) -> Vec<u8> {
+    let mut bytes = vec![0u8; n];
+    exec.read(buffer, 0, &mut bytes).unwrap();
+    bytes
 }
 
 /// A load with a few hot experts over a noisy background.
@@ -51,11 +135,6 @@ pub fn skewed_load(rng: &mut Rng, ranks: usize, experts: usize, hot: usize) -> L
         })
         .collect();
     LoadMatrix::from_rows(&rows).unwrap()
-}
-
-/// Replicas in a plan, to assert a test exercises replication at all.
-pub fn replicas(plan: &Plan) -> usize {
-    plan.replicas()
 }
 
 /// Whether the quota solver may pick targets by packed 32-bit keys for this layer
