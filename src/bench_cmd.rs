@@ -5,16 +5,18 @@
 
 use crate::balance_cmd::BalanceArgs;
 use crate::flags::{
-    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, DATA_PLANE_ALIASES,
-    EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES,
+    dedup, help_with_list_default, parse_positive, BALANCER_ALIASES, EP_SIZE_ALIASES,
+    REDUNDANT_SLOTS_ALIASES,
 };
 use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
-use rackfill_bench::forward::{check_lengths, run_forward, synthetic_bench_model};
-use rackfill_engine::{DataPlane, EpConfig, ModelDevice, Rack};
-use rackfill_models::ModelBundle;
+use rackfill_bench::forward::{
+    check_lengths, run_forward, synthetic_bench_checkpoint, synthetic_bench_model,
+};
+use rackfill_engine::{EpConfig, ModelDevice, Rack};
+use rackfill_models::{Checkpoint, ModelBundle, ModelConfig};
 use std::path::PathBuf;
 
 /// Benchmarks.
@@ -91,30 +93,20 @@ pub struct EpArgs {
           aliases = REDUNDANT_SLOTS_ALIASES)]
     pub redundant_slots: usize,
 
-    /// Data planes to run every configuration on, comma-separated: `cpu`, `gpu`, `gpu:N`
-    /// (`gpu` needs a GPU and the default build, not `--no-default-features`).
-    #[arg(long, value_delimiter = ',', default_value = "cpu", aliases = DATA_PLANE_ALIASES)]
-    pub data_plane: Vec<DataPlane>,
-
-    /// Micro-batches per step to run every configuration with, comma-separated: 1, or 2 (each
-    /// rank's sequences split in two halves, one communicating while the other computes; on the
-    /// GPU plane each on its own streams).
-    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = crate::flags::parse_micro_batches)]
-    pub micro_batches: Vec<usize>,
+    /// Schedules to run every configuration with, comma-separated: `ultraep` (replicas, then
+    /// dispatch and experts), `pipelined` (main experts while the replicas stream), `two-batch`
+    /// (each rank's sequences in two micro-batches, one communicating while the other computes),
+    /// `overlapped` (both); the names `rackfill simulate --schedule` takes.
+    #[arg(long, value_delimiter = ',', default_value = "ultraep",
+          value_parser = crate::flags::parse_schedule)]
+    pub schedule: Vec<rackfill_engine::Schedule>,
 
     /// Replica slot memory to run every configuration with, comma-separated: `shared` (one set
     /// for every MoE layer), `per-layer` (each layer keeps its replicas resident between steps,
-    /// quota plans moved onto them within 2%; the CPU data plane only).
+    /// quota plans moved onto them within 2%).
     #[arg(long, value_delimiter = ',', default_value = "shared",
           value_parser = crate::flags::parse_slot_memory)]
     pub slot_memory: Vec<rackfill_engine::SlotMemory>,
-
-    /// Pipelined experts to run every one-micro-batch configuration with, comma-separated: `on`
-    /// (dispatch and main experts while the replicas stream), `off` (replicas first) or `auto`
-    /// (on for the GPU plane, off for the CPU plane).
-    #[arg(long, value_delimiter = ',', default_value = "auto",
-          value_parser = crate::flags::parse_pipelined_experts)]
-    pub pipelined_experts: Vec<rackfill_engine::PipelinedExperts>,
 
     /// Rack the simulated MoE makespans are costed on: nvl72, or a rack JSON file (the same
     /// racks and cost model as `rackfill simulate`, so the two compare).
@@ -210,29 +202,16 @@ fn ep(args: EpArgs) -> anyhow::Result<()> {
         None => random_prompts(&model, args.sequences, args.tokens, args.seed)?,
     };
     let mut cases = Vec::new();
-    for &data_plane in &args.data_plane {
-        for ep_size in dedup(&args.ep_size) {
-            for &balancer in &args.balancer {
-                for micro_batches in dedup(&args.micro_batches) {
-                    // Pipelining acts on one micro-batch: with two, one case.
-                    let pipelined = dedup(&args.pipelined_experts);
-                    let pipelined = if micro_batches == 1 {
-                        &pipelined[..]
-                    } else {
-                        &pipelined[..1]
-                    };
-                    for slot_memory in dedup(&args.slot_memory) {
-                        for &pipelined_experts in pipelined {
-                            cases.push(EpCase {
-                                ep_size,
-                                balancer,
-                                data_plane,
-                                micro_batches,
-                                slot_memory,
-                                pipelined_experts,
-                            });
-                        }
-                    }
+    for ep_size in dedup(&args.ep_size) {
+        for &balancer in &args.balancer {
+            for schedule in dedup(&args.schedule) {
+                for slot_memory in dedup(&args.slot_memory) {
+                    cases.push(EpCase {
+                        ep_size,
+                        balancer,
+                        schedule,
+                        slot_memory,
+                    });
                 }
             }
         }
@@ -280,21 +259,21 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
 }
 
 /// [`run_forward`] with the whole model on `device`'s GPU path (bf16, every expert local): a GPU,
-/// or the host emulator.
+/// or the host emulator, loaded from the checkpoint straight to the device.
 #[cfg(feature = "cuda")]
 fn run_forward_on_gpu(
-    model: &rackfill_models::MoeModel,
+    (config, checkpoint): (&ModelConfig, &Checkpoint),
     name: &str,
     args: &ForwardArgs,
     device: ModelDevice,
 ) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
-    use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
+    use rackfill_models::gpu::{ExpertPlacement, GpuInput, GpuModel};
     use rackfill_models::LogitsFor;
     let exec = crate::gpu_exec::open_executor(device)?;
     let device = exec.describe();
     let longest = args.tokens.iter().copied().max().unwrap_or(1);
-    let gpu = GpuModel::upload(exec, model, longest, Experts::Here)?;
-    let vocab = model.config().vocab_size;
+    let (gpu, _) = GpuModel::load(exec, config, checkpoint, longest, ExpertPlacement::Here)?;
+    let vocab = config.vocab_size;
     let results = rackfill_bench::forward::time_prefills(
         &args.tokens,
         args.repeats,
@@ -321,7 +300,7 @@ fn run_forward_on_gpu(
 
 #[cfg(not(feature = "cuda"))]
 fn run_forward_on_gpu(
-    _: &rackfill_models::MoeModel,
+    _: (&ModelConfig, &Checkpoint),
     _: &str,
     args: &ForwardArgs,
     _: ModelDevice,
@@ -335,22 +314,34 @@ fn run_forward_on_gpu(
 
 fn forward(args: ForwardArgs) -> anyhow::Result<()> {
     let json_file = create_report_file(args.json.as_deref())?;
-    let (model, name) = match &args.model {
+    // The checkpoint, memory-mapped: the CPU path builds its f32 model from it, the GPU path
+    // uploads it to the device (no model in host memory).
+    let (config, checkpoint, name) = match &args.model {
         Some(spec) => {
             let dir = rackfill_models::source::resolve(spec)?;
-            (rackfill_models::MoeModel::load(&dir)?, spec.clone())
+            (
+                ModelConfig::load(&dir)?,
+                Checkpoint::open(&dir)?,
+                spec.clone(),
+            )
         }
-        None => (synthetic_bench_model(args.seed)?, "bench-shape".to_string()),
+        None => {
+            let (config, checkpoint) = synthetic_bench_checkpoint(args.seed)?;
+            (config, checkpoint, "bench-shape".to_string())
+        }
     };
-    check_lengths(&model, &args.tokens)?;
+    check_lengths(&config, &args.tokens)?;
     note!(
         "bench forward: {name}, prompts {:?} tokens, {} repeats",
         args.tokens,
         args.repeats
     );
     let report = match args.device {
-        ModelDevice::Cpu => run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?,
-        device => run_forward_on_gpu(&model, &name, &args, device)?,
+        ModelDevice::Cpu => {
+            let model = rackfill_models::MoeModel::from_checkpoint(config, &checkpoint)?;
+            run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?
+        }
+        device => run_forward_on_gpu((&config, &checkpoint), &name, &args, device)?,
     };
     outln!("| tokens | tokens/s | seconds (each run) |");
     outln!("|-------:|---------:|:-------------------|");

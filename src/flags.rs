@@ -18,9 +18,6 @@ pub(crate) const REDUNDANT_SLOTS_ALIASES: [&str; 1] = ["slots"];
 /// Hidden spellings of `--balancer` (`plan` said `--algo`, `bench ep` and `bench balance`
 /// `--balancers`).
 pub(crate) const BALANCER_ALIASES: [&str; 2] = ["algo", "balancers"];
-/// Hidden spelling of `--data-plane` (`bench ep` said `--data-planes`).
-pub(crate) const DATA_PLANE_ALIASES: [&str; 1] = ["data-planes"];
-
 /// `help` followed by `[default: a,b]`, for flags taking a comma list: clap joins default values
 /// with spaces, which reads as separate arguments.
 pub(crate) fn help_with_list_default<T: std::fmt::Display>(help: &str, defaults: &[T]) -> String {
@@ -58,21 +55,9 @@ pub(crate) fn parse_slot_memory(s: &str) -> Result<rackfill_engine::SlotMemory, 
     s.parse()
 }
 
-/// `auto`, `on` or `off` (`--pipelined-experts`).
-pub(crate) fn parse_pipelined_experts(
-    s: &str,
-) -> Result<rackfill_engine::PipelinedExperts, String> {
+/// `ultraep`, `pipelined`, `two-batch` or `overlapped` (`--schedule`).
+pub(crate) fn parse_schedule(s: &str) -> Result<rackfill_engine::Schedule, String> {
     s.trim().parse()
-}
-
-/// Micro-batches per engine step: 1 or 2.
-pub(crate) fn parse_micro_batches(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n @ 1..=2) => Ok(n),
-        _ => Err(format!(
-            "invalid value '{s}': a step runs 1 or 2 micro-batches"
-        )),
-    }
 }
 
 /// A byte count: an integer with an optional binary suffix `K`, `M`, `G` or `T` (`512M` is

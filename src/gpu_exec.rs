@@ -16,11 +16,9 @@ pub(crate) fn open_executor(
             .ok_or_else(|| anyhow::anyhow!("--device emulator needs a C++ compiler (CXX)")),
         cuda => {
             let ordinal = cuda.gpu_ordinal(None).unwrap_or(0);
-            Ok(std::sync::Arc::new(
-                rackfill_kernels::cuda::Gpu::open(ordinal)
-                    .and_then(GpuExecutor::new)
-                    .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?,
-            ))
+            Ok(std::sync::Arc::new(GpuExecutor::open(ordinal).map_err(
+                |e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"),
+            )?))
         }
     }
 }

@@ -118,8 +118,10 @@ mod imp {
         if args.reps == 0 {
             bail!("--reps must be at least 1");
         }
-        let gpu = rackfill_kernels::cuda::Gpu::open(args.device)?;
-        outln!("device: {}", gpu.info());
+        let opened = rackfill_kernels::cuda::exec::GpuExecutor::open(args.device)?;
+        outln!("device: {}", opened.info());
+        let gpu: std::sync::Arc<dyn rackfill_kernels::cuda::exec::Executor> =
+            std::sync::Arc::new(opened);
         let solver = bench::solver_latency(&gpu, 64, 256, 2, args.reps)?;
         outln!(
             "solver R=64 E=256 n_slot=2: gpu median {:.1} us, cpu median {:.1} us, \
@@ -141,7 +143,8 @@ mod imp {
             tiles.tasks,
             tiles.identical
         );
-        let dist = bench::distribution_bandwidth(&gpu, 64, 256, 2, args.expert_bytes, args.reps)?;
+        let dist =
+            bench::distribution_bandwidth(gpu.as_ref(), 64, 256, 2, args.expert_bytes, args.reps)?;
         outln!(
             "replica distribution: {} bytes stored in {:.1} us = {:.1} GB/s; \
              device-to-device copy of the same bytes {:.1} us = {:.1} GB/s; ratio {:.1}%",
@@ -153,7 +156,7 @@ mod imp {
             100.0 * dist.kernel_gbps() / dist.copy_gbps()
         );
         for fanout in [8, 16, 32] {
-            let r = bench::relay_vs_direct(&gpu, fanout, args.expert_bytes, args.reps)?;
+            let r = bench::relay_vs_direct(gpu.as_ref(), fanout, args.expert_bytes, args.reps)?;
             outln!(
                 "fan-out {fanout}: direct {:.1} us, relay ({} relays) {:.1} us \
                  (all ranks on one GPU: this measures the tile pipeline, not NVLink links)",

@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use rackfill_balancer::Algo;
 use rackfill_engine::fabric::FabricKind;
 use rackfill_engine::routing_trace::RoutingTraceConfig;
-use rackfill_engine::{DataPlane, EngineConfig, EpConfig, ModelDevice, SchedulerConfig};
+use rackfill_engine::{
+    EngineConfig, EpConfig, ModelDevice, ModelWeights, Schedule, SchedulerConfig,
+};
 use rackfill_models::{ExpertSelection, ModelBundle};
 use rackfill_server::{AppState, ServerConfig};
 
@@ -98,56 +100,110 @@ pub struct ServeArgs {
     /// The model name clients use (default: the --model argument, or the built-in name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Where the MoE data plane runs: `auto` (the GPU when the binary has the GPU data plane and a
-    /// device is visible, else the CPU), `cpu`, `gpu` or `gpu:N` (device N).
-    #[arg(long, default_value = "auto")]
-    pub(crate) data_plane: String,
-    /// Micro-batches each engine step is split into: 1, or 2 (two-batch overlap: each rank's
-    /// sequences in two halves, one communicating while the other computes, each with its own
-    /// plan and replica slots; on the GPU data plane each on its own streams; not with --device
-    /// cuda|emulator).
-    #[arg(long, default_value_t = EpConfig::default().micro_batches,
-          value_parser = crate::flags::parse_micro_batches)]
-    pub(crate) micro_batches: usize,
-    /// Where replicas live between steps: `shared` (one set of redundant slots for every MoE
-    /// layer, streamed afresh every layer) or `per-layer` (each MoE layer keeps its slots and
-    /// streams only replicas not already resident; the slot memory times the MoE layers; the
-    /// CPU data plane and --device cpu only).
-    #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
-    pub(crate) slot_memory: rackfill_engine::SlotMemory,
-    /// Pipelined experts, `auto`, `on` or `off`: each MoE layer dispatches its tokens and runs
-    /// its main experts while the replicas stream, and only replica instances wait for them;
-    /// `off` streams the replicas first (UltraEP's order); `auto` pipelines on the GPU data
-    /// plane and not on the CPU one, where it measured slower. Acts on steps of one micro-batch.
-    #[arg(long, default_value = EpConfig::default().pipelined_experts.name(),
-          value_parser = crate::flags::parse_pipelined_experts)]
-    pub(crate) pipelined_experts: rackfill_engine::PipelinedExperts,
-    /// With --slot-memory per-layer and a quota balancer: move replicas onto ranks that still
-    /// hold the same expert while the busiest rank's load stays within this fraction of the
-    /// solved plan's (0.02: 2% more); `off` keeps the plans as solved.
-    #[arg(long, default_value = "0.02", value_parser = crate::flags::parse_reuse_tolerance)]
-    pub(crate) reuse_tolerance: crate::flags::ReuseTolerance,
-    /// Where each rank's model (embedding, attention and its KV cache, norms, dense and shared
-    /// MLPs, LM head) runs: `auto` (the GPU when the binary has the GPU path and a device is
-    /// visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's local rank under
-    /// mpirun/srun), `cuda:N`, or `emulator` (the GPU path's kernels on the host emulator: a
-    /// check without a GPU, needs a C++ compiler). The routed experts run where --data-plane
-    /// says, or on the device too with one rank.
+    /// Where each rank's model and its MoE layers run: `auto` (the GPU where the binary has the
+    /// GPU path and a device is visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's
+    /// local rank under mpirun/srun) or `cuda:N`. On a GPU the whole model and its MoE data
+    /// plane run there in bf16, weights read from the checkpoint straight to the device.
     #[arg(long, default_value = "auto")]
     pub(crate) device: String,
+    /// How each step's MoE work overlaps: `auto` (`pipelined` on a GPU, `ultraep` on the CPU,
+    /// where pipelining measured slower), `ultraep` (replicas, then dispatch and experts),
+    /// `pipelined` (dispatch and main experts while the replicas stream; each replica waits for
+    /// its own slot), `two-batch` (each rank's sequences in two micro-batches, one communicating
+    /// while the other computes, each with its own plan and replica slots), `overlapped` (both).
+    /// The names `rackfill simulate --schedule` costs.
+    #[arg(long, default_value = "auto")]
+    pub(crate) schedule: String,
+    /// Where replicas live between steps: `shared` (one set of redundant slots for every MoE
+    /// layer, streamed afresh every layer) or `per-layer` (each MoE layer keeps its slots and
+    /// streams only replicas not already resident; the slot memory times the MoE layers).
+    #[arg(long, default_value = "shared", value_parser = crate::flags::parse_slot_memory)]
+    pub(crate) slot_memory: rackfill_engine::SlotMemory,
+    /// With --slot-memory per-layer and a quota balancer: move replicas onto ranks that still
+    /// hold the same expert while the busiest rank's load stays within this fraction of the
+    /// solved plan's (0.02: 2% more); `off` keeps the plans as solved [default: 0.02].
+    #[arg(long, value_parser = crate::flags::parse_reuse_tolerance)]
+    pub(crate) reuse_tolerance: Option<crate::flags::ReuseTolerance>,
     /// Under mpirun/srun: what carries the MoE layers' data between processes: `auto`, `mpi`
-    /// (host memory over MPI) or `nccl` (through the process's GPU, one per process).
-    #[arg(long, default_value_t = FabricKind::Auto)]
-    pub(crate) fabric: FabricKind,
+    /// (host memory over MPI) or `nccl` (through the process's GPU, one per process)
+    /// [default: auto].
+    #[arg(long)]
+    pub(crate) fabric: Option<FabricKind>,
     /// Under mpirun/srun: a rank that makes no progress (or whose heartbeats stop) for this many
     /// seconds stops every process of the group with a non-zero status, naming the rank. Must
-    /// exceed the longest engine step.
-    #[arg(long, default_value_t = 30.0)]
-    pub(crate) watchdog_timeout: f64,
+    /// exceed the longest engine step [default: 30].
+    #[arg(long)]
+    pub(crate) watchdog_timeout: Option<f64>,
     /// Under mpirun/srun: rewritten about every second while this process's rank makes progress
     /// (for a liveness probe: check its age).
     #[arg(long)]
     pub(crate) heartbeat_file: Option<PathBuf>,
+    /// Replaced by --device (the MoE data plane runs where the model runs).
+    #[arg(long, hide = true)]
+    data_plane: Option<String>,
+    /// Replaced by --schedule.
+    #[arg(long, hide = true)]
+    micro_batches: Option<String>,
+    /// Replaced by --schedule.
+    #[arg(long, hide = true)]
+    pipelined_experts: Option<String>,
+}
+
+/// `--watchdog-timeout`'s default, seconds.
+const WATCHDOG_TIMEOUT: f64 = 30.0;
+
+impl ServeArgs {
+    /// Fails, naming the replacement, on a flag that is gone; and on one that does not apply:
+    /// the group flags outside a group (`in_group`: under mpirun/srun), `--reuse-tolerance`
+    /// without per-layer slots.
+    pub(crate) fn check_applies(&self, in_group: bool) -> Result<()> {
+        if let Some(plane) = &self.data_plane {
+            bail!(
+                "--data-plane {plane}: replaced by --device, the MoE data plane runs where the \
+                 model runs (--device cpu, or --device cuda[:N] for the model and its data plane \
+                 on a GPU)"
+            );
+        }
+        if self.micro_batches.is_some() || self.pipelined_experts.is_some() {
+            bail!(
+                "--micro-batches and --pipelined-experts were replaced by --schedule \
+                 (ultraep, pipelined, two-batch or overlapped)"
+            );
+        }
+        if !in_group {
+            let group_flags = [
+                ("--fabric", self.fabric.is_some()),
+                ("--watchdog-timeout", self.watchdog_timeout.is_some()),
+                ("--heartbeat-file", self.heartbeat_file.is_some()),
+            ];
+            if let Some((flag, _)) = group_flags.iter().find(|(_, given)| *given) {
+                bail!(
+                    "{flag} applies to a group of processes under mpirun/srun; this process \
+                     serves every rank itself"
+                );
+            }
+        }
+        if self.reuse_tolerance.is_some()
+            && self.slot_memory != rackfill_engine::SlotMemory::PerLayer
+        {
+            bail!(
+                "--reuse-tolerance acts on replicas kept between steps: it needs --slot-memory \
+                 per-layer"
+            );
+        }
+        Ok(())
+    }
+
+    /// The fabric of a group (`--fabric`, `auto` by default).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn fabric(&self) -> FabricKind {
+        self.fabric.unwrap_or(FabricKind::Auto)
+    }
+
+    /// The watchdog timeout of a group, in seconds.
+    pub(crate) fn watchdog_timeout(&self) -> f64 {
+        self.watchdog_timeout.unwrap_or(WATCHDOG_TIMEOUT)
+    }
 }
 
 /// Engine and server settings from the flags, checked before anything is loaded (the GPU probe
@@ -198,23 +254,23 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         .clone()
         .or_else(|| std::env::var("RACKFILL_API_KEY").ok())
         .filter(|k| !k.is_empty());
-    let watchdog_timeout = seconds("--watchdog-timeout", args.watchdog_timeout)?;
+    let watchdog_timeout = seconds("--watchdog-timeout", args.watchdog_timeout())?;
     if watchdog_timeout.is_zero() {
         bail!("--watchdog-timeout must be more than 0 seconds");
     }
-    let (data_plane, data_plane_note) = data_plane(&args.data_plane)?;
     let (device, device_note) = model_device(&args.device)?;
+    let schedule = schedule(&args.schedule, device)?;
     let engine = EngineConfig {
         device,
         ep: EpConfig {
             ep_size: args.ep_size.unwrap_or(EpConfig::default().ep_size),
             redundant_slots: args.redundant_slots,
             balancer: args.balancer,
-            data_plane,
-            micro_batches: args.micro_batches,
+            schedule,
             slot_memory: args.slot_memory,
-            pipelined_experts: args.pipelined_experts,
-            reuse_tolerance: args.reuse_tolerance.0,
+            reuse_tolerance: args
+                .reuse_tolerance
+                .map_or(EpConfig::default().reuse_tolerance, |t| t.0),
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {
@@ -242,7 +298,6 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
     Ok(ServeConfig {
         engine,
         server,
-        data_plane_note,
         device_note,
         watchdog_timeout,
     })
@@ -252,9 +307,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
 pub(crate) struct ServeConfig {
     pub engine: EngineConfig,
     pub server: ServerConfig,
-    /// Where the MoE data plane runs and why, for the startup log.
-    pub data_plane_note: String,
-    /// Where the model runs and why, for the startup log.
+    /// Where the model and its MoE layers run and why, for the startup log.
     pub device_note: String,
     /// Under an MPI launcher: how long a rank may make no progress (`--watchdog-timeout`;
     /// checked in every build, read only by the `mpi` one).
@@ -309,36 +362,47 @@ pub(crate) fn serve_one_process(args: &ServeArgs, config: ServeConfig) -> Result
     let ServeConfig {
         engine: engine_config,
         server: server_config,
-        data_plane_note,
         device_note,
         ..
     } = config;
-    tracing::info!("model: {device_note}");
     let ep = engine_config.ep;
-    serve_http(args, &data_plane_note, load_bundle(args, None), |bundle| {
-        let state = AppState::launch(bundle, engine_config, server_config)
-            .context("cannot start the engine")?;
-        Ok((state, ep))
-    })
+    let device = engine_config.device;
+    serve_http(
+        args,
+        &device_note,
+        load_bundle(args, None, device),
+        |bundle| {
+            let state = AppState::launch(bundle, engine_config, server_config)
+                .context("cannot start the engine")?;
+            Ok((state, ep))
+        },
+    )
 }
 
-/// Loads the model `--model` names (`shard`: only these routed experts), with
-/// `--served-model-name` applied.
+/// Loads the model `--model` names for `device`, with `--served-model-name` applied: on the CPU
+/// into host memory (`shard`: only these routed experts), on a device left in its checkpoint
+/// (each process reads only its ranks' tensors when its engine uploads them).
 pub(crate) fn load_bundle(
     args: &ServeArgs,
     shard: Option<ExpertSelection>,
-) -> impl FnOnce() -> Result<ModelBundle> + Send + 'static {
+    device: ModelDevice,
+) -> impl FnOnce() -> Result<ModelBundle<ModelWeights>> + Send + 'static {
     let spec = args.model.clone();
     let served_name = args.served_model_name.clone();
     move || {
-        let selection = shard.unwrap_or(ExpertSelection::All);
-        let mut bundle =
-            ModelBundle::load_with(spec.as_deref(), &selection).with_context(|| {
-                format!(
-                    "cannot load model {}",
-                    spec.as_deref().unwrap_or("<built-in>")
-                )
-            })?;
+        let loaded = match device {
+            ModelDevice::Cpu => {
+                let selection = shard.unwrap_or(ExpertSelection::All);
+                ModelBundle::load_with(spec.as_deref(), &selection).map(|b| b.map(Into::into))
+            }
+            _ => ModelBundle::open(spec.as_deref()).map(|b| b.map(Into::into)),
+        };
+        let mut bundle = loaded.with_context(|| {
+            format!(
+                "cannot load model {}",
+                spec.as_deref().unwrap_or("<built-in>")
+            )
+        })?;
         if let Some(name) = served_name {
             bundle.name = name;
         }
@@ -350,9 +414,9 @@ pub(crate) fn load_bundle(
 /// HTTP until SIGINT / SIGTERM. `start` also says how the engine it started is laid out.
 pub(crate) fn serve_http(
     args: &ServeArgs,
-    data_plane_note: &str,
-    load: impl FnOnce() -> Result<ModelBundle> + Send + 'static,
-    start: impl FnOnce(ModelBundle) -> Result<(AppState, EpConfig)>,
+    device_note: &str,
+    load: impl FnOnce() -> Result<ModelBundle<ModelWeights>> + Send + 'static,
+    start: impl FnOnce(ModelBundle<ModelWeights>) -> Result<(AppState, EpConfig)>,
 ) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -370,7 +434,7 @@ pub(crate) fn serve_http(
             .await
             .context("model loading panicked")??;
         let name = bundle.name.clone();
-        tracing::info!("data plane: {data_plane_note}");
+        tracing::info!("model and MoE data plane: {device_note}");
         let (state, ep) = start(bundle)?;
         tracing::info!(
             model = %name,
@@ -440,48 +504,16 @@ pub(crate) fn model_device(arg: &str) -> Result<(ModelDevice, String)> {
     }
 }
 
-/// The data plane `--data-plane` asks for, and a line for the startup log saying where it runs
-/// and why. `auto` never fails: without feature `cuda` or a visible GPU (the probe never
-/// panics) it picks the CPU and says why.
-pub(crate) fn data_plane(arg: &str) -> Result<(DataPlane, String)> {
-    let gpu_ordinal = match arg {
-        "auto" => None,
-        other => match other.parse::<DataPlane>() {
-            Ok(DataPlane::Cpu) => {
-                return Ok((DataPlane::Cpu, "running on CPU (--data-plane cpu)".into()))
-            }
-            Ok(DataPlane::Gpu { ordinal }) => Some(ordinal),
-            Err(_) => bail!("--data-plane must be auto, cpu, gpu or gpu:N, got '{other}'"),
-        },
-    };
-    #[cfg(feature = "cuda")]
-    {
-        match (gpu_ordinal, rackfill_kernels::cuda::probe()) {
-            (Some(ordinal), _) => Ok((
-                DataPlane::Gpu { ordinal },
-                format!("GPU {ordinal} (--data-plane {arg})"),
-            )),
-            (None, Ok(gpu)) => Ok((
-                DataPlane::Gpu {
-                    ordinal: gpu.ordinal,
-                },
-                format!("running on GPU {gpu}"),
-            )),
-            (None, Err(why)) => Ok((DataPlane::Cpu, format!("running on CPU: {why}"))),
-        }
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        match gpu_ordinal {
-            Some(_) => bail!(
-                "--data-plane {arg} needs the GPU data plane of the default build (this \
-                 binary was built with --no-default-features and runs on the CPU only)"
-            ),
-            None => Ok((
-                DataPlane::Cpu,
-                "running on CPU (built with --no-default-features)".into(),
-            )),
-        }
+/// The schedule `--schedule` names for a model on `device`: `auto` pipelines the experts on a
+/// device (replicas stream beside the compute) and not on the CPU, whose cores would copy the
+/// replicas and compute at once (measured slower, docs/engine.md).
+pub(crate) fn schedule(arg: &str, device: ModelDevice) -> Result<Schedule> {
+    match arg {
+        "auto" if device == ModelDevice::Cpu => Ok(Schedule::ULTRAEP),
+        "auto" => Ok(Schedule::PIPELINED),
+        other => other
+            .parse::<Schedule>()
+            .map_err(|e| anyhow::anyhow!("--schedule: {e}")),
     }
 }
 
@@ -610,19 +642,30 @@ mod tests {
     }
 
     #[test]
-    fn data_plane_choice() {
-        let (engine, _) = parse(&["--data-plane", "cpu"]).unwrap();
-        assert_eq!(engine.ep.data_plane, DataPlane::Cpu);
-        // Without a GPU (or without feature cuda) `auto` is the CPU, and says why.
-        if cfg!(not(feature = "cuda")) {
-            let (plane, why) = data_plane("auto").unwrap();
-            assert_eq!(plane, DataPlane::Cpu);
-            assert!(why.contains("--no-default-features"), "{why}");
-            let err = parse(&["--data-plane", "gpu:1"]).unwrap_err().to_string();
-            assert!(err.contains("--no-default-features"), "{err}");
-        } else {
-            let (engine, _) = parse(&["--data-plane", "gpu:1"]).unwrap();
-            assert_eq!(engine.ep.data_plane, DataPlane::Gpu { ordinal: 1 });
-        }
+    fn schedules_and_replaced_flags() {
+        let (engine, _) = parse(&["--device", "cpu"]).unwrap();
+        assert_eq!(engine.ep.schedule, Schedule::ULTRAEP);
+        let (engine, _) = parse(&["--device", "cpu", "--schedule", "overlapped"]).unwrap();
+        assert_eq!(engine.ep.schedule, Schedule::OVERLAPPED);
+        assert_eq!(
+            schedule("auto", ModelDevice::Emulator).unwrap(),
+            Schedule::PIPELINED
+        );
+        let err = parse(&["--schedule", "three-batch"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown schedule 'three-batch'"), "{err}");
+        let replaced = |flags: &[&str]| {
+            let mut argv = vec!["serve"];
+            argv.extend_from_slice(flags);
+            let wrapper = Wrapper::try_parse_from(argv).unwrap();
+            wrapper.args.check_applies(false).unwrap_err().to_string()
+        };
+        assert!(replaced(&["--data-plane", "gpu"]).contains("replaced by --device"));
+        assert!(replaced(&["--micro-batches", "2"]).contains("replaced by --schedule"));
+        assert!(replaced(&["--pipelined-experts", "on"]).contains("replaced by --schedule"));
+        assert!(replaced(&["--fabric", "mpi"]).contains("--fabric applies to a group"));
+        assert!(replaced(&["--heartbeat-file", "x"]).contains("--heartbeat-file applies"));
+        assert!(replaced(&["--reuse-tolerance", "off"]).contains("needs --slot-memory per-layer"));
     }
 }

@@ -18,8 +18,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let config = configs(&args)?;
     init_logging();
     match Launched::detect()? {
-        Some(group) => group.run(&args, config),
-        None => serve_one_process(&args, config),
+        Some(group) => {
+            args.check_applies(true)?;
+            group.run(&args, config)
+        }
+        None => {
+            args.check_applies(false)?;
+            serve_one_process(&args, config)
+        }
     }
 }
 
@@ -72,7 +78,7 @@ mod with_mpi {
     use anyhow::{bail, Context, Result};
     use rackfill_engine::fabric::FabricKind;
     use rackfill_engine::group::{self, GroupConfig, GroupModel, MpiWorld};
-    use rackfill_engine::{DataPlane, EngineConfig, EpRuntime};
+    use rackfill_engine::{EngineConfig, EpRuntime, ModelWeights};
     use rackfill_server::{AppState, ModelMeta};
 
     use crate::serve_cmd::{load_bundle, serve_http, ServeArgs, ServeConfig};
@@ -95,7 +101,6 @@ mod with_mpi {
             let ServeConfig {
                 engine,
                 server,
-                mut data_plane_note,
                 device_note,
                 watchdog_timeout,
             } = config;
@@ -104,7 +109,8 @@ mod with_mpi {
                 watchdog_timeout,
                 heartbeat_file: args.heartbeat_file.clone(),
             };
-            let served = group_settings(args, engine, group, size, &mut data_plane_note)?;
+            let device = engine.device;
+            let served = group_settings(args, engine, group, size)?;
             let model = rackfill_models::ModelBundle::config(args.model.as_deref())
                 .with_context(|| format!("cannot load model {}", model_name(args)))?;
             let shard = EpRuntime::expert_selection(&model, &served.config.ep, rank..rank + 1)?;
@@ -114,7 +120,7 @@ mod with_mpi {
                     std::process::id()
                 );
                 ignore_termination_signals(rank);
-                let bundle = load_bundle(args, Some(shard))()?;
+                let bundle = load_bundle(args, Some(shard), device)()?;
                 let served = served.with_bundle(bundle);
                 group::run_worker(&self.world, served)
                     .with_context(|| format!("rank {rank} of {size}"))?;
@@ -127,8 +133,8 @@ mod with_mpi {
             );
             serve_http(
                 args,
-                &data_plane_note,
-                load_bundle(args, Some(shard)),
+                &device_note,
+                load_bundle(args, Some(shard), device),
                 |bundle| {
                     let meta = ModelMeta {
                         name: bundle.name.clone(),
@@ -157,9 +163,9 @@ mod with_mpi {
     }
 
     impl Settings {
-        fn with_bundle(self, bundle: rackfill_models::ModelBundle) -> GroupModel {
+        fn with_bundle(self, bundle: rackfill_models::ModelBundle<ModelWeights>) -> GroupModel {
             GroupModel {
-                model: Arc::new(bundle.model),
+                model: bundle.model,
                 tokenizer: Arc::new(bundle.tokenizer),
                 eos: bundle.stop_token_ids,
                 config: self.config,
@@ -169,14 +175,12 @@ mod with_mpi {
         }
     }
 
-    /// The group's settings; `data_plane_note` (the startup log's) is corrected where one
-    /// process per rank moves the data plane to the CPU.
+    /// The group's settings.
     fn group_settings(
         args: &ServeArgs,
         mut config: EngineConfig,
         group: GroupConfig,
         size: usize,
-        data_plane_note: &mut String,
     ) -> Result<Settings> {
         if let Some(ep) = args.ep_size.filter(|&ep| ep != size) {
             bail!(
@@ -185,23 +189,10 @@ mod with_mpi {
             );
         }
         config.ep.ep_size = size;
-        if let DataPlane::Gpu { .. } = config.ep.data_plane {
-            if args.data_plane != "auto" {
-                bail!(
-                    "--data-plane {} runs every rank on one GPU in one process; with one process \
-                     per rank the MoE data plane runs on the CPU (use --data-plane cpu)",
-                    args.data_plane
-                );
-            }
-            config.ep.data_plane = DataPlane::Cpu;
-            *data_plane_note = "running on CPU: with one process per rank the MoE data plane \
-                                runs on the CPU (the GPU data plane holds every rank in one process)"
-                .into();
-        }
         Ok(Settings {
             config,
             group,
-            fabric: args.fabric,
+            fabric: args.fabric(),
         })
     }
 

@@ -34,10 +34,6 @@ fn simulated_balancers() -> [Algo; 3] {
     [EpConfig::default().balancer, Algo::EplbHistory, Algo::None]
 }
 
-fn parse_schedule(s: &str) -> Result<Schedule, String> {
-    s.parse()
-}
-
 /// Arguments of `rackfill simulate`.
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
@@ -65,7 +61,7 @@ pub struct SimulateArgs {
     /// communication), overlapped (two-batch and pipelined experts: dispatch and the main
     /// experts' GEMMs do not wait for the replicas). Every run also reports all three
     /// (the ablation).
-    #[arg(long, default_value = "overlapped", value_parser = parse_schedule)]
+    #[arg(long, default_value = "overlapped", value_parser = crate::flags::parse_schedule)]
     schedule: Schedule,
     /// Where replicas live between steps: shared (one set of slots for every MoE layer, each
     /// layer's replicas streamed afresh every step) or per-layer (each layer keeps its slots and

@@ -7,14 +7,13 @@
 //! EP machinery's overhead on one host, and the simulated MoE makespan with the plan and without
 //! balancing, summed over layers: every layer's load and plan costed on the runtime's rack (NVL72)
 //! by the cost model `rackfill simulate` uses (`rackfill_engine::rack_cost`). Each configuration
-//! also names its data plane, so a GPU host times the CPU and GPU planes side by side in one run.
+//! names its schedule (`rackfill_engine::Schedule`: micro-batches and pipelined experts) and slot
+//! memory, in the words `rackfill simulate` uses.
 
 use std::time::Instant;
 
 use rackfill_balancer::Algo;
-use rackfill_engine::{
-    DataPlane, EpConfig, EpRuntime, PipelinedExperts, Rack, SlotMemory, StepOutput,
-};
+use rackfill_engine::{EpConfig, EpRuntime, Rack, Schedule, SlotMemory, StepOutput};
 use rackfill_models::{LogitsFor, MoeModel, SequenceInput};
 use serde::Serialize;
 use std::sync::Arc;
@@ -94,23 +93,20 @@ pub struct EpCase {
     pub ep_size: usize,
     #[serde(serialize_with = "algo_name")]
     pub balancer: Algo,
-    /// Where the MoE data plane runs (`cpu`, `gpu:N`).
-    #[serde(serialize_with = "plane_name")]
-    pub data_plane: DataPlane,
-    /// Micro-batches per step (2: two-batch overlap).
-    pub micro_batches: usize,
+    /// Micro-batches per step and pipelined experts (`ultraep`, `pipelined`, `two-batch`,
+    /// `overlapped`).
+    #[serde(serialize_with = "schedule_name")]
+    pub schedule: Schedule,
     /// One set of replica slots for every MoE layer, or one each (resident replicas reused).
     pub slot_memory: SlotMemory,
-    /// Dispatch and main experts while the replicas stream (one micro-batch).
-    pub pipelined_experts: PipelinedExperts,
 }
 
 fn algo_name<S: serde::Serializer>(algo: &Algo, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(algo.name())
 }
 
-fn plane_name<S: serde::Serializer>(plane: &DataPlane, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(plane)
+fn schedule_name<S: serde::Serializer>(schedule: &Schedule, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&schedule.name())
 }
 
 /// Figures of one configuration (or of the dense path, `case: None`).
@@ -186,10 +182,8 @@ pub fn run_ep(
                     ep_size: c.ep_size,
                     redundant_slots,
                     balancer: c.balancer,
-                    data_plane: c.data_plane,
-                    micro_batches: c.micro_batches,
+                    schedule: c.schedule,
                     slot_memory: c.slot_memory,
-                    pipelined_experts: c.pipelined_experts,
                     ..EpConfig::default()
                 },
             )?;
@@ -311,20 +305,14 @@ impl EpReport {
             let name = match r.case {
                 None => "dense (1 device)".to_string(),
                 Some(c) => {
-                    let mut name = format!("EP {} {}", c.ep_size, c.balancer.name());
-                    if c.micro_batches > 1 {
-                        name += &format!(" x{} micro-batches", c.micro_batches);
-                    }
+                    let mut name = format!(
+                        "EP {} {}, {}",
+                        c.ep_size,
+                        c.balancer.name(),
+                        c.schedule.name()
+                    );
                     if c.slot_memory != SlotMemory::Shared {
                         name += &format!(", {} slots", c.slot_memory.name());
-                    }
-                    match (c.micro_batches, c.pipelined_experts) {
-                        (1, PipelinedExperts::On) => name += ", pipelined",
-                        (1, PipelinedExperts::Off) => name += ", replicas first",
-                        _ => {}
-                    }
-                    if c.data_plane != DataPlane::Cpu {
-                        name += &format!(" ({})", c.data_plane);
                     }
                     name
                 }

@@ -92,6 +92,15 @@ fn qwen3_tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 /// initialisation transformers uses), built as an in-memory safetensors checkpoint so it goes
 /// through the real loader.
 pub fn synthetic_bench_model(seed: u64) -> Result<MoeModel, ForwardBenchError> {
+    let (config, checkpoint) = synthetic_bench_checkpoint(seed)?;
+    Ok(MoeModel::from_checkpoint(config, &checkpoint)?)
+}
+
+/// The config and in-memory bf16 checkpoint of [`synthetic_bench_model`] (what the GPU path
+/// loads from).
+pub fn synthetic_bench_checkpoint(
+    seed: u64,
+) -> Result<(ModelConfig, Checkpoint), ForwardBenchError> {
     let config_json = bench_shape_config().to_string();
     let config = ModelConfig::from_json_str(&config_json, Path::new("<bench shape>"))?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -120,7 +129,7 @@ pub fn synthetic_bench_model(seed: u64) -> Result<MoeModel, ForwardBenchError> {
     let bytes = safetensors::serialize(views, None)
         .map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
     let checkpoint = Checkpoint::from_bytes("<bench shape>", bytes)?;
-    Ok(MoeModel::from_checkpoint(config, &checkpoint)?)
+    Ok((config, checkpoint))
 }
 
 /// One prompt length's timings.
@@ -146,8 +155,8 @@ pub struct ForwardReport {
 
 /// Checks every prompt length before the first is timed: positive and within the model's context
 /// (2^64-1 tokens overflowed the prompt's allocation, 2^32 ate memory for minutes).
-pub fn check_lengths(model: &MoeModel, lengths: &[usize]) -> Result<(), ForwardBenchError> {
-    let context = model.config().max_position_embeddings;
+pub fn check_lengths(config: &ModelConfig, lengths: &[usize]) -> Result<(), ForwardBenchError> {
+    let context = config.max_position_embeddings;
     for &tokens in lengths {
         if tokens == 0 {
             return Err(ForwardBenchError::EmptyPrompt);
@@ -168,7 +177,7 @@ pub fn run_forward(
     repeats: usize,
     seed: u64,
 ) -> Result<ForwardReport, ForwardBenchError> {
-    check_lengths(model, lengths)?;
+    check_lengths(model.config(), lengths)?;
     let vocab = model.config().vocab_size;
     let results = time_prefills(lengths, repeats, seed, vocab, |prompt| {
         let mut cache = model.new_cache();

@@ -5,7 +5,7 @@
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{random_prompts, run_ep, EpBenchError, EpCase, MAX_STEP_TOKENS};
 use rackfill_bench::forward::{run_forward, ForwardBenchError};
-use rackfill_engine::{DataPlane, PipelinedExperts, Rack, SlotMemory};
+use rackfill_engine::{Rack, Schedule, SlotMemory};
 use rackfill_models::ModelBundle;
 use std::sync::Arc;
 
@@ -53,10 +53,8 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
         let case = EpCase {
             ep_size,
             balancer: Algo::Quota,
-            data_plane: DataPlane::Cpu,
-            micro_batches: 1,
+            schedule: Schedule::PIPELINED,
             slot_memory: SlotMemory::Shared,
-            pipelined_experts: PipelinedExperts::On,
         };
         let err = run_ep(
             Arc::clone(&model),
@@ -79,10 +77,8 @@ fn ep_sizes_and_prompt_volumes_are_bounded() {
     let case = EpCase {
         ep_size: 2,
         balancer: Algo::Quota,
-        data_plane: DataPlane::Cpu,
-        micro_batches: 1,
+        schedule: Schedule::ULTRAEP,
         slot_memory: SlotMemory::Shared,
-        pipelined_experts: PipelinedExperts::Auto,
     };
     let report = run_ep(model, "tiny", &prompts, &[case], 2, &Rack::nvl72(), 1).unwrap();
     assert_eq!(report.tokens_per_step, 8);

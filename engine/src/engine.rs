@@ -13,13 +13,15 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use rackfill_balancer::LoadMatrix;
-use rackfill_models::{MoeModel, Tokenizer};
+use rackfill_models::{ModelConfig, Tokenizer};
 use tokio::sync::mpsc as events;
 
 use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
+use crate::fabric::LocalFabric;
 use crate::metrics;
 use crate::model_device::ModelDevice;
+use crate::model_weights::ModelWeights;
 use crate::prefix_cache;
 use crate::request::{GenerateRequest, RequestStream};
 use crate::routing_trace::{RoutingRecorder, RoutingTraceConfig};
@@ -116,16 +118,23 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Starts the engine thread on `model`, every EP rank in this process.
     pub fn spawn(
-        model: Arc<MoeModel>,
+        weights: impl Into<ModelWeights>,
         tokenizer: Arc<Tokenizer>,
         eos: Vec<u32>,
         config: EngineConfig,
     ) -> Result<Self> {
-        let mut runtime = EpRuntime::new(Arc::clone(&model), config.ep)?;
-        runtime.open_device(config.device, None, config.scheduler.kv_tokens_per_rank)?;
-        let scheduler = new_scheduler(config.ep.ep_size, &config, &model)?;
+        let weights = weights.into();
+        let fabric = Box::new(LocalFabric::new(config.ep.ep_size)?);
+        let runtime = EpRuntime::open(
+            &weights,
+            config.ep,
+            fabric,
+            (config.device, None),
+            config.scheduler.kv_tokens_per_rank,
+        )?;
+        let scheduler = new_scheduler(config.ep.ep_size, &config, weights.config())?;
         let recorder = open_recorder(&config)?;
-        Self::start(&model, tokenizer, eos, &config, move |thread| {
+        Self::start(weights.config(), tokenizer, eos, &config, move |thread| {
             EngineLoop {
                 runtime,
                 scheduler,
@@ -140,18 +149,18 @@ impl EngineHandle {
     /// Starts `body` on the engine thread, with the handle's end of the command channel; the
     /// engine's limits come from `model` and `config`.
     pub(crate) fn start(
-        model: &MoeModel,
+        model: &ModelConfig,
         tokenizer: Arc<Tokenizer>,
         eos: Vec<u32>,
         config: &EngineConfig,
         body: impl FnOnce(EngineThread) + Send + 'static,
     ) -> Result<Self> {
-        let max_model_len = model.config().max_position_embeddings;
+        let max_model_len = model.max_position_embeddings;
         let info = EngineInfo {
             max_model_len,
             eos: eos.into(),
             limits: RequestLimits {
-                vocab_size: model.config().vocab_size,
+                vocab_size: model.vocab_size,
                 max_context: max_model_len.min(config.scheduler.kv_capacity_tokens()),
                 max_sequences: config.max_waiting,
                 max_request_tokens: config.max_request_tokens,
@@ -314,7 +323,7 @@ pub(crate) fn fallback_seed(id: u64) -> u64 {
 pub(crate) fn new_scheduler(
     ranks: usize,
     config: &EngineConfig,
-    model: &MoeModel,
+    model: &ModelConfig,
 ) -> Result<Scheduler> {
     let mut scheduler = config.scheduler;
     if scheduler.prefix_caching && config.device != ModelDevice::Cpu {
@@ -325,7 +334,7 @@ pub(crate) fn new_scheduler(
         );
         scheduler.prefix_caching = false;
     }
-    let salt = prefix_cache::model_salt("rackfill", format!("{:?}", model.config()));
+    let salt = prefix_cache::model_salt("rackfill", format!("{model:?}"));
     Scheduler::new(ranks, scheduler, salt)
 }
 

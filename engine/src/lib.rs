@@ -3,8 +3,8 @@
 //! expert compute, combine).
 //!
 //! - [`ep`]: the EP runtime over a [`fabric::Fabric`] (one process holding every rank, or any
-//!   subset of them), its MoE data plane (`plane`) on the CPU or (feature `cuda`) on a GPU
-//!   ([`DataPlane`]);
+//!   subset of them): the model and its MoE data plane (`plane`) on the host, or (feature
+//!   `cuda`) both on a device ([`ModelDevice`]), every step through one layer loop;
 //! - [`rack_cost`]: the cost of one MoE layer and of a step's schedule on a rack, shared with
 //!   `rackfill simulate`;
 //! - [`validation`]: the checks every request passes once, before it is queued;
@@ -22,6 +22,7 @@ pub mod fabric;
 pub mod group;
 pub mod metrics;
 pub mod model_device;
+pub mod model_weights;
 mod plane;
 pub mod prefix_cache;
 pub mod rack_cost;
@@ -37,10 +38,10 @@ pub use engine::{EngineConfig, EngineHandle, EngineInfo};
 pub use ep::{EpConfig, EpRuntime, LayerReport, StepOutput};
 pub use error::{EngineError, Result};
 pub use model_device::ModelDevice;
-pub use plane::{DataPlane, PhaseTimes};
+pub use model_weights::ModelWeights;
+pub use plane::PhaseTimes;
 pub use rack_cost::{
-    LayerPhases, MoeCost, MoeDims, MoeTerms, PipelinedExperts, Rack, Schedule, SimulatedMakespan,
-    SlotMemory,
+    LayerPhases, MoeCost, MoeDims, MoeTerms, Rack, Schedule, SimulatedMakespan, SlotMemory,
 };
 pub use request::{
     Event, FinishEvent, FinishReason, GenerateRequest, RequestStream, StopReason, TokenEvent, Usage,

@@ -2,26 +2,23 @@
 //! 4 and 8, every balancer, prompts chunked across steps and several sequences per rank, the
 //! logits of every position equal the dense logits within 1e-4 (max abs difference), and every
 //! replica slot holds its home expert's weights byte for byte after streaming. With feature
-//! `cuda` on a GPU host the same holds for the GPU data plane (tolerance [`GPU_TOLERANCE`]); and
-//! with the ranks' dense parts on the (emulated) GPU, every balancer and EP size computes what
-//! the GPU's own dense path computes (tolerance [`DEVICE_TOLERANCE`]).
+//! `cuda`, the runtime on a device (the host emulator everywhere, GPU 0 on a GPU host: the model
+//! and its MoE data plane in bf16) computes what the device's own dense path computes, for every
+//! balancer, EP size, schedule and slot memory, one process or several (tolerance
+//! [`DEVICE_TOLERANCE`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use rackfill_balancer::Algo;
+use rackfill_engine::ep::SlotLayout;
 use rackfill_engine::fabric::LocalFabric;
-use rackfill_engine::{DataPlane, EpConfig, EpRuntime, LayerReport, PipelinedExperts, SlotMemory};
+use rackfill_engine::{EpConfig, EpRuntime, LayerReport, Schedule, SlotMemory};
 use rackfill_models::{KvCache, LogitsFor, ModelBundle, MoeModel, SequenceInput};
 
 /// Max abs logit difference allowed between EP and dense (f32 on CPU; the combine is done in the
 /// same order, so in practice the difference is zero or a few ulp).
 const TOLERANCE: f32 = 1e-4;
-
-/// The GPU plane computes experts with cuBLAS SGEMM (full f32, no TF32) and `expf`, in another
-/// summation order than the CPU GEMM: its logits may differ by accumulated rounding.
-#[cfg(feature = "cuda")]
-const GPU_TOLERANCE: f32 = 2e-3;
 
 fn builtin() -> Arc<MoeModel> {
     Arc::new(ModelBundle::builtin().expect("built-in model").model)
@@ -178,7 +175,7 @@ fn check_replica_slots(runtime: &EpRuntime, model: &MoeModel, step: &rackfill_en
         .collect();
     assert_eq!(
         lasts.iter().map(|l| l.micro_batch).collect::<Vec<_>>(),
-        (0..runtime.config().micro_batches).collect::<Vec<_>>(),
+        (0..runtime.config().schedule.micro_batches).collect::<Vec<_>>(),
         "one report per micro-batch, in order"
     );
     for report in &step.layers {
@@ -206,23 +203,17 @@ fn check_micro_batch_slots(runtime: &EpRuntime, model: &MoeModel, last: &LayerRe
         }
         for (slot, expert) in slots.iter().enumerate() {
             let Some(expert) = expert else { continue };
-            let [gate_up, down] = block.experts.get(*expert).unwrap().weights();
+            let weights = block.experts.get(*expert).unwrap().weights();
             let held = runtime
                 .slot_contents((last.micro_batch, last.layer), rank, slot)
                 .unwrap();
-            let stored = |v: f32| -> f32 {
-                #[cfg(feature = "cuda")]
-                if runtime.slots_in_bf16() {
-                    return rackfill_kernels::cuda::exec::round_bf16(v);
-                }
-                v
-            };
+            let want = as_held(weights, runtime.slot_layout(), model.config().hidden_size);
             assert!(
-                held.len() == gate_up.len() + down.len()
+                held.len() == want.len()
                     && held
                         .iter()
-                        .zip(gate_up.iter().chain(down))
-                        .all(|(a, &b)| a.to_bits() == stored(b).to_bits()),
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "rank {rank} slot {slot} differs from expert {expert}'s weights"
             );
             checked += 1;
@@ -233,6 +224,31 @@ fn check_micro_batch_slots(runtime: &EpRuntime, model: &MoeModel, last: &LayerRe
         .map(|slots| slots.iter().flatten().count())
         .sum();
     assert_eq!(checked, filled, "every local replica slot checked");
+}
+
+/// An expert's host weights (`[H, 2I]` gate-up, `[I, H]` down) as a slot laid out `layout`
+/// holds them: as they are on the host; on a device in bf16, each matrix transposed to a
+/// checkpoint's `out x in` orientation.
+fn as_held([gate_up, down]: [&[f32]; 2], layout: SlotLayout, hidden: usize) -> Vec<f32> {
+    match layout {
+        SlotLayout::HostF32 => gate_up.iter().chain(down).copied().collect(),
+        SlotLayout::DeviceBf16 => {
+            let inter = down.len() / hidden;
+            // Nearest even, as the device rounds once at upload.
+            let round = |v: f32| {
+                let u = v.to_bits();
+                f32::from_bits(((u + 0x7fff + ((u >> 16) & 1)) >> 16) << 16)
+            };
+            let mut out = Vec::with_capacity(gate_up.len() + down.len());
+            for j in 0..2 * inter {
+                out.extend((0..hidden).map(|h| round(gate_up[h * 2 * inter + j])));
+            }
+            for h in 0..hidden {
+                out.extend((0..inter).map(|i| round(down[i * hidden + h])));
+            }
+            out
+        }
+    }
 }
 
 fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
@@ -290,12 +306,10 @@ fn check_on(
             let diff = max_abs_diff(&run.logits, &want);
             assert!(
                 diff <= tolerance,
-                "EP {ep_size} with {balancer} on {:?}, {} micro-batches, {} slots, pipelined \
-                 experts {:?}: max abs logit difference {diff}",
-                base.data_plane,
-                base.micro_batches,
+                "EP {ep_size} with {balancer}, schedule {}, {} slots: max abs logit difference \
+                 {diff}",
+                base.schedule.name(),
                 base.slot_memory.name(),
-                base.pipelined_experts
             );
         }
     }
@@ -358,17 +372,17 @@ fn two_micro_batches_match_dense_for_every_balancer() {
     }
 }
 
-/// Pipelined experts on the CPU plane (`PipelinedExperts::On`: main experts computed while the
-/// replicas stream; the default there, `Auto`, streams the replicas first as every other test
-/// runs) match the dense path for every balancer, with replicas in their slots byte-exact; and
-/// give bit-identical logits, loads, slots and replica bytes to the replicas-first order: only
-/// the order of the work moves.
+/// Pipelined experts on the CPU plane (`Schedule::PIPELINED`: main experts computed while the
+/// replicas stream; the default, `ULTRAEP`, streams the replicas first as every other test runs)
+/// match the dense path for every balancer, with replicas in their slots byte-exact; and give
+/// bit-identical logits, loads, slots and replica bytes to the replicas-first order: only the
+/// order of the work moves.
 #[test]
 fn pipelined_experts_match_dense_and_the_replicas_first_order() {
     check_on(
         builtin(),
         EpConfig {
-            pipelined_experts: PipelinedExperts::On,
+            schedule: Schedule::PIPELINED,
             ..EpConfig::default()
         },
         TOLERANCE,
@@ -380,19 +394,16 @@ fn pipelined_experts_match_dense_and_the_replicas_first_order() {
     let model = builtin();
     let prompts = prompts(model.config().vocab_size, &[40, 25, 31, 18, 22, 35]);
     for balancer in [Algo::Quota, Algo::EplbExact] {
-        let run_with = |pipelined_experts| {
+        let run_with = |schedule| {
             let config = EpConfig {
                 ep_size: 4,
                 balancer,
-                pipelined_experts,
+                schedule,
                 ..EpConfig::default()
             };
             fresh_ep_logits(&model, config, &prompts, 32)
         };
-        let (first, pipelined) = (
-            run_with(PipelinedExperts::Off),
-            run_with(PipelinedExperts::On),
-        );
+        let (first, pipelined) = (run_with(Schedule::ULTRAEP), run_with(Schedule::PIPELINED));
         assert_eq!(max_abs_diff(&first.logits, &pipelined.logits), 0.0);
         assert_eq!(first.layers.len(), pipelined.layers.len());
         for (a, b) in first.layers.iter().zip(&pipelined.layers) {
@@ -409,7 +420,7 @@ fn pipelined_experts_match_dense_and_the_replicas_first_order() {
 
 fn two_micro_batches() -> EpConfig {
     EpConfig {
-        micro_batches: 2,
+        schedule: Schedule::TWO_BATCH,
         ..EpConfig::default()
     }
 }
@@ -419,11 +430,11 @@ fn two_micro_batches() -> EpConfig {
 /// balancer, and every layer's slots hold their replicas' exact bytes after every step.
 #[test]
 fn per_layer_slots_with_reuse_match_dense_for_every_balancer() {
-    for micro_batches in [1, 2] {
+    for schedule in [Schedule::ULTRAEP, Schedule::TWO_BATCH] {
         check_on(
             builtin(),
             EpConfig {
-                micro_batches,
+                schedule,
                 slot_memory: SlotMemory::PerLayer,
                 ..EpConfig::default()
             },
@@ -487,16 +498,16 @@ fn resident_replicas_are_not_streamed_again() {
 fn two_micro_batches_split_the_load_and_plan_each_half() {
     let model = builtin();
     let prompts = prompts(model.config().vocab_size, &[40, 25, 31, 18, 22, 35]);
-    let run_with = |micro_batches| {
+    let run_with = |schedule| {
         let config = EpConfig {
             ep_size: 3,
-            micro_batches,
+            schedule,
             verify_plans: true,
             ..EpConfig::default()
         };
         fresh_ep_logits(&model, config, &prompts, 64)
     };
-    let (one, two) = (run_with(1), run_with(2));
+    let (one, two) = (run_with(Schedule::ULTRAEP), run_with(Schedule::TWO_BATCH));
     assert_eq!(two.layers.len(), 2 * one.layers.len());
     for (whole, halves) in one.layers.iter().zip(two.layers.chunks(2)) {
         assert_eq!(
@@ -518,7 +529,10 @@ fn two_micro_batches_split_the_load_and_plan_each_half() {
 #[test]
 fn three_micro_batches_are_refused() {
     let config = EpConfig {
-        micro_batches: 3,
+        schedule: Schedule {
+            micro_batches: 3,
+            pipelined_experts: false,
+        },
         ..EpConfig::default()
     };
     let err = EpRuntime::new(builtin(), config)
@@ -540,18 +554,18 @@ fn ranks_split_over_processes_match_dense() {
         &[70, 5, 33, 64, 1, 48, 90, 17, 25],
     );
     let want = dense_logits(&model, &prompts);
-    for (balancer, micro_batches, slot_memory) in [
-        (Algo::Quota, 1, SlotMemory::Shared),
-        (Algo::EplbExact, 1, SlotMemory::Shared),
-        (Algo::Quota, 2, SlotMemory::Shared),
-        (Algo::Quota, 2, SlotMemory::PerLayer),
+    for (balancer, schedule, slot_memory) in [
+        (Algo::Quota, Schedule::ULTRAEP, SlotMemory::Shared),
+        (Algo::EplbExact, Schedule::ULTRAEP, SlotMemory::Shared),
+        (Algo::Quota, Schedule::TWO_BATCH, SlotMemory::Shared),
+        (Algo::Quota, Schedule::TWO_BATCH, SlotMemory::PerLayer),
     ] {
         let config = EpConfig {
             ep_size: 4,
             redundant_slots: 2,
             balancer,
             verify_plans: true,
-            micro_batches,
+            schedule,
             slot_memory,
             ..EpConfig::default()
         };
@@ -735,84 +749,6 @@ fn a_runtime_without_its_home_experts_is_refused_at_construction() {
     }
 }
 
-/// The GPU data plane (device solver for quota, relay trees and tile tasks built on the device,
-/// tile streaming on its own stream, device permute, cuBLAS experts) against the dense CPU path,
-/// every balancer, with pipelined experts and with the replicas first, with two micro-batches on
-/// two lanes, plus the fixtures with shared experts and dense layers. `verify_plans` also makes every layer
-/// compare the device's tile stream with the host compiler's. Skips with the reason on a machine
-/// without a GPU; `RACKFILL_REQUIRE_GPU=1` makes a missing GPU a failure.
-#[cfg(feature = "cuda")]
-#[test]
-fn gpu_data_plane_matches_dense() {
-    let probe = rackfill_kernels::cuda::probe();
-    if let Err(why) = probe {
-        assert!(
-            std::env::var("RACKFILL_REQUIRE_GPU").map_or(true, |v| v != "1"),
-            "RACKFILL_REQUIRE_GPU=1 but no GPU: {why}"
-        );
-        eprintln!("gpu_data_plane_matches_dense: skipped, no CUDA GPU ({why})");
-        return;
-    }
-    let gpu = DataPlane::Gpu { ordinal: 0 };
-    // Pipelined experts (main-expert GEMMs while the replicas stream on their own stream), then
-    // the replicas first.
-    for pipelined_experts in [PipelinedExperts::Auto, PipelinedExperts::Off] {
-        check_on(
-            builtin(),
-            EpConfig {
-                data_plane: gpu,
-                pipelined_experts,
-                ..EpConfig::default()
-            },
-            GPU_TOLERANCE,
-            &[1, 2, 4, 8],
-            &Algo::ALL,
-            &[70, 5, 33, 64, 1, 48, 90, 17, 25],
-            24,
-        );
-    }
-    // Two micro-batches, each on its own lane (streams, slots), ordered by events.
-    check_on(
-        builtin(),
-        EpConfig {
-            data_plane: gpu,
-            micro_batches: 2,
-            ..EpConfig::default()
-        },
-        GPU_TOLERANCE,
-        &[3, 8],
-        &Algo::ALL,
-        &[70, 5, 33, 64, 1, 48, 90, 17, 25],
-        24,
-    );
-    for family in ["qwen2_moe", "deepseek_v3", "mixtral", "qwen3_moe"] {
-        check_on(
-            fixture(family),
-            EpConfig {
-                data_plane: gpu,
-                ..EpConfig::default()
-            },
-            GPU_TOLERANCE,
-            &[3, 4],
-            &[Algo::Quota, Algo::EplbExact],
-            &[19, 7, 30, 12],
-            8,
-        );
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn gpu_data_plane_needs_the_cuda_feature() {
-    let config = EpConfig {
-        ep_size: 2,
-        data_plane: DataPlane::Gpu { ordinal: 0 },
-        ..EpConfig::default()
-    };
-    let err = EpRuntime::new(builtin(), config).err().expect("refused");
-    assert!(err.to_string().contains("feature `cuda`"), "{err}");
-}
-
 /// Processes that solve different plans for a layer (here: launched with different balancers)
 /// all fail that step, naming the rank whose plan differs, instead of exchanging tokens by
 /// plans that disagree.
@@ -854,45 +790,49 @@ fn processes_whose_plans_differ_all_fail_the_step() {
     }
 }
 
-/// Max abs logit difference between the EP runtime with its dense parts on the GPU (experts in
-/// f32 on the data plane, from f32 inputs) and the GPU's dense path (experts in bf16 from bf16
-/// inputs): the built-in checkpoint is bf16, so only the experts' input rounding and summation
-/// orders differ.
+/// Max abs logit difference between the EP runtime on a device and the device's own dense path
+/// (every expert local, `GpuModel::forward`): both compute in bf16 with f32 accumulation in the
+/// same combine order, so only a GEMM's summation order for another group size can differ (on
+/// the emulator they are equal bit for bit).
 #[cfg(feature = "cuda")]
-const DEVICE_TOLERANCE: f32 = 0.05;
+const DEVICE_TOLERANCE: f32 = 2e-3;
 
-/// The EP runtime with its dense parts on the device (here the host emulator running the CUDA
-/// kernels, and GPU 0 on a GPU host) against the GPU's dense path (every expert local): EP 1 (where
-/// the device runs the MoE layers too) and 3 (where the data plane does), several balancers,
-/// prompts in chunks of 6 over their cached context. At EP 3 the MoE layers run on the bf16 device
-/// data plane (replicas streamed into slots, rows dispatched between the ranks' buffers), so the
-/// logits equal the dense path's bit for bit on the emulator, whatever the balancer: the plan
-/// moves work, never the numbers.
+/// A model's checkpoint, left for a device to read (the built-in model when `None`, else a
+/// fixture family).
 #[cfg(feature = "cuda")]
-#[test]
-fn the_device_runtime_matches_the_gpu_dense_path_for_every_balancer() {
-    for exec in rackfill_kernels::cuda::exec::available() {
-        // The built-in model (bf16), and fixtures with shared experts (DeepSeek-V3's sigmoid
-        // router with its scaling factor and a dense first layer; Qwen2-MoE's gated shared
-        // expert), f32 checkpoints rounded to bf16 once on upload.
-        for model in [builtin(), fixture("deepseek_v3"), fixture("qwen2_moe")] {
-            device_runtime_matches_the_gpu_dense_path(Arc::clone(&exec), model);
+fn checkpoint(source: Option<&str>) -> rackfill_models::CheckpointModel {
+    match source {
+        None => ModelBundle::open(None).unwrap().model,
+        Some(family) => {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/tests/fixtures")
+                .join(family);
+            rackfill_models::CheckpointModel {
+                config: rackfill_models::ModelConfig::load(&dir).unwrap(),
+                checkpoint: rackfill_models::Checkpoint::open(&dir).unwrap(),
+            }
         }
     }
 }
 
+/// The device's dense logits of every position of each prompt.
 #[cfg(feature = "cuda")]
-fn device_runtime_matches_the_gpu_dense_path(
-    exec: Arc<dyn rackfill_kernels::cuda::exec::Executor>,
-    model: Arc<MoeModel>,
-) {
-    use rackfill_models::gpu::{Experts, GpuInput, GpuModel};
-    let emulated = exec.describe().starts_with("host emulator");
-    let name = format!("{:?}", model.config().family);
-    let vocab = model.config().vocab_size;
-    let prompts = prompts(vocab, &[11, 5, 14]);
-    let gpu = GpuModel::upload(Arc::clone(&exec), &model, 1024, Experts::Here).unwrap();
-    let reference: Vec<Vec<Vec<f32>>> = prompts
+fn device_dense_logits(
+    exec: &Arc<dyn rackfill_kernels::cuda::exec::Executor>,
+    model: &rackfill_models::CheckpointModel,
+    prompts: &[Vec<u32>],
+) -> Vec<Vec<Vec<f32>>> {
+    use rackfill_models::gpu::{ExpertPlacement, GpuInput, GpuModel};
+    let vocab = model.config.vocab_size;
+    let (gpu, _) = GpuModel::load(
+        Arc::clone(exec),
+        &model.config,
+        &model.checkpoint,
+        1024,
+        ExpertPlacement::Here,
+    )
+    .unwrap();
+    prompts
         .iter()
         .map(|p| {
             let mut sequence = gpu.new_sequence();
@@ -905,59 +845,169 @@ fn device_runtime_matches_the_gpu_dense_path(
                 .unwrap();
             step.logits.chunks(vocab).map(<[f32]>::to_vec).collect()
         })
-        .collect();
-    let mut at_ep3: Option<Vec<Vec<Vec<f32>>>> = None;
-    for (ep_size, balancer) in [(1, Algo::None), (3, Algo::Quota), (3, Algo::EplbExact)] {
-        let config = EpConfig {
-            ep_size,
-            redundant_slots: 1,
-            balancer,
-            verify_plans: true,
-            ..EpConfig::default()
-        };
-        let mut runtime = EpRuntime::new(Arc::clone(&model), config).unwrap();
-        runtime.open_device_with(Arc::clone(&exec), 512).unwrap();
-        let run = ep_logits(&mut runtime, &model, &prompts, 6);
-        let worst = max_abs_diff(&run.logits, &reference);
-        assert!(
-            worst <= DEVICE_TOLERANCE,
-            "{name} EP {ep_size} {balancer:?}: logits off the GPU dense path by {worst}"
-        );
-        eprintln!("{name} device EP {ep_size} {balancer:?}: max |logit difference| {worst}");
-        // Every MoE layer of every step is reported with its exact load, whether the device
-        // ran it whole (EP 1) or the data plane did.
-        let moe_layers = model
-            .layers()
-            .iter()
-            .filter(|l| matches!(l.ffn(), rackfill_models::FeedForward::Moe(_)))
-            .count();
-        let routed: u64 = run
-            .layers
-            .iter()
-            .map(|l| l.load.as_flat().iter().sum::<u64>())
-            .sum();
-        let tokens: usize = prompts.iter().map(Vec::len).sum();
-        assert_eq!(
-            routed,
-            (tokens * model.config().moe.top_k * moe_layers) as u64,
-            "EP {ep_size}: reported load"
-        );
-        if ep_size == 3 {
-            // Replicas were streamed into the slots (and checked there, `check_replica_slots`).
-            assert!(run.replicas > 0, "EP 3 {balancer:?}: no replica was made");
-            match &at_ep3 {
-                None => at_ep3 = Some(run.logits),
-                // The emulator's GEMM computes a row the same whatever group it is in; cuBLAS
-                // may pick another kernel for another group size, so a GPU gets a tolerance.
-                Some(first) if emulated => assert!(
-                    *first == run.logits,
-                    "EP 3 {balancer:?}: logits differ from the first balancer's"
-                ),
-                Some(first) => {
-                    let apart = max_abs_diff(first, &run.logits);
-                    assert!(apart <= 1e-3, "EP 3 {balancer:?}: {apart} from the first");
-                }
+        .collect()
+}
+
+/// The runtime of `config` on `exec`, its ranks split over `views` (handles of one in-process
+/// fabric group, each on its own thread as a process of an MPI job would run, each reading only
+/// its home experts from the checkpoint), over `prompts` in chunks of `chunk`: every prompt's
+/// logits, and the first handle's run (its layer reports). `full`, the host model, checks the
+/// replica slots.
+#[cfg(feature = "cuda")]
+fn device_run(
+    exec: &Arc<dyn rackfill_kernels::cuda::exec::Executor>,
+    (model, full): (&rackfill_models::CheckpointModel, &Arc<MoeModel>),
+    config: EpConfig,
+    views: &[std::ops::Range<usize>],
+    (prompts, chunk): (&[Vec<u32>], usize),
+) -> (Vec<Vec<Vec<f32>>>, EpRun) {
+    let handles = LocalFabric::group(config.ep_size, views).unwrap();
+    let runs: Vec<EpRun> = std::thread::scope(|scope| {
+        let spawned: Vec<_> = handles
+            .into_iter()
+            .map(|fabric| {
+                let exec = Arc::clone(exec);
+                scope.spawn(move || {
+                    let mut runtime =
+                        EpRuntime::on_device(exec, model, config, Box::new(fabric), 512).unwrap();
+                    assert_eq!(runtime.slot_layout(), SlotLayout::DeviceBf16);
+                    ep_logits(&mut runtime, full, prompts, chunk)
+                })
+            })
+            .collect();
+        spawned.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut got: Vec<Vec<Vec<f32>>> = prompts.iter().map(|_| Vec::new()).collect();
+    for run in &runs {
+        for (i, logits) in run.logits.iter().enumerate() {
+            if !logits.is_empty() {
+                assert!(got[i].is_empty(), "prompt {i} computed twice");
+                got[i] = logits.clone();
             }
+        }
+    }
+    (got, runs.into_iter().next().unwrap())
+}
+
+/// The runtime on a device (the host emulator, and GPU 0 on a GPU host) against the device's
+/// dense path, within [`DEVICE_TOLERANCE`]: the built-in model at EP 1, 3 and 8 with every
+/// balancer; at EP 3 every schedule (replicas first, pipelined experts with per-slot waits, two
+/// micro-batches on two lanes, both) with shared and per-layer slots; fixtures with shared
+/// experts and dense layers; and EP 4 split over three "processes" whose rows, outputs and
+/// replicas cross through the fabric. Every replica slot holds its expert's bf16 weights, every
+/// MoE layer of every step is reported with its exact load, and on the emulator every
+/// configuration gives the same logits bit for bit.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_device_runtime_matches_the_device_dense_path_in_every_configuration() {
+    let model = builtin();
+    let files = checkpoint(None);
+    let prompts = prompts(model.config().vocab_size, &[23, 5, 14, 30, 9, 17]);
+    let tokens: usize = prompts.iter().map(Vec::len).sum();
+    let moe_layers = model.config().sparse_layers.iter().filter(|&&m| m).count();
+    let all = std::slice::from_ref;
+    for exec in rackfill_kernels::cuda::exec::available() {
+        let emulated = exec.describe().starts_with("host emulator");
+        let want = device_dense_logits(&exec, &files, &prompts);
+        let mut first: Option<Vec<Vec<Vec<f32>>>> = None;
+        let mut cases: Vec<(EpConfig, Vec<std::ops::Range<usize>>)> = Vec::new();
+        for ep_size in [1, 3, 8] {
+            for balancer in Algo::ALL {
+                let config = EpConfig {
+                    ep_size,
+                    balancer,
+                    schedule: Schedule::PIPELINED,
+                    ..EpConfig::default()
+                };
+                cases.push((config, std::iter::once(0..ep_size).collect()));
+            }
+        }
+        for schedule in Schedule::ALL {
+            for slot_memory in [SlotMemory::Shared, SlotMemory::PerLayer] {
+                let config = EpConfig {
+                    ep_size: 3,
+                    schedule,
+                    slot_memory,
+                    ..EpConfig::default()
+                };
+                cases.push((config, std::iter::once(0..3).collect()));
+            }
+        }
+        for (balancer, schedule) in [
+            (Algo::Quota, Schedule::PIPELINED),
+            (Algo::EplbExact, Schedule::OVERLAPPED),
+        ] {
+            let config = EpConfig {
+                ep_size: 4,
+                balancer,
+                schedule,
+                ..EpConfig::default()
+            };
+            cases.push((config, vec![0..1, 1..3, 3..4]));
+        }
+        for (base, views) in cases {
+            let config = EpConfig {
+                redundant_slots: 2,
+                verify_plans: true,
+                ..base
+            };
+            let what = format!(
+                "{} EP {} {} {} {} slots over {views:?}",
+                exec.describe(),
+                config.ep_size,
+                config.balancer,
+                config.schedule.name(),
+                config.slot_memory.name()
+            );
+            let (got, run) = device_run(&exec, (&files, &model), config, &views, (&prompts, 8));
+            let worst = max_abs_diff(&got, &want);
+            assert!(
+                worst <= DEVICE_TOLERANCE,
+                "{what}: off the dense path by {worst}"
+            );
+            if config.ep_size > 1 && config.balancer == Algo::Quota {
+                assert!(run.replicas > 0, "{what}: no replica was made");
+            }
+            if views.len() == 1 {
+                let routed: u64 = run.layers.iter().map(|l| l.load.total()).sum();
+                assert_eq!(
+                    routed,
+                    (tokens * model.config().moe.top_k * moe_layers) as u64,
+                    "{what}: reported load"
+                );
+            }
+            match &first {
+                None => first = Some(got),
+                Some(first) if emulated => assert!(*first == got, "{what}: logits moved"),
+                Some(_) => {}
+            }
+        }
+        // Shared experts, a dense first layer and DeepSeek's sigmoid router; Qwen2-MoE's gated
+        // shared expert.
+        for family in ["deepseek_v3", "qwen2_moe"] {
+            let model = fixture(family);
+            let files = checkpoint(Some(family));
+            let fixture_prompts = self::prompts(model.config().vocab_size, &[19, 7, 12]);
+            let want = device_dense_logits(&exec, &files, &fixture_prompts);
+            let config = EpConfig {
+                ep_size: 3,
+                redundant_slots: 2,
+                verify_plans: true,
+                schedule: Schedule::OVERLAPPED,
+                ..EpConfig::default()
+            };
+            let (got, _) = device_run(
+                &exec,
+                (&files, &model),
+                config,
+                all(&(0..3)),
+                (&fixture_prompts, 8),
+            );
+            let worst = max_abs_diff(&got, &want);
+            assert!(
+                worst <= DEVICE_TOLERANCE,
+                "{family}: off the dense path by {worst}"
+            );
         }
     }
 }

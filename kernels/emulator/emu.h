@@ -1,6 +1,8 @@
 // Host emulation of the CUDA subset rackfill's kernels use, so that the real kernel sources
-// (kernels/cuda/*.cu) run on a CPU: every CUDA thread a std::thread, __syncthreads / __syncwarp
-// as barriers, warp shuffles and match through a per-warp exchange buffer. launch.cpp builds the
+// (kernels/cuda/*.cu) run on a CPU: every CUDA thread of a block a fiber (its own stack, switched
+// in user space on one OS thread), __syncthreads / __syncwarp as fiber barriers, warp shuffles
+// and match through a per-warp exchange buffer. Fibers run in thread order up to their next
+// barrier, so a block's execution is deterministic, and no OS thread waits on another. launch.cpp builds the
 // host emulator (rackfill_kernels::cuda::exec::Emulator) on it: a grid's blocks one after another
 // in the process, or all at once as forked processes (run_block in each), each with its own
 // __shared__ variables, meeting only through global memory (shared mappings) and its atomics, as
@@ -11,7 +13,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -22,29 +23,117 @@
 
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 struct Idx { unsigned x, y, z; };
-static thread_local Idx threadIdx;
+// The running fiber's thread index (set by the scheduler before it resumes a fiber).
+static Idx threadIdx;
 static Idx blockIdx{0};  // per process: one block per process in a concurrent grid
 static Idx blockDim{0, 1, 1};
 static Idx gridDim{1, 1, 1};
-static thread_local int t_warp;
-static std::barrier<>* g_block;
-struct WarpX { std::barrier<>* bar; unsigned long long x[32]; };
-static std::vector<WarpX*> g_warps;
 static unsigned char* g_smem;
 
-#define __syncthreads() g_block->arrive_and_wait()
-// Warp-synchronous operations (shuffles, matches, reductions, warp barriers) this thread has
-// run, and the most any thread of the block ran: the length of a kernel's warp-level critical
-// path, a count the emulator reports per launch (not a time).
-static thread_local unsigned long long t_warp_ops = 0;
+// Warp-synchronous operations (shuffles, matches, reductions, warp barriers) the running thread
+// has run, and the most any thread of the block ran: the length of a kernel's warp-level
+// critical path, a count the emulator reports per launch (not a time).
+static unsigned long long t_warp_ops = 0;
 static std::atomic<unsigned long long> g_max_warp_ops{0};
+
+// A fiber's saved context: its stack pointer, with the callee-saved registers pushed below it
+// (x86-64: emu_switch); elsewhere a ucontext.
+#if defined(__x86_64__)
+struct FiberContext { void* sp = nullptr; };
+// Saves the callee-saved registers and the stack pointer into *from, then resumes `to`.
+extern "C" void emu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .globl emu_switch
+    .hidden emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+)");
+inline void fiber_switch(FiberContext& from, FiberContext& to) { emu_switch(&from.sp, to.sp); }
+// A context that starts `entry` on the stack `[stack, stack + size)`: a return address for
+// emu_switch's `ret`, six zero registers below it, and a 16-byte aligned frame at entry.
+inline void fiber_init(FiberContext& ctx, char* stack, size_t size, void (*entry)()) {
+    auto* top = (void**)(((unsigned long long)(stack + size)) & ~15ull);
+    *--top = nullptr;  // entry's own return address, never used: it ends by switching away
+    *--top = (void*)entry;
+    for (int i = 0; i < 6; ++i) *--top = nullptr;
+    ctx.sp = top;
+}
+#else
+struct FiberContext { ucontext_t uc; };
+inline void fiber_switch(FiberContext& from, FiberContext& to) { swapcontext(&from.uc, &to.uc); }
+inline void fiber_init(FiberContext& ctx, char* stack, size_t size, void (*entry)()) {
+    getcontext(&ctx.uc);
+    ctx.uc.uc_stack.ss_sp = stack;
+    ctx.uc.uc_stack.ss_size = size;
+    ctx.uc.uc_link = nullptr;
+    makecontext(&ctx.uc, entry, 0);
+}
+#endif
+
+// The fibers of the block that runs now: one per CUDA thread, run in thread order on this OS
+// thread until each reaches a barrier (or ends); a barrier releases once every thread of its
+// scope that has not ended has reached it.
+struct Fibers {
+    enum State : unsigned char { Run, AtBlock, AtWarp, Done };
+    static constexpr size_t STACK = 256 * 1024;
+    unsigned n = 0;
+    std::vector<FiberContext> ctx;
+    std::vector<char*> stacks;
+    std::vector<State> state;
+    std::vector<unsigned long long> ops;
+    FiberContext scheduler;
+    unsigned cur = 0, done = 0, at_block = 0;
+    std::vector<unsigned> at_warp;
+    void (*body)(void*) = nullptr;
+    void* body_arg = nullptr;
+};
+static Fibers g_fibers;
+
+// Switches from the running fiber to the scheduler, leaving it in `state`.
+inline void fiber_park(Fibers::State state) {
+    Fibers& f = g_fibers;
+    f.state[f.cur] = state;
+    f.ops[f.cur] = t_warp_ops;
+    fiber_switch(f.ctx[f.cur], f.scheduler);
+}
+inline void block_sync() {
+    ++g_fibers.at_block;
+    fiber_park(Fibers::AtBlock);
+}
+// A warp's exchange buffer: each lane's value for a shuffle, match or reduction.
+struct WarpX { unsigned long long x[32]; };
+static std::vector<WarpX> g_warps;
+inline unsigned t_warp() { return threadIdx.x / 32; }
+inline void warp_barrier() {
+    ++g_fibers.at_warp[t_warp()];
+    fiber_park(Fibers::AtWarp);
+}
 inline void warp_sync() {
     ++t_warp_ops;
-    g_warps[t_warp]->bar->arrive_and_wait();
+    warp_barrier();
 }
+#define __syncthreads() block_sync()
 #define __syncwarp() warp_sync()
 #define __device__
 #define __global__
@@ -68,67 +157,67 @@ template <class T> T from_lane_bits(unsigned long long b) {
     return v;
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = to_lane_bits(v);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     T r = from_lane_bits<T>(w->x[lane ^ o]);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return r;
 }
 template <class T> T __shfl_sync(unsigned, T v, int src) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = to_lane_bits(v);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     T r = from_lane_bits<T>(w->x[src & 31]);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return r;
 }
 template <class T> T __shfl_down_sync(unsigned, T v, int o) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = to_lane_bits(v);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     T r = lane + o < 32 ? from_lane_bits<T>(w->x[lane + o]) : v;
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return r;
 }
 template <class T> T __shfl_up_sync(unsigned, T v, int o) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     int lane = threadIdx.x & 31;
     w->x[lane] = to_lane_bits(v);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     T r = lane >= o ? from_lane_bits<T>(w->x[lane - o]) : v;
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return r;
 }
 inline unsigned __match_any_sync(unsigned, unsigned k) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     unsigned lane = threadIdx.x & 31;
     w->x[lane] = k;
-    w->bar->arrive_and_wait();
+    warp_barrier();
     unsigned m = 0;
     for (int i = 0; i < 32; ++i)
         if ((unsigned)w->x[i] == k) m |= 1u << i;
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return m;
 }
 template <class Op> unsigned reduce_warp(unsigned v, Op op) {
-    WarpX* w = g_warps[t_warp];
+    WarpX* w = &g_warps[t_warp()];
     ++t_warp_ops;
     const unsigned lane = threadIdx.x & 31, first = threadIdx.x - lane;
     const unsigned lanes = std::min(32u, blockDim.x - first);
     w->x[lane] = v;
-    w->bar->arrive_and_wait();
+    warp_barrier();
     unsigned r = (unsigned)w->x[0];
     for (unsigned i = 1; i < lanes; ++i) r = op(r, (unsigned)w->x[i]);
-    w->bar->arrive_and_wait();
+    warp_barrier();
     return r;
 }
 inline unsigned __reduce_min_sync(unsigned, unsigned v) {
@@ -178,7 +267,8 @@ inline void __threadfence_system() {
 }
 inline void __nanosleep(unsigned) {
     if (g_backoffs) __atomic_fetch_add(g_backoffs, 1ull, __ATOMIC_RELAXED);
-    std::this_thread::yield();
+    fiber_park(Fibers::Run);  // other threads of the block run first
+    std::this_thread::yield();  // and other blocks' processes (a concurrent grid)
 }
 inline unsigned long long host_ns() {
     return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -186,29 +276,81 @@ inline unsigned long long host_ns() {
         .count();
 }
 
-// Runs `f` as block `block` of a `grid`-block grid, `threads` threads, in this process.
-template <class F> void run_block(unsigned threads, F f, unsigned block = 0, unsigned grid = 1) {
-    blockDim.x = threads;
-    blockIdx.x = block;
-    gridDim.x = grid;
-    std::barrier<> barrier(threads);
-    g_block = &barrier;
-    for (auto* w : g_warps) { delete w->bar; delete w; }
-    g_warps.clear();
-    for (unsigned i = 0; i < (threads + 31) / 32; ++i) {
-        auto* x = new WarpX;
-        x->bar = new std::barrier<>(std::min(32u, threads - 32 * i));
-        g_warps.push_back(x);
+// The body of every fiber: the kernel, then the end of the thread.
+static void fiber_main() {
+    Fibers& f = g_fibers;
+    t_warp_ops = 0;
+    f.body(f.body_arg);
+    f.state[f.cur] = Fibers::Done;
+    f.ops[f.cur] = t_warp_ops;
+    ++f.done;
+    fiber_switch(f.ctx[f.cur], f.scheduler);  // never resumed
+}
+
+// Releases the barriers every live thread of their scope has reached; false when none could be.
+static bool release_barriers() {
+    Fibers& f = g_fibers;
+    bool released = false;
+    const unsigned live = f.n - f.done;
+    if (live > 0 && f.at_block == live) {
+        for (unsigned t = 0; t < f.n; ++t)
+            if (f.state[t] == Fibers::AtBlock) f.state[t] = Fibers::Run;
+        f.at_block = 0;
+        released = true;
     }
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < threads; ++t)
-        ts.emplace_back([&, t] {
-            threadIdx.x = t;
-            t_warp = t / 32;
-            t_warp_ops = 0;
-            f();
-            unsigned long long most = g_max_warp_ops.load();
-            while (t_warp_ops > most && !g_max_warp_ops.compare_exchange_weak(most, t_warp_ops)) {}
-        });
-    for (auto& t : ts) t.join();
+    for (unsigned w = 0; w < f.at_warp.size(); ++w) {
+        if (f.at_warp[w] == 0) continue;
+        unsigned lanes = 0;
+        for (unsigned t = 32 * w; t < std::min(f.n, 32 * w + 32); ++t) lanes += f.state[t] != Fibers::Done;
+        if (f.at_warp[w] == lanes) {
+            for (unsigned t = 32 * w; t < std::min(f.n, 32 * w + 32); ++t)
+                if (f.state[t] == Fibers::AtWarp) f.state[t] = Fibers::Run;
+            f.at_warp[w] = 0;
+            released = true;
+        }
+    }
+    return released;
+}
+
+// Runs `f` as the block blockIdx names, `threads` threads (fibers), on this thread.
+template <class F> void run_fibers(unsigned threads, F f) {
+    blockDim = Idx{threads, 1, 1};
+    const unsigned block = blockIdx.x;
+    Fibers& fb = g_fibers;
+    fb.body = [](void* arg) { (*static_cast<F*>(arg))(); };
+    fb.body_arg = &f;
+    fb.n = threads;
+    while (fb.stacks.size() < threads) fb.stacks.push_back(new char[Fibers::STACK]);
+    fb.ctx.resize(threads);
+    fb.state.assign(threads, Fibers::Run);
+    fb.ops.assign(threads, 0);
+    fb.at_warp.assign((threads + 31) / 32, 0);
+    fb.done = fb.at_block = 0;
+    g_warps.assign((threads + 31) / 32, WarpX{});
+    for (unsigned t = 0; t < threads; ++t) fiber_init(fb.ctx[t], fb.stacks[t], Fibers::STACK, fiber_main);
+    while (fb.done < threads) {
+        bool ran = false;
+        for (unsigned t = 0; t < threads; ++t) {
+            if (fb.state[t] != Fibers::Run) continue;
+            fb.cur = t;
+            threadIdx = Idx{t, 0, 0};
+            t_warp_ops = fb.ops[t];
+            fiber_switch(fb.scheduler, fb.ctx[t]);
+            ran = true;
+        }
+        if (!release_barriers() && !ran && fb.done < threads) {
+            std::fprintf(stderr, "emulator: block %u deadlocked (a barrier some threads never reach)\n", block);
+            std::abort();
+        }
+    }
+    unsigned long long most = g_max_warp_ops.load();
+    for (unsigned long long ops : fb.ops)
+        while (ops > most && !g_max_warp_ops.compare_exchange_weak(most, ops)) {}
+}
+
+// Runs `f` as block `block` of a one-dimensional `grid`-block grid, `threads` threads.
+template <class F> void run_block(unsigned threads, F f, unsigned block = 0, unsigned grid = 1) {
+    blockIdx = Idx{block, 0, 0};
+    gridDim = Idx{grid, 1, 1};
+    run_fibers(threads, f);
 }

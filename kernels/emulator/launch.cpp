@@ -3,9 +3,7 @@
 // a shared library loaded into the process. `emu_launch` runs a launch the way cuLaunchKernel
 // describes one (a grid, a 1-D block, dynamic shared memory, one pointer per parameter):
 //
-// - by default block after block, each block on a pool of std::threads, one per CUDA thread,
-//   kept across blocks and launches (spawning a block's threads afresh cost more than running
-//   it);
+// - by default block after block on the calling thread, each CUDA thread a fiber (emu.h);
 // - with `concurrent_blocks`, every block at once, each a forked process with its own
 //   `__shared__` variables and dynamic shared memory; blocks then meet only through global
 //   memory (the emulator's device memory is a shared mapping), as on a GPU. What the replica
@@ -39,77 +37,6 @@ struct Entry {
 static const Entry g_entries[] = {
 #include "entries.inc"
     Entry{nullptr, nullptr, nullptr}};
-
-// Folds this thread's warp-synchronous operation count into the launch's maximum.
-static void publish_warp_ops() {
-    unsigned long long most = g_max_warp_ops.load();
-    while (t_warp_ops > most && !g_max_warp_ops.compare_exchange_weak(most, t_warp_ops)) {}
-}
-
-// The threads of a block, reused block after block: thread t is CUDA thread t. Resized (its
-// threads, the block barrier and the warp barriers made anew) when a launch asks for another
-// block size.
-struct BlockPool {
-    unsigned size = 0;
-    std::vector<std::thread> threads;
-    std::barrier<>* go = nullptr;
-    std::barrier<>* done = nullptr;
-    std::function<void()> body;
-    bool quit = false;
-
-    void resize(unsigned n) {
-        if (n == size) return;
-        stop();
-        size = n;
-        go = new std::barrier<>(n + 1);
-        done = new std::barrier<>(n + 1);
-        g_block = new std::barrier<>(n);
-        for (auto* w : g_warps) { delete w->bar; delete w; }
-        g_warps.clear();
-        for (unsigned i = 0; i < (n + 31) / 32; ++i) {
-            auto* x = new WarpX;
-            x->bar = new std::barrier<>(std::min(32u, n - 32 * i));
-            g_warps.push_back(x);
-        }
-        for (unsigned t = 0; t < n; ++t)
-            threads.emplace_back([this, t] {
-                threadIdx.x = t;
-                t_warp = t / 32;
-                for (;;) {
-                    go->arrive_and_wait();
-                    if (quit) return;
-                    t_warp_ops = 0;
-                    body();
-                    publish_warp_ops();
-                    done->arrive_and_wait();
-                }
-            });
-    }
-
-    void stop() {
-        if (size == 0) return;
-        quit = true;
-        go->arrive_and_wait();
-        for (auto& t : threads) t.join();
-        threads.clear();
-        delete go;
-        delete done;
-        delete g_block;
-        quit = false;
-        size = 0;
-    }
-
-    // Runs `f` on every thread of the block; returns when all have finished.
-    void run(std::function<void()> f) {
-        body = std::move(f);
-        go->arrive_and_wait();
-        done->arrive_and_wait();
-    }
-
-    ~BlockPool() { stop(); }
-};
-
-static BlockPool g_pool;
 
 // What a launch may change about the emulation (rackfill_kernels::cuda::exec::EmulatorSettings).
 struct EmuSettings {
@@ -187,13 +114,11 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
         std::vector<unsigned char> shared(shared_bytes + 16);
         g_smem = shared.data();
         gridDim = Idx{gx, gy, gz};
-        blockDim = Idx{threads, 1, 1};
-        g_pool.resize(threads);
         for (unsigned z = 0; z < gz; ++z)
             for (unsigned y = 0; y < gy; ++y)
                 for (unsigned x = 0; x < gx; ++x) {
                     blockIdx = Idx{x, y, z};
-                    g_pool.run([&] { entry->call(entry->fn, args); });
+                    run_fibers(threads, [&] { entry->call(entry->fn, args); });
                 }
         g_smem = nullptr;
     }
@@ -201,4 +126,55 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     stats->max_warp_ops = g_max_warp_ops.load();
     g_backoffs = nullptr;
     return status;
+}
+
+// What cuBLAS computes for one strided batched GEMM (rackfill_kernels::cuda::exec::Gemm): c =
+// alpha * a * op(b) + beta * c per batch, a `m x k`, c `m x n`, b stored `n x k` (b_layout 0,
+// a linear layer's weight) or `k x n` (1), row-major with leading dimensions and batch strides
+// in elements; dtype 0 is f32, 1 is bf16 (read widened, written rounded to nearest even). The
+// sum runs over k in order in f32.
+static inline float emu_load(const void* p, unsigned dtype, unsigned long long i) {
+    if (dtype == 0) return ((const float*)p)[i];
+    const unsigned u = (unsigned)((const unsigned short*)p)[i] << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void emu_store(void* p, unsigned dtype, unsigned long long i, float v) {
+    if (dtype == 0) {
+        ((float*)p)[i] = v;
+        return;
+    }
+    unsigned u;
+    std::memcpy(&u, &v, 4);
+    unsigned short b = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    ((unsigned short*)p)[i] = b;
+}
+
+struct EmuMatrix {
+    unsigned long long ptr, ld, batch_stride;
+    unsigned dtype, reserved;
+};
+
+extern "C" void emu_gemm(unsigned long long m, unsigned long long n, unsigned long long k, unsigned long long batch,
+                         const EmuMatrix* a, const EmuMatrix* b, unsigned b_layout, const EmuMatrix* c, float alpha,
+                         float beta) {
+    const unsigned long long sa = a->dtype ? 2 : 4, sb = b->dtype ? 2 : 4, sc = c->dtype ? 2 : 4;
+    for (unsigned long long z = 0; z < batch; ++z) {
+        const char* A = (const char*)a->ptr + z * a->batch_stride * sa;
+        const char* B = (const char*)b->ptr + z * b->batch_stride * sb;
+        char* C = (char*)c->ptr + z * c->batch_stride * sc;
+        for (unsigned long long row = 0; row < m; ++row)
+            for (unsigned long long col = 0; col < n; ++col) {
+                float acc = 0.0f;
+                for (unsigned long long i = 0; i < k; ++i) {
+                    const unsigned long long at = b_layout == 0 ? col * b->ld + i : i * b->ld + col;
+                    acc += emu_load(A, a->dtype, row * a->ld + i) * emu_load(B, b->dtype, at);
+                }
+                const unsigned long long at = row * c->ld + col;
+                const float old = beta == 0.0f ? 0.0f : emu_load(C, c->dtype, at);
+                emu_store(C, c->dtype, at, alpha * acc + beta * old);
+            }
+    }
 }

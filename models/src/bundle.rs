@@ -2,7 +2,8 @@
 //! the generation defaults and the name clients address it by. [`ModelBundle::load`] takes what a
 //! user passes to `--model` (a directory or a hub id), or nothing for the built-in model;
 //! [`ModelBundle::load_with`] loads only some routed experts (one EP rank's, in a process per
-//! rank).
+//! rank). Both load the weights into host memory (the CPU path); [`ModelBundle::open`] leaves
+//! them in the checkpoint ([`CheckpointModel`]), for a device to read straight from its files.
 
 use std::path::{Path, PathBuf};
 
@@ -38,13 +39,21 @@ pub enum ModelOrigin {
     Directory(PathBuf),
 }
 
-/// A model ready to serve.
-pub struct ModelBundle {
+/// A model whose weights are still in its checkpoint (memory-mapped, nothing read): what a
+/// device loads straight from the files, each process only the tensors it runs.
+pub struct CheckpointModel {
+    pub config: ModelConfig,
+    pub checkpoint: Checkpoint,
+}
+
+/// A model ready to serve: its weights (`W`: loaded on the host, [`MoeModel`], or still in the
+/// checkpoint, [`CheckpointModel`]) and what serving it needs besides.
+pub struct ModelBundle<W = MoeModel> {
     /// The id clients put in `"model"`: the `--model` argument as given, or
     /// [`BUILTIN_MODEL_NAME`].
     pub name: String,
     pub origin: ModelOrigin,
-    pub model: MoeModel,
+    pub model: W,
     pub tokenizer: Tokenizer,
     /// `None` for base models without a template (chat requests are then refused).
     pub chat_template: Option<ChatTemplate>,
@@ -53,6 +62,90 @@ pub struct ModelBundle {
     /// Tokens that end a generation: `generation_config.json`'s `eos_token_id`, else
     /// `config.json`'s, else the tokenizer config's `eos_token`.
     pub stop_token_ids: Vec<u32>,
+}
+
+impl<W> ModelBundle<W> {
+    /// The same bundle with its weights turned by `f` (e.g. into the engine's own type).
+    pub fn map<V>(self, f: impl FnOnce(W) -> V) -> ModelBundle<V> {
+        ModelBundle {
+            name: self.name,
+            origin: self.origin,
+            model: f(self.model),
+            tokenizer: self.tokenizer,
+            chat_template: self.chat_template,
+            generation: self.generation,
+            stop_token_ids: self.stop_token_ids,
+        }
+    }
+
+    fn assemble(
+        (name, origin): (String, ModelOrigin),
+        (model, config): (W, &ModelConfig),
+        tokenizer: Tokenizer,
+        chat_template: Option<ChatTemplate>,
+        generation: GenerationConfig,
+    ) -> Self {
+        let stop_token_ids = stop_tokens(&generation, config, &tokenizer, &chat_template);
+        Self {
+            name,
+            origin,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+            stop_token_ids,
+        }
+    }
+}
+
+impl ModelBundle<CheckpointModel> {
+    /// [`ModelBundle::load`] with the weights left in the checkpoint (opened and checked, not
+    /// read): for a device to load.
+    pub fn open(spec: Option<&str>) -> Result<Self> {
+        match spec {
+            None | Some(BUILTIN_MODEL_NAME) => {
+                let config = builtin_config()?;
+                let checkpoint =
+                    Checkpoint::from_static("<builtin>/model.safetensors", builtin_files::WEIGHTS)?;
+                let (tokenizer, chat_template, generation) = builtin_files()?;
+                Ok(Self::assemble(
+                    (BUILTIN_MODEL_NAME.into(), ModelOrigin::Builtin),
+                    (
+                        CheckpointModel {
+                            config: config.clone(),
+                            checkpoint,
+                        },
+                        &config,
+                    ),
+                    tokenizer,
+                    chat_template,
+                    generation,
+                ))
+            }
+            Some(spec) => {
+                let dir = source::resolve(spec)?;
+                let config = ModelConfig::load(&dir)?;
+                let checkpoint = Checkpoint::open(&dir)?;
+                let (tokenizer, chat_template, generation) = dir_files(&dir)?;
+                Ok(Self::assemble(
+                    (
+                        spec.trim_end_matches('/').to_string(),
+                        ModelOrigin::Directory(dir),
+                    ),
+                    (
+                        CheckpointModel {
+                            config: config.clone(),
+                            checkpoint,
+                        },
+                        &config,
+                    ),
+                    tokenizer,
+                    chat_template,
+                    generation,
+                ))
+            }
+        }
+    }
 }
 
 impl ModelBundle {
@@ -79,10 +172,7 @@ impl ModelBundle {
     /// [`Self::load_with`].
     pub fn config(spec: Option<&str>) -> Result<ModelConfig> {
         match spec {
-            None | Some(BUILTIN_MODEL_NAME) => ModelConfig::from_json_str(
-                builtin_files::CONFIG,
-                Path::new("<builtin>/config.json"),
-            ),
+            None | Some(BUILTIN_MODEL_NAME) => builtin_config(),
             Some(spec) => ModelConfig::load(&source::resolve(spec)?),
         }
     }
@@ -94,25 +184,14 @@ impl ModelBundle {
 
     /// [`Self::builtin`] with only the `selection` of routed experts.
     pub fn builtin_with(selection: &ExpertSelection) -> Result<Self> {
-        let origin = Path::new("<builtin>/config.json");
-        let config = ModelConfig::from_json_str(builtin_files::CONFIG, origin)?;
+        let config = builtin_config()?;
         let checkpoint =
             Checkpoint::from_static("<builtin>/model.safetensors", builtin_files::WEIGHTS)?;
-        let model = MoeModel::from_checkpoint_with(config, &checkpoint, selection)?;
-        let tokenizer =
-            Tokenizer::from_bytes(builtin_files::TOKENIZER, "<builtin>/tokenizer.json")?;
-        let chat_template = ChatTemplate::from_tokenizer_config_json(
-            builtin_files::TOKENIZER_CONFIG,
-            "<builtin>/tokenizer_config.json",
-        )?;
-        let generation = GenerationConfig::from_json_str(
-            builtin_files::GENERATION_CONFIG,
-            "<builtin>/generation_config.json",
-        )?;
+        let model = MoeModel::from_checkpoint_with(config.clone(), &checkpoint, selection)?;
+        let (tokenizer, chat_template, generation) = builtin_files()?;
         Ok(Self::assemble(
-            BUILTIN_MODEL_NAME.into(),
-            ModelOrigin::Builtin,
-            model,
+            (BUILTIN_MODEL_NAME.into(), ModelOrigin::Builtin),
+            (model, &config),
             tokenizer,
             chat_template,
             generation,
@@ -128,38 +207,44 @@ impl ModelBundle {
     /// [`Self::from_dir`] with only the `selection` of routed experts read.
     pub fn from_dir_with(dir: &Path, name: String, selection: &ExpertSelection) -> Result<Self> {
         let model = MoeModel::load_with(dir, selection)?;
-        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-        let chat_template = load_chat_template(dir)?;
-        let generation = GenerationConfig::load(dir)?.unwrap_or_default();
+        let (tokenizer, chat_template, generation) = dir_files(dir)?;
+        let config = model.config().clone();
         Ok(Self::assemble(
-            name,
-            ModelOrigin::Directory(dir.to_path_buf()),
-            model,
+            (name, ModelOrigin::Directory(dir.to_path_buf())),
+            (model, &config),
             tokenizer,
             chat_template,
             generation,
         ))
     }
+}
 
-    fn assemble(
-        name: String,
-        origin: ModelOrigin,
-        model: MoeModel,
-        tokenizer: Tokenizer,
-        chat_template: Option<ChatTemplate>,
-        generation: GenerationConfig,
-    ) -> Self {
-        let stop_token_ids = stop_tokens(&generation, model.config(), &tokenizer, &chat_template);
-        Self {
-            name,
-            origin,
-            model,
-            tokenizer,
-            chat_template,
-            generation,
-            stop_token_ids,
-        }
-    }
+/// The built-in model's normalised `config.json`.
+fn builtin_config() -> Result<ModelConfig> {
+    ModelConfig::from_json_str(builtin_files::CONFIG, Path::new("<builtin>/config.json"))
+}
+
+/// The built-in model's tokenizer, chat template and generation defaults.
+fn builtin_files() -> Result<(Tokenizer, Option<ChatTemplate>, GenerationConfig)> {
+    let tokenizer = Tokenizer::from_bytes(builtin_files::TOKENIZER, "<builtin>/tokenizer.json")?;
+    let chat_template = ChatTemplate::from_tokenizer_config_json(
+        builtin_files::TOKENIZER_CONFIG,
+        "<builtin>/tokenizer_config.json",
+    )?;
+    let generation = GenerationConfig::from_json_str(
+        builtin_files::GENERATION_CONFIG,
+        "<builtin>/generation_config.json",
+    )?;
+    Ok((tokenizer, chat_template, generation))
+}
+
+/// A checkpoint directory's tokenizer (required), chat template and generation defaults (both
+/// optional).
+fn dir_files(dir: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, GenerationConfig)> {
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+    let chat_template = load_chat_template(dir)?;
+    let generation = GenerationConfig::load(dir)?.unwrap_or_default();
+    Ok((tokenizer, chat_template, generation))
 }
 
 /// The first source that names any end-of-sequence token wins, as in `transformers`' `generate`

@@ -7,17 +7,121 @@
 //! unused can be counted and warned about, as transformers does. Tensors are read one by one from
 //! the map, so a process that loads part of a checkpoint (one EP rank's experts,
 //! [`Checkpoint::skip`] for the rest) touches only those pages.
+//!
+//! Two ways to read a tensor: as f32 values ([`Checkpoint::tensor`], what the CPU model holds),
+//! or as stored ([`Checkpoint::raw`]: dtype, shape and the bytes inside the map, borrowed, no
+//! copy: what the GPU loader uploads). Block-quantized FP8 tensors ([`Quantization::Fp8`]) come
+//! with their block scales in the raw form and dequantized in the f32 form.
 
 use std::collections::{BTreeSet, HashMap};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use candle_core::{Device, Tensor};
-use safetensors::{Dtype, SafeTensors};
+/// A tensor's stored element type (safetensors' own).
+pub use safetensors::Dtype;
+use safetensors::SafeTensors;
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Quantization};
 use crate::error::{ModelError, Result};
+
+/// An FP8 tensor's block scales, borrowed from the checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockScales<'a> {
+    /// f32, little-endian: per matrix of the tensor `[ceil(rows / block[0]), ceil(cols /
+    /// block[1])]`, matrix after matrix.
+    pub bytes: &'a [u8],
+    /// Rows and columns of the weight one scale covers (`weight_block_size`).
+    pub block: [usize; 2],
+}
+
+/// One tensor (or one slice of it along its first dimension) as the checkpoint stores it: its
+/// dtype, shape and bytes inside the memory map, borrowed without a copy.
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensor<'a> {
+    /// `BF16`, `F16`, `F32`, or `F8_E4M3` (then [`Self::scales`] is set).
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    /// Little-endian elements, row-major.
+    pub bytes: &'a [u8],
+    /// The block scales (`{name}_scale_inv`) of an `F8_E4M3` tensor; `None` for the others.
+    pub scales: Option<BlockScales<'a>>,
+}
+
+impl RawTensor<'_> {
+    /// Number of elements.
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The tensor as `(matrices, rows, cols)`: its last two dimensions (a vector is one row),
+    /// the ones before them flattened.
+    pub fn matrices(&self) -> (usize, usize, usize) {
+        match *self.shape {
+            [] => (1, 1, 1),
+            [cols] => (1, 1, cols),
+            [ref outer @ .., rows, cols] => (outer.iter().product(), rows, cols),
+        }
+    }
+
+    /// The values as f32: exact for f32, bf16 and f16; an FP8 value times its block's scale
+    /// (one f32 multiplication, as the device's dequantization computes it).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let bytes = self.bytes;
+        match (self.dtype, self.scales) {
+            (Dtype::F32, _) => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            (Dtype::BF16, _) => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            (Dtype::F16, _) => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            (Dtype::F8_E4M3, Some(scales)) => {
+                let (matrices, rows, cols) = self.matrices();
+                let [br, bc] = scales.block;
+                let (srows, scols) = (rows.div_ceil(br), cols.div_ceil(bc));
+                let scale = |i: usize| {
+                    let b = &scales.bytes[4 * i..4 * i + 4];
+                    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                };
+                let mut out = Vec::with_capacity(bytes.len());
+                for m in 0..matrices {
+                    for r in 0..rows {
+                        let row = &bytes[(m * rows + r) * cols..][..cols];
+                        let scale_row = (m * srows + r / br) * scols;
+                        out.extend(
+                            row.iter()
+                                .enumerate()
+                                .map(|(c, &q)| e4m3_to_f32(q) * scale(scale_row + c / bc)),
+                        );
+                    }
+                }
+                out
+            }
+            (dtype, _) => unreachable!("a raw tensor of dtype {dtype:?} (checked when read)"),
+        }
+    }
+}
+
+/// float8_e4m3fn bits as f32 (exact): bias 7, no infinities, `S.1111.111` is NaN.
+pub fn e4m3_to_f32(v: u8) -> f32 {
+    let sign = u32::from(v & 0x80) << 24;
+    let (e, m) = (u32::from((v >> 3) & 15), u32::from(v & 7));
+    if e == 15 && m == 7 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        // m * 2^-9, exact.
+        return f32::from_bits((m as f32 * 2f32.powi(-9)).to_bits() | sign);
+    }
+    f32::from_bits(sign | ((e + 120) << 23) | (m << 20))
+}
 
 /// The bytes of one safetensors file.
 enum ShardBytes {
@@ -56,6 +160,9 @@ struct Entry {
 pub struct Checkpoint {
     shards: Vec<Shard>,
     entries: HashMap<String, Entry>,
+    /// The FP8 scale blocks its config declares ([`Self::set_quantization`]): what an
+    /// `F8_E4M3` tensor is read with.
+    fp8_block: Mutex<Option<[usize; 2]>>,
 }
 
 impl Checkpoint {
@@ -137,7 +244,19 @@ impl Checkpoint {
                 entries.insert(name, entry);
             }
         }
-        Ok(Self { shards, entries })
+        Ok(Self {
+            shards,
+            entries,
+            fp8_block: Mutex::new(None),
+        })
+    }
+
+    /// Reads the checkpoint's weights as `quantization` (its config's `quantization_config`)
+    /// says: with FP8 blocks, `F8_E4M3` tensors are read with their `_scale_inv` block scales
+    /// (without, they are refused). The model loaders call it with their config.
+    pub fn set_quantization(&self, quantization: Option<&Quantization>) {
+        *self.fp8_block.lock().unwrap_or_else(|e| e.into_inner()) =
+            quantization.map(Quantization::fp8_block);
     }
 
     /// Whether the checkpoint holds a tensor of this name.
@@ -150,18 +269,39 @@ impl Checkpoint {
         self.entries.get(name).map(|e| e.shape.as_slice())
     }
 
-    /// Loads a tensor as f32 and checks its shape.
+    /// Loads a tensor as f32 and checks its shape (an FP8 tensor dequantized by its scales).
     pub fn tensor(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
-        let entry = self.checked_entry(name, expected)?;
-        let values = self.values(name, entry, entry.start..entry.end)?;
-        Ok(Tensor::from_vec(values, expected, &Device::Cpu)?)
+        let raw = self.raw(name, expected)?;
+        Ok(Tensor::from_vec(raw.to_f32(), expected, &Device::Cpu)?)
     }
 
     /// Loads `index` along the first dimension of a tensor of shape `expected` (one expert of a
     /// fused `[E, ...]` expert tensor), reading only that slice's bytes.
     pub fn tensor_index(&self, name: &str, expected: &[usize], index: usize) -> Result<Tensor> {
+        let raw = self.raw_index(name, expected, index)?;
+        Ok(Tensor::from_vec(raw.to_f32(), raw.shape, &Device::Cpu)?)
+    }
+
+    /// A tensor as stored, once its shape is `expected`: dtype, shape and its bytes in the map
+    /// (no copy; only what the caller reads of them is touched), with the block scales of an
+    /// FP8 tensor. Marks it (and its scales) used.
+    pub fn raw(&self, name: &str, expected: &[usize]) -> Result<RawTensor<'_>> {
         let entry = self.checked_entry(name, expected)?;
-        let Some((&outer, inner)) = expected.split_first() else {
+        let data = &self.shards[entry.shard].bytes.as_slice()[entry.start..entry.end];
+        let scales = self.scales(name, entry)?;
+        Ok(RawTensor {
+            dtype: entry.dtype,
+            shape: &entry.shape,
+            bytes: data,
+            scales,
+        })
+    }
+
+    /// [`Self::raw`] of `index` along the first dimension of a tensor of shape `expected`: the
+    /// slice's bytes (and its scales) only.
+    pub fn raw_index(&self, name: &str, expected: &[usize], index: usize) -> Result<RawTensor<'_>> {
+        let raw = self.raw(name, expected)?;
+        let Some((&outer, inner)) = raw.shape.split_first() else {
             return Err(ModelError::Input(format!(
                 "tensor {name:?} is a scalar: it has no index {index}"
             )));
@@ -171,17 +311,38 @@ impl Checkpoint {
                 "index {index} of tensor {name:?}, whose first dimension is {outer}"
             )));
         }
-        let stride = (entry.end - entry.start) / outer;
-        let start = entry.start + index * stride;
-        let values = self.values(name, entry, start..start + stride)?;
-        Ok(Tensor::from_vec(values, inner, &Device::Cpu)?)
+        fn slice(bytes: &[u8], outer: usize, index: usize) -> &[u8] {
+            let stride = bytes.len() / outer;
+            &bytes[index * stride..(index + 1) * stride]
+        }
+        Ok(RawTensor {
+            dtype: raw.dtype,
+            shape: inner,
+            bytes: slice(raw.bytes, outer, index),
+            scales: raw.scales.map(|s| BlockScales {
+                bytes: slice(s.bytes, outer, index),
+                block: s.block,
+            }),
+        })
+    }
+
+    /// The dtype a tensor is stored in, if present.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.entries.get(name).map(|e| e.dtype)
     }
 
     /// Accounts for a tensor a sharded load leaves to other processes (another rank's routed
     /// expert): checks it exists with the expected shape, so every process agrees on the
-    /// checkpoint, but reads none of its bytes, and keeps it out of [`Self::unused_tensors`].
+    /// checkpoint, but reads none of its bytes, and keeps it (and an FP8 tensor's scales) out of
+    /// [`Self::unused_tensors`].
     pub fn skip(&self, name: &str, expected: &[usize]) -> Result<()> {
-        self.checked_entry(name, expected).map(|_| ())
+        let entry = self.checked_entry(name, expected)?;
+        if entry.dtype == Dtype::F8_E4M3 {
+            if let Some(scales) = self.entries.get(&scale_name(name)) {
+                scales.used.store(true, Ordering::Relaxed);
+            }
+        }
+        Ok(())
     }
 
     /// The entry of `name`, marked used, once its stored shape is `expected`.
@@ -208,32 +369,66 @@ impl Checkpoint {
             })
     }
 
-    /// The f32 values of `bytes` (a range of `entry`'s data): only those pages of a mapped file
-    /// are touched.
-    fn values(&self, name: &str, entry: &Entry, bytes: Range<usize>) -> Result<Vec<f32>> {
-        let shard = &self.shards[entry.shard];
-        let bytes = &shard.bytes.as_slice()[bytes];
-        Ok(match entry.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+    /// Checks `entry`'s dtype is one the loaders read, and for an FP8 tensor finds its block
+    /// scales: present, f32, one per block of each matrix. Marks them used.
+    fn scales(&self, name: &str, entry: &Entry) -> Result<Option<BlockScales<'_>>> {
+        let path = || self.shards[entry.shard].path.clone();
+        match entry.dtype {
+            Dtype::F32 | Dtype::BF16 | Dtype::F16 => return Ok(None),
+            Dtype::F8_E4M3 => {}
             other => {
                 return Err(ModelError::TensorDtype {
-                    path: shard.path.clone(),
+                    path: path(),
                     name: name.to_string(),
                     dtype: format!("{other:?}"),
                 })
             }
-        })
+        }
+        let fail = |message: String| ModelError::Quantization {
+            path: path(),
+            name: name.to_string(),
+            message,
+        };
+        let block = self
+            .fp8_block
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ok_or_else(|| {
+                fail(
+                    "is F8_E4M3 but config.json declares no fp8 quantization_config \
+                     (quant_method \"fp8\" with weight_block_size)"
+                        .into(),
+                )
+            })?;
+        let scale_name = scale_name(name);
+        let Some(scales) = self.entries.get(&scale_name) else {
+            return Err(fail(format!(
+                "is F8_E4M3 but its block scales {scale_name:?} are missing"
+            )));
+        };
+        scales.used.store(true, Ordering::Relaxed);
+        let Some((&cols, rest)) = entry.shape.split_last() else {
+            return Err(fail("is an F8_E4M3 scalar".into()));
+        };
+        let Some((&rows, outer)) = rest.split_last() else {
+            return Err(fail(
+                "is an F8_E4M3 vector: block scales need a matrix".into(),
+            ));
+        };
+        let mut expected = outer.to_vec();
+        expected.extend([rows.div_ceil(block[0]), cols.div_ceil(block[1])]);
+        if scales.dtype != Dtype::F32 || scales.shape != expected {
+            return Err(fail(format!(
+                "its block scales {scale_name:?} are {:?} {:?}, expected F32 {expected:?} \
+                 ({}x{} blocks of {:?})",
+                scales.dtype, scales.shape, block[0], block[1], entry.shape
+            )));
+        }
+        let shard = &self.shards[scales.shard];
+        Ok(Some(BlockScales {
+            bytes: &shard.bytes.as_slice()[scales.start..scales.end],
+            block,
+        }))
     }
 
     /// The checkpoint's files, for error messages about tensors found in none of them.
@@ -313,6 +508,11 @@ impl Checkpoint {
     }
 }
 
+/// The block scales of FP8 tensor `name`.
+fn scale_name(name: &str) -> String {
+    format!("{name}_scale_inv")
+}
+
 /// `i` for a tensor named `model.layers.{i}.*`.
 fn layer_index(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?
@@ -389,6 +589,16 @@ impl<'a> Weights<'a> {
     /// Loads `index` along the first dimension of `prefix.name` (of shape `shape`).
     pub fn get_index(&self, shape: &[usize], name: &str, index: usize) -> Result<Tensor> {
         self.checkpoint.tensor_index(&self.full(name), shape, index)
+    }
+
+    /// `prefix.name` as stored ([`Checkpoint::raw`]).
+    pub fn raw(&self, shape: &[usize], name: &str) -> Result<RawTensor<'a>> {
+        self.checkpoint.raw(&self.full(name), shape)
+    }
+
+    /// `index` along the first dimension of `prefix.name` as stored ([`Checkpoint::raw_index`]).
+    pub fn raw_index(&self, shape: &[usize], name: &str, index: usize) -> Result<RawTensor<'a>> {
+        self.checkpoint.raw_index(&self.full(name), shape, index)
     }
 
     /// Checks `prefix.name` exists with shape `shape` without reading it ([`Checkpoint::skip`]).

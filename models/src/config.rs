@@ -148,6 +148,31 @@ pub struct MlaConfig {
     pub mscale_all_dim: f64,
 }
 
+/// How a checkpoint's linear weights are quantized (`config.json`'s `quantization_config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Quantization {
+    /// Block-quantized FP8, DeepSeek-V3's and Qwen3's format (`quant_method: "fp8"`, `fmt:
+    /// "e4m3"`): each quantized weight `W` is stored as float8_e4m3fn (safetensors `F8_E4M3`)
+    /// beside an f32 `W_scale_inv` of shape `[ceil(out / block[0]), ceil(in / block[1])]`; a
+    /// weight's value is its fp8 value times its block's scale. Norms, routers, embeddings, the
+    /// LM head and `modules_to_not_convert` are stored unquantized.
+    Fp8 {
+        /// `weight_block_size`: rows, columns of one scale's block.
+        block: [usize; 2],
+        /// Modules the checkpoint keeps unquantized (informative: every tensor says its dtype).
+        modules_to_not_convert: Vec<String>,
+    },
+}
+
+impl Quantization {
+    /// The FP8 scale blocks, `[rows, cols]`.
+    pub fn fp8_block(&self) -> [usize; 2] {
+        match self {
+            Self::Fp8 { block, .. } => *block,
+        }
+    }
+}
+
 /// A checkpoint's architecture, normalised across families and transformers versions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -183,6 +208,8 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// How the checkpoint's weights are quantized, if they are.
+    pub quantization: Option<Quantization>,
 }
 
 impl ModelConfig {
@@ -595,7 +622,84 @@ impl Raw<'_> {
             mla,
             bos_token_id: self.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: self.token_ids("eos_token_id")?,
+            quantization: self.quantization()?,
         })
+    }
+
+    /// `quantization_config`: block-quantized FP8 (e4m3, two block sizes) or nothing; any other
+    /// method, format or block shape is refused naming the field.
+    fn quantization(&self) -> Result<Option<Quantization>> {
+        let map = match self.first(&["quantization_config"]) {
+            None => return Ok(None),
+            Some((_, Value::Object(map))) => map,
+            Some(_) => return Err(self.error("quantization_config must be an object".into())),
+        };
+        let q = Raw {
+            map,
+            path: self.path.clone(),
+        };
+        match q.first(&["quant_method"]) {
+            Some((_, Value::String(method))) if method == "fp8" => {}
+            Some((_, Value::String(method))) => {
+                return Err(self.error(format!(
+                    "quantization_config.quant_method \"{method}\" is not supported (only \"fp8\")"
+                )))
+            }
+            Some(_) => {
+                return Err(self.error("quantization_config.quant_method must be a string".into()))
+            }
+            None => return Err(self.error("missing field quantization_config.quant_method".into())),
+        }
+        match q.first(&["fmt"]) {
+            // Qwen3's FP8 configs leave it out: e4m3 is the only block FP8 format in use.
+            None => {}
+            Some((_, Value::String(fmt))) if fmt == "e4m3" => {}
+            Some((_, fmt)) => {
+                return Err(self.error(format!(
+                    "quantization_config.fmt {fmt} is not supported (only \"e4m3\")"
+                )))
+            }
+        }
+        let bad_block = || {
+            self.error(
+                "quantization_config.weight_block_size must be two positive integers \
+                 (e.g. [128, 128]; per-tensor FP8 scales are not supported)"
+                    .into(),
+            )
+        };
+        let block = match q.first(&["weight_block_size"]) {
+            Some((_, Value::Array(items))) if items.len() == 2 => {
+                let size = |v: &Value| {
+                    v.as_u64()
+                        .filter(|&n| n > 0 && n <= u32::MAX as u64)
+                        .map(|n| n as usize)
+                        .ok_or_else(bad_block)
+                };
+                [size(&items[0])?, size(&items[1])?]
+            }
+            _ => return Err(bad_block()),
+        };
+        let modules_to_not_convert = match q.first(&["modules_to_not_convert"]) {
+            None => Vec::new(),
+            Some((_, Value::Array(items))) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    self.error(
+                        "quantization_config.modules_to_not_convert must list strings".into(),
+                    )
+                })?,
+            Some(_) => {
+                return Err(
+                    self.error("quantization_config.modules_to_not_convert must be a list".into())
+                )
+            }
+        };
+        Ok(Some(Quantization::Fp8 {
+            block,
+            modules_to_not_convert,
+        }))
     }
 
     /// A string field that, when present, must be `expected`: DeepSeek's original code switches

@@ -47,12 +47,25 @@ pub enum ModelError {
         expected: Vec<usize>,
     },
 
-    /// A tensor is stored in a dtype the loader does not convert (only bf16, f16 and f32 are).
-    #[error("{path}: tensor {name:?} has dtype {dtype}, expected bf16, f16 or f32")]
+    /// A tensor is stored in a dtype the loader does not convert (only bf16, f16, f32 and, in
+    /// an FP8 checkpoint, F8_E4M3 are).
+    #[error(
+        "{path}: tensor {name:?} has dtype {dtype}, expected bf16, f16, f32 (or F8_E4M3 with \
+         block scales)"
+    )]
     TensorDtype {
         path: PathBuf,
         name: String,
         dtype: String,
+    },
+
+    /// An FP8 tensor cannot be read: no fp8 `quantization_config`, or its block scales are
+    /// missing or of the wrong shape or dtype.
+    #[error("{path}: tensor {name:?} {message}")]
+    Quantization {
+        path: PathBuf,
+        name: String,
+        message: String,
     },
 
     /// A safetensors file is truncated or its header is malformed.

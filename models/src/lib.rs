@@ -17,7 +17,7 @@ pub mod model;
 pub mod source;
 pub mod tokenizer;
 
-pub use bundle::{ModelBundle, ModelOrigin, BUILTIN_MODEL_NAME};
+pub use bundle::{CheckpointModel, ModelBundle, ModelOrigin, BUILTIN_MODEL_NAME};
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::Checkpoint;
 pub use config::{Family, ModelConfig};

@@ -141,6 +141,7 @@ impl MoeModel {
         selection: &ExpertSelection,
     ) -> Result<Self> {
         selection.check(config.moe.num_experts)?;
+        checkpoint.set_quantization(config.quantization.as_ref());
         let loader = families::loader(config.family);
         let root = checkpoint.root();
         let model = root.pp("model");
@@ -150,7 +151,8 @@ impl MoeModel {
             .map(|i| {
                 let w = model.pp("layers").pp(i);
                 let ffn = if config.sparse_layers[i] {
-                    FeedForward::Moe((loader.moe)(&w, &config, selection)?)
+                    let (block, names) = (loader.moe_names)(&w);
+                    FeedForward::Moe(MoeBlock::load(&block, &config, names, selection)?)
                 } else {
                     FeedForward::Dense((loader.dense)(&w, &config)?)
                 };

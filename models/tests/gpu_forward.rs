@@ -30,9 +30,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rackfill_kernels::cuda::exec::{available, Executor};
-use rackfill_models::gpu::{Experts, GpuInput, GpuModel, GpuSequence};
+use rackfill_models::gpu::{ExpertPlacement, GpuInput, GpuModel, GpuSequence};
 use rackfill_models::model::{FeedForward, LogitsFor, MoeModel};
-use rackfill_models::{KvCache, Routing, SeqChunk};
+use rackfill_models::{Checkpoint, KvCache, ModelConfig, Routing, SeqChunk};
 
 fn fixture(name: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -187,9 +187,17 @@ fn step(
 }
 
 fn check_model(name: &str, exec: Arc<dyn Executor>) {
-    let model = MoeModel::load(&fixture(name)).unwrap();
+    let dir = fixture(name);
+    let model = MoeModel::load(&dir).unwrap();
     let vocab = model.config().vocab_size;
-    let gpu = GpuModel::upload(exec, &model, 256, Experts::Here).unwrap();
+    // The device model from the same checkpoint, straight from its files.
+    let (config, checkpoint) = (
+        ModelConfig::load(&dir).unwrap(),
+        Checkpoint::open(&dir).unwrap(),
+    );
+    let (gpu, homes) =
+        GpuModel::load(exec, &config, &checkpoint, 256, ExpertPlacement::Here).unwrap();
+    assert!(homes.is_none());
     let free = gpu.free_blocks();
     let (a, b) = (prompt(17, 1, vocab), prompt(6, 2, vocab));
     let mut results = Vec::new();

@@ -199,9 +199,10 @@ impl AppState {
         Self::new(Arc::new(EngineBackend::new(engine, meta)), config)
     }
 
-    /// Spawns the engine on `bundle` with `engine` settings and serves it.
-    pub fn launch(
-        bundle: ModelBundle,
+    /// Spawns the engine on `bundle` (its weights on the host, or left in the checkpoint for a
+    /// device) with `engine` settings and serves it.
+    pub fn launch<W: Into<rackfill_engine::ModelWeights>>(
+        bundle: ModelBundle<W>,
         engine: EngineConfig,
         config: ServerConfig,
     ) -> Result<Self, EngineError> {
@@ -214,8 +215,7 @@ impl AppState {
             stop_token_ids,
             ..
         } = bundle;
-        let handle =
-            EngineHandle::spawn(Arc::new(model), Arc::new(tokenizer), stop_token_ids, engine)?;
+        let handle = EngineHandle::spawn(model, Arc::new(tokenizer), stop_token_ids, engine)?;
         let meta = ModelMeta {
             name,
             chat_template,

@@ -1,138 +1,188 @@
-//! The EP runtime with its ranks' dense parts on a GPU: every local rank's sequences run through
-//! one [`GpuModel`] batch (attention is per sequence, so ranks sharing a GPU batch together).
-//! Each MoE layer then runs one of three ways:
-//!
-//! - one rank holding every expert: the whole block on the device, nothing to balance (the
-//!   router's choices come to the host for the layer's report only);
-//! - every rank in this process: the router and shared experts on the device, then the bf16
-//!   device data plane ([`DeviceMoe`]) from the router's output where it is; the load counts
-//!   are the one host copy, for the planner;
-//! - ranks in other processes too: the normalised input comes to the host, is split by rank and
-//!   goes through the runtime's own MoE layer on its data plane and fabric, whose output is
-//!   added back into the residual on the device.
+//! The layer loop's operations with the model and the MoE data plane on a device (feature
+//! `cuda`: a GPU, or the host emulator): every local rank's sequences of a micro-batch run as one
+//! device batch of [`GpuModel`] (attention is per sequence, so ranks sharing a device batch
+//! together), and each MoE layer runs on the micro-batch's lane of the device data plane
+//! ([`DeviceMoe`]) from the router's output where it is. The load counts are the one host copy
+//! before the plan; ranks of other processes are reached through the fabric.
 
+use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use rackfill_kernels::cuda::device_moe::{DeviceMoe, RoutedRows};
-use rackfill_kernels::cuda::exec::{Executor, GpuExecutor};
-use rackfill_kernels::cuda::{CudaError, Gpu};
-use rackfill_models::gpu::{Experts, GpuBatch, GpuInput, GpuModel, GpuSequence};
-use rackfill_models::layers::moe::rows_of;
-use rackfill_models::{FeedForward, LogitsFor, ModelError, SequenceInput};
+use rackfill_balancer::{Layout, LoadMatrix, Plan};
+use rackfill_kernels::cuda::exec::{Emulator, Executor, GpuExecutor};
+use rackfill_kernels::cuda::moe::{
+    Counted, DeviceMoe, HostExchange, LayerInFlight, LayerTiming, MoeLane, RoutedRows,
+};
+use rackfill_models::gpu::{ExpertPlacement, GpuBatch, GpuInput, GpuModel, GpuSequence};
+use rackfill_models::{CheckpointModel, LogitsFor, ModelError, SequenceInput};
 
-use rackfill_models::{ExpertSelection, Routing};
-
-use super::on_device::OnDevice;
-use super::{EpRuntime, Finished, LayerReport, Solved, StepOutput};
 use crate::error::{EngineError, Result};
-use crate::plane::{expert_weights, received_bytes, PhaseTimes};
+use crate::fabric::Fabric;
+use crate::model_device::ModelDevice;
+use crate::plane::device::{gpu_error, open_device_plane, FabricExchange};
+use crate::plane::{received_bytes, PhaseTimes, PlaneConfig};
 
 /// KV blocks beyond `tokens / BLOCK_TOKENS`: room for the partly filled last block of as many
 /// sequences (the scheduler budgets tokens, the device cache hands out whole blocks).
 const SPARE_BLOCKS_TOKENS: usize = 256 * rackfill_models::gpu::BLOCK_TOKENS;
 
-impl EpRuntime {
-    /// Opens GPU `ordinal` as an executor.
-    pub(super) fn open_gpu(ordinal: usize) -> Result<Arc<dyn Executor>> {
-        let gpu_error = |e: rackfill_kernels::cuda::CudaError| {
-            EngineError::Config(format!("--device cuda:{ordinal}: {e}"))
-        };
-        let gpu = Gpu::open(ordinal).map_err(gpu_error)?;
-        Ok(Arc::new(GpuExecutor::new(gpu).map_err(gpu_error)?))
-    }
+/// The runtime's model and MoE data plane on one device.
+pub(super) struct OnDevice {
+    model: GpuModel,
+    moe: DeviceMoe,
+    /// Per model layer: its index among the MoE layers.
+    moe_ordinal: Vec<Option<usize>>,
+    local: Range<usize>,
+}
 
-    /// Moves the local ranks' dense parts to `exec` (a GPU, or the host emulator that checks
-    /// this path without one), with a paged KV cache for `kv_tokens_per_rank` tokens per local
-    /// rank; see [`EpRuntime::open_device`].
-    pub fn open_device_with(
-        &mut self,
+/// The device model as the micro-batches of a step share it.
+#[derive(Clone, Copy)]
+pub(super) struct DeviceModel<'m> {
+    pub model: &'m GpuModel,
+    moe_ordinal: &'m [Option<usize>],
+    local: &'m Range<usize>,
+}
+
+/// The executor `device` names, for a process of local rank `local_rank` under a launcher.
+pub(super) fn open_executor(
+    device: ModelDevice,
+    local_rank: Option<usize>,
+) -> Result<Arc<dyn Executor>> {
+    match device {
+        ModelDevice::Emulator => Ok(Emulator::shared().ok_or_else(|| {
+            EngineError::Config("--device emulator needs a C++ compiler (CXX)".into())
+        })?),
+        ModelDevice::Cuda { .. } => {
+            let ordinal = device.gpu_ordinal(local_rank).unwrap_or(0);
+            let exec = GpuExecutor::open(ordinal)
+                .map_err(|e| EngineError::Config(format!("--device cuda:{ordinal}: {e}")))?;
+            Ok(Arc::new(exec))
+        }
+        ModelDevice::Cpu => Err(EngineError::Config("--device cpu has no executor".into())),
+    }
+}
+
+impl OnDevice {
+    /// `model`'s dense parts and the `local` ranks' home experts of `layout` on `exec`, read
+    /// straight from its checkpoint and uploaded once, a paged KV cache for `kv_tokens_per_rank`
+    /// tokens per local rank, and the data plane for `plane`.
+    pub(super) fn open(
         exec: Arc<dyn Executor>,
+        model: &CheckpointModel,
+        (layout, local): (&Layout, Range<usize>),
         kv_tokens_per_rank: usize,
-    ) -> Result<()> {
-        if self.config.micro_batches > 1 {
-            return Err(EngineError::Config(
-                "two micro-batches run with the model on the CPU (either data plane), not the \
-                 device runtime: --micro-batches 1 with --device"
-                    .into(),
-            ));
-        }
-        if self.config.slot_memory != crate::rack_cost::SlotMemory::Shared {
-            return Err(EngineError::Config(
-                "per-layer replica slots live on the CPU path only: --slot-memory shared with \
-                 --device"
-                    .into(),
-            ));
-        }
-        let ranks = self.fabric.local_ranks().len();
+        plane: &PlaneConfig,
+    ) -> Result<Self> {
+        let mc = &model.config;
+        let dims = (mc.hidden_size, mc.moe.intermediate_size);
         let tokens = kv_tokens_per_rank
-            .saturating_mul(ranks)
+            .saturating_mul(local.len())
             .saturating_add(SPARE_BLOCKS_TOKENS);
-        // One rank holding every expert: the MoE layers run on the device too, with no host
-        // round trip (nothing to balance); otherwise on an EP data plane.
-        let experts =
-            if self.config.ep_size == 1 && *self.model.expert_selection() == ExpertSelection::All {
-                Experts::Here
-            } else {
-                Experts::Elsewhere
-            };
-        // Every rank here: the MoE layers on this device's data plane, which holds every
-        // expert (the model does too, in one process).
-        let (moe, moe_ordinal) = if experts == Experts::Elsewhere && ranks == self.layout.ranks() {
-            let (moe_ordinal, layers) = expert_weights(&self.model)?;
-            let mc = self.model.config();
-            let moe = DeviceMoe::new(
-                Arc::clone(&exec),
-                &self.layout,
-                mc.hidden_size,
-                mc.moe.intermediate_size,
-                &layers,
-                self.config.relay,
-            )
-            .map_err(gpu_error)?;
-            (Some(moe), moe_ordinal)
-        } else {
-            (None, Vec::new())
+        let placement = ExpertPlacement::Homes {
+            layout,
+            local: local.clone(),
         };
-        let model = GpuModel::upload(exec, &self.model, tokens, experts)?;
-        self.device = Some(OnDevice {
-            model,
+        let (gpu, homes) =
+            GpuModel::load(Arc::clone(&exec), mc, &model.checkpoint, tokens, placement)?;
+        let homes = homes
+            .ok_or_else(|| EngineError::Config("the device model loaded no home experts".into()))?;
+        let moe = open_device_plane(exec, (layout, local.clone()), dims, homes, plane)?;
+        let mut next = 0;
+        let moe_ordinal = mc
+            .sparse_layers
+            .iter()
+            .map(|&moe| {
+                moe.then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect();
+        Ok(Self {
+            model: gpu,
             moe,
             moe_ordinal,
-        });
-        Ok(())
+            local,
+        })
     }
 
-    /// [`EpRuntime::forward`] with the dense parts on the device.
-    pub(super) fn forward_on_device(
-        &mut self,
-        batches: &mut [Vec<SequenceInput<'_>>],
-        which: &[Vec<LogitsFor>],
-    ) -> Result<StepOutput> {
-        // Taken out for the step so the MoE layers can borrow the runtime; put back whatever
-        // happens.
-        let device = self.device.take().expect("called with a device");
-        let result = self.step_on(&device, batches, which);
-        self.device = Some(device);
-        result
+    /// The model, shared, and every lane, each micro-batch's own.
+    pub(super) fn split(&mut self) -> (DeviceModel<'_>, &mut [MoeLane]) {
+        (
+            DeviceModel {
+                model: &self.model,
+                moe_ordinal: &self.moe_ordinal,
+                local: &self.local,
+            },
+            self.moe.lanes_mut(),
+        )
     }
 
-    fn step_on(
-        &mut self,
-        device: &OnDevice,
-        batches: &mut [Vec<SequenceInput<'_>>],
-        which: &[Vec<LogitsFor>],
-    ) -> Result<StepOutput> {
-        let hidden = self.model.config().hidden_size;
-        let vocab = self.model.config().vocab_size;
-        // Rows and logit rows per local rank, in batch order.
-        let mut rank_rows = Vec::with_capacity(batches.len());
-        let mut rank_logits = Vec::with_capacity(batches.len());
+    /// A new sequence's blocks in the device KV cache.
+    pub(super) fn new_sequence(&self) -> GpuSequence {
+        self.model.new_sequence()
+    }
+
+    /// Local rank `rank`'s slot `slot` in micro-batch `micro_batch`'s lane, in the slots model
+    /// layer `layer` uses, widened to f32.
+    pub(super) fn slot_contents(
+        &self,
+        (micro_batch, layer): (usize, usize),
+        rank: usize,
+        slot: usize,
+    ) -> Option<Vec<f32>> {
+        let ordinal = self.moe_ordinal.get(layer).copied().flatten()?;
+        self.moe
+            .lane(micro_batch)?
+            .slot_contents(ordinal, rank, slot)
+            .ok()
+    }
+}
+
+/// One micro-batch's rows on the device.
+pub(super) struct DeviceMicro {
+    batch: GpuBatch,
+    /// Rows (new tokens) of each local rank, in batch order.
+    rank_rows: Vec<usize>,
+    /// Logit rows of each local rank.
+    rank_logits: Vec<usize>,
+}
+
+/// A device MoE layer between its route and its combine.
+pub(super) struct DeviceFlight {
+    /// Its index among the MoE layers.
+    ordinal: usize,
+    routed: Option<(RoutedRows, Counted)>,
+    flight: Option<LayerInFlight>,
+}
+
+impl DeviceModel<'_> {
+    fn ordinal(&self, layer: usize) -> Result<usize> {
+        self.moe_ordinal
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or_else(|| EngineError::Config(format!("layer {layer} is not an MoE layer")))
+    }
+
+    /// Whether every rank of the group is in this process.
+    fn all_local(&self, fabric: &dyn Fabric) -> bool {
+        self.local.len() == fabric.world_size()
+    }
+
+    /// The micro-batch's sequences as one device batch: their KV blocks taken, tokens embedded.
+    pub(super) fn begin(
+        &self,
+        seqs: &mut [&mut [SequenceInput<'_>]],
+        which: &[&[LogitsFor]],
+    ) -> Result<DeviceMicro> {
+        let mut rank_rows = Vec::with_capacity(seqs.len());
+        let mut rank_logits = Vec::with_capacity(seqs.len());
         let mut inputs = Vec::new();
-        for (batch, which) in batches.iter_mut().zip(which) {
+        for (batch, which) in seqs.iter_mut().zip(which) {
             let (mut rows, mut logit_rows) = (0, 0);
-            for (s, &w) in batch.iter_mut().zip(which) {
+            for (s, &w) in batch.iter_mut().zip(which.iter()) {
                 let n = s.tokens.len();
                 rows += n;
                 logit_rows += match w {
@@ -146,7 +196,7 @@ impl EpRuntime {
                     .and_then(|d| d.as_any_mut().downcast_mut::<GpuSequence>())
                     .ok_or_else(|| {
                         EngineError::InvalidRequest(
-                            "a sequence whose KV cache is not on the runtime's GPU".into(),
+                            "a sequence whose KV cache is not on the runtime's device".into(),
                         )
                     })?;
                 inputs.push(GpuInput {
@@ -158,139 +208,142 @@ impl EpRuntime {
             rank_rows.push(rows);
             rank_logits.push(logit_rows);
         }
-        let gpu = &device.model;
-        let mut step = gpu.begin(&mut inputs)?;
-        let mut reports = Vec::new();
-        let mut on_device = Vec::new();
-        let model = Arc::clone(&self.model);
-        for (index, layer) in model.layers().iter().enumerate() {
-            gpu.attention(index, &mut step)?;
-            let FeedForward::Moe(block) = layer.ffn() else {
-                gpu.feed_forward(index, &mut step)?;
-                continue;
-            };
-            if gpu.experts() == Experts::Here {
-                gpu.feed_forward(index, &mut step)?;
-                on_device.push(index);
-                continue;
-            }
-            if let (Some(moe), Some(Some(ordinal))) =
-                (&device.moe, device.moe_ordinal.get(index).copied())
-            {
-                let at = DeviceLayer {
-                    layer: index,
-                    ordinal,
-                    rank_rows: &rank_rows,
-                };
-                reports.push(self.moe_layer_on_device(gpu, moe, &at, &mut step)?);
-                continue;
-            }
-            let input = gpu.ffn_input(index, &step)?;
-            let per_rank = split_rows(&input, &rank_rows, hidden)?;
-            let (outs, report) = self.moe_layer(index, block, &per_rank)?;
-            reports.push(report);
-            let mut flat = Vec::with_capacity(input.len());
-            for out in outs.iter().flatten() {
-                flat.extend(rows_of(out)?);
-            }
-            gpu.add_to_residual(&mut step, &flat)?;
-        }
-        let finished = gpu.finish(step)?;
-        for (layer, routing) in on_device.into_iter().zip(&finished.routing) {
-            reports.push(self.report_routed_on_device(layer, routing)?);
-        }
-        Ok(StepOutput {
-            logits: split_rows(&finished.logits, &rank_logits, vocab)?,
-            layers: reports,
+        Ok(DeviceMicro {
+            batch: self.model.begin(&mut inputs)?,
+            rank_rows,
+            rank_logits,
         })
     }
 
-    /// One MoE layer with every rank on the device: router and shared experts
-    /// ([`GpuModel::route`]), the load counted where the router left its choices, the plan
-    /// solved on the host from those counts, then replicas, dispatch, experts and combine on the
-    /// device data plane, and the block's output added into the residual.
-    fn moe_layer_on_device(
-        &mut self,
-        gpu: &GpuModel,
-        moe: &DeviceMoe,
-        at: &DeviceLayer<'_>,
-        step: &mut GpuBatch,
-    ) -> Result<LayerReport> {
-        let layer = at.layer;
-        let started = Instant::now();
-        let routed = gpu.route(layer, step)?;
-        let rows = RoutedRows {
-            x: routed.rows_bf16(),
-            experts: routed.experts(),
-            weights: routed.weights(),
-            rank_rows: at.rank_rows,
-            top_k: routed.top_k(),
-        };
-        let counted = moe.count(&rows).map_err(gpu_error)?;
-        let route = started.elapsed();
+    /// A dense layer: attention and MLP, into the residual.
+    pub(super) fn dense_layer(&self, layer: usize, micro: &mut DeviceMicro) -> Result<()> {
+        self.model.attention(layer, &mut micro.batch)?;
+        self.model.feed_forward(layer, &mut micro.batch)?;
+        Ok(())
+    }
 
-        let started = Instant::now();
-        let gathered = self.fabric.all_gather(&counted.counts)?;
-        let Solved { plan, load, took } = self.solve(layer, gathered)?;
-        super::check_plans_agree(&*self.fabric, layer, &plan)?;
-        let solve = started.elapsed();
-
-        let run = moe
-            .run_layer(at.ordinal, &plan, &rows, &counted, routed.output())
-            .map_err(|e| EngineError::Gpu(format!("layer {layer}: {e}")))?;
-        gpu.add_routed(step, &routed)?;
-        let recv_bytes = received_bytes(&run.token_recv_bytes, &run.replica_recv_bytes);
-        let phases = PhaseTimes {
-            route,
-            solve,
-            replicate: run.replicate,
-            dispatch: run.dispatch,
-            experts: run.experts,
-            combine: run.combine,
-        };
-        let replica_bytes = run.replica_recv_bytes.iter().sum();
-        let solved = Solved { plan, load, took };
-        Ok(self.layer_report(
-            Finished {
-                layer,
-                solved,
-                bytes: (replica_bytes, recv_bytes),
-                phases,
+    /// An MoE layer's attention, FFN norm, router and shared experts, then the load counted on
+    /// the lane: the layer in flight and every local rank's expert counts.
+    pub(super) fn route_layer(
+        &self,
+        lane: &MoeLane,
+        layer: usize,
+        micro: &mut DeviceMicro,
+    ) -> Result<(DeviceFlight, Vec<Vec<u64>>)> {
+        let ordinal = self.ordinal(layer)?;
+        self.model.attention(layer, &mut micro.batch)?;
+        let rows = self
+            .model
+            .route(layer, &micro.batch, micro.rank_rows.clone())?;
+        let counted = lane.count(&rows).map_err(gpu_error)?;
+        let counts = counted.counts.clone();
+        Ok((
+            DeviceFlight {
+                ordinal,
+                routed: Some((rows, counted)),
+                flight: None,
             },
-            0,
+            counts,
         ))
     }
 
-    /// The report of an MoE layer the device ran whole (one rank, every expert there): its exact
-    /// load and the plan the balancer solves for it, as the data plane would have reported;
-    /// nothing was streamed or dispatched.
-    fn report_routed_on_device(&mut self, layer: usize, routing: &Routing) -> Result<LayerReport> {
-        let counts = routing.expert_counts(self.layout.experts());
-        let gathered = self.fabric.all_gather(&[counts])?;
-        let solved = self.solve(layer, gathered)?;
-        let received = vec![0; self.fabric.local_ranks().len()];
-        Ok(self.layer_report(
-            Finished {
-                layer,
-                solved,
-                bytes: (0, received),
-                phases: PhaseTimes::default(),
-            },
-            0,
-        ))
+    /// Solves `load` for model layer `layer` on the lane's device solver (the replication
+    /// queued behind it), or `None` when the lane has none.
+    pub(super) fn solve(
+        &self,
+        lane: &mut MoeLane,
+        layer: usize,
+        load: &LoadMatrix,
+    ) -> Result<Option<Plan>> {
+        let ordinal = self.ordinal(layer)?;
+        lane.solve(ordinal, load).map_err(|e| layer_error(layer, e))
+    }
+
+    /// Every rank's slots as model layer `layer`'s last stream left them in the lane's
+    /// per-layer set (`None` with shared slots).
+    pub(super) fn resident(&self, lane: &MoeLane, layer: usize) -> Option<Vec<Option<u32>>> {
+        let ordinal = self.ordinal(layer).ok()?;
+        lane.resident(ordinal).map(<[_]>::to_vec)
+    }
+
+    /// Replicas (unless the solve already queued them) and dispatch.
+    pub(super) fn send(
+        &self,
+        (lane, fabric): (&mut MoeLane, &dyn Fabric),
+        (layer, plan, load): (usize, &Plan, &LoadMatrix),
+        flight: &mut DeviceFlight,
+    ) -> Result<()> {
+        let (rows, counted) = flight
+            .routed
+            .take()
+            .ok_or_else(|| EngineError::Config(format!("layer {layer} was sent twice")))?;
+        let exchange = FabricExchange { fabric };
+        let remote = (!self.all_local(fabric)).then_some(&exchange as &dyn HostExchange);
+        let sent = lane
+            .send((flight.ordinal, plan, load), rows, counted, remote)
+            .map_err(|e| layer_error(layer, e))?;
+        flight.flight = Some(sent);
+        Ok(())
+    }
+
+    /// Main and replica experts on the received rows (queued on the lane).
+    pub(super) fn experts(
+        &self,
+        lane: &MoeLane,
+        layer: usize,
+        flight: &mut DeviceFlight,
+    ) -> Result<()> {
+        let in_flight = flight.flight.as_mut().ok_or_else(|| {
+            EngineError::Config(format!("layer {layer}'s experts before its send"))
+        })?;
+        lane.experts(in_flight).map_err(|e| layer_error(layer, e))
+    }
+
+    /// The combine, then the block's output into the residual: what the layer moved, and the
+    /// events that time its phases.
+    pub(super) fn combine(
+        &self,
+        (lane, fabric): (&mut MoeLane, &dyn Fabric),
+        layer: usize,
+        flight: DeviceFlight,
+        micro: &mut DeviceMicro,
+    ) -> Result<((u64, Vec<u64>), LayerTiming)> {
+        let in_flight = flight.flight.ok_or_else(|| {
+            EngineError::Config(format!("layer {layer}'s combine before its send"))
+        })?;
+        let exchange = FabricExchange { fabric };
+        let remote = (!self.all_local(fabric)).then_some(&exchange as &dyn HostExchange);
+        let (run, rows) = lane
+            .combine(in_flight, remote)
+            .map_err(|e| layer_error(layer, e))?;
+        self.model.add_routed(&mut micro.batch, &rows)?;
+        let recv = received_bytes(&run.token_recv_bytes, &run.replica_recv_bytes);
+        Ok(((run.replica_recv_bytes.iter().sum(), recv), run.timing))
+    }
+
+    /// Per local rank: the logits of the rows the micro-batch asked for (`None` without any).
+    pub(super) fn logits(&self, micro: DeviceMicro) -> Result<Vec<Option<Tensor>>> {
+        let vocab = self.model.config().vocab_size;
+        let finished = self.model.finish(micro.batch)?;
+        split_rows(&finished.logits, &micro.rank_logits, vocab)
+    }
+
+    /// A layer's phases from its events (once the step's work has run).
+    pub(super) fn phases(&self, timing: &LayerTiming, phases: PhaseTimes) -> Result<PhaseTimes> {
+        let device = timing.resolve(self.model.executor()).map_err(gpu_error)?;
+        Ok(PhaseTimes {
+            replicate: device.replicate,
+            dispatch: device.dispatch,
+            experts: device.experts,
+            combine: device.combine,
+            ..phases
+        })
     }
 }
 
-/// Where an MoE layer sits: its model layer, its index among the MoE layers, the rows of each
-/// local rank in the device batch.
-struct DeviceLayer<'a> {
-    layer: usize,
-    ordinal: usize,
-    rank_rows: &'a [usize],
-}
-
-fn gpu_error(err: CudaError) -> EngineError {
-    EngineError::Gpu(err.to_string())
+/// A device error of model layer `layer`.
+fn layer_error(layer: usize, err: rackfill_kernels::cuda::CudaError) -> EngineError {
+    EngineError::Gpu(format!("layer {layer}: {err}"))
 }
 
 /// Consecutive `[counts[r], width]` blocks of row-major `values`, as tensors (`None` for none).

@@ -21,7 +21,7 @@ mod world;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
-use rackfill_models::{MoeModel, Tokenizer};
+use rackfill_models::Tokenizer;
 
 pub use watchdog::GroupConfig;
 pub use world::MpiWorld;
@@ -30,13 +30,14 @@ use crate::engine::{new_scheduler, open_recorder, EngineConfig, EngineHandle};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
+use crate::model_weights::ModelWeights;
 use lockstep::{Leader, Lockstep, Stepper};
 use watchdog::Progress;
 use wire::ControlPlane;
 
 /// What a process of the group serves: the same on every process (checked at start).
 pub struct GroupModel {
-    pub model: Arc<MoeModel>,
+    pub model: ModelWeights,
     pub tokenizer: Arc<Tokenizer>,
     pub eos: Vec<u32>,
     pub config: EngineConfig,
@@ -50,35 +51,41 @@ pub struct GroupModel {
 pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle> {
     let joined = join(world, &served)?;
     let recorder = open_recorder(&served.config)?;
-    let model = Arc::clone(&served.model);
     let (tokenizer, eos) = (Arc::clone(&served.tokenizer), served.eos.clone());
-    EngineHandle::start(&model, tokenizer, eos, &served.config, move |thread| {
-        // Moved whole (not field by field): `Joined` is what is Send.
-        let joined = joined;
-        let Joined { stepper, heart } = joined;
-        let leader = Leader::new(
-            thread.commands,
-            thread.queued,
-            Arc::clone(&thread.alive),
-            recorder,
-            stepper.control.size(),
-        );
-        let progress = Arc::clone(&stepper.progress);
-        let watchdog = match watchdog::spawn(heart, progress, Some(thread.alive), served.group) {
-            Ok(watchdog) => watchdog,
-            Err(err) => stepper
-                .control
-                .abort(&format!("cannot start the watchdog thread: {err}"), None),
-        };
-        Lockstep::new(
-            stepper,
-            served.tokenizer,
-            served.eos,
-            Some(leader),
-            watchdog,
-        )
-        .run();
-    })
+    EngineHandle::start(
+        served.model.config(),
+        tokenizer,
+        eos,
+        &served.config,
+        move |thread| {
+            // Moved whole (not field by field): `Joined` is what is Send.
+            let joined = joined;
+            let Joined { stepper, heart } = joined;
+            let leader = Leader::new(
+                thread.commands,
+                thread.queued,
+                Arc::clone(&thread.alive),
+                recorder,
+                stepper.control.size(),
+            );
+            let progress = Arc::clone(&stepper.progress);
+            let watchdog = match watchdog::spawn(heart, progress, Some(thread.alive), served.group)
+            {
+                Ok(watchdog) => watchdog,
+                Err(err) => stepper
+                    .control
+                    .abort(&format!("cannot start the watchdog thread: {err}"), None),
+            };
+            Lockstep::new(
+                stepper,
+                served.tokenizer,
+                served.eos,
+                Some(leader),
+                watchdog,
+            )
+            .run();
+        },
+    )
 }
 
 /// Joins the group as a worker (world rank > 0) and steps with it until the leader stops it.
@@ -122,10 +129,18 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let resolved = kind.as_ref().map_or(u64::MAX, |k| hash(&k.to_string()));
     agree(&control, &fingerprints(served, resolved))?;
     let fabric: Box<dyn Fabric> = fabric::open(kind?, fabric_comm, device)?;
-    let mut runtime = EpRuntime::with_fabric(Arc::clone(&served.model), ep, fabric)?;
-    let kv_tokens = served.config.scheduler.kv_tokens_per_rank;
-    runtime.open_device(served.config.device, Some(device), kv_tokens)?;
-    let scheduler = new_scheduler(runtime.local_ranks().len(), &served.config, &served.model)?;
+    let runtime = EpRuntime::open(
+        &served.model,
+        ep,
+        fabric,
+        (served.config.device, Some(device)),
+        served.config.scheduler.kv_tokens_per_rank,
+    )?;
+    let scheduler = new_scheduler(
+        runtime.local_ranks().len(),
+        &served.config,
+        served.model.config(),
+    )?;
     Ok(Joined {
         stepper: Stepper {
             runtime,
@@ -157,8 +172,11 @@ fn fingerprints(served: &GroupModel, fabric: u64) -> Vec<(&'static str, u64)> {
             )),
         ),
         (
-            "the layout (--redundant-slots, --data-plane)",
-            hash(&format!("{} {:?}", ep.redundant_slots, ep.data_plane)),
+            "the layout and schedule (--redundant-slots, --schedule, --slot-memory, --device)",
+            hash(&format!(
+                "{} {:?} {:?} {}",
+                ep.redundant_slots, ep.schedule, ep.slot_memory, config.device
+            )),
         ),
         ("the fabric it can run (--fabric)", fabric),
         (

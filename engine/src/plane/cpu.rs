@@ -33,8 +33,6 @@ pub(crate) struct CpuPlane {
     shape: Shape,
     /// Per micro-batch.
     slots: Vec<SlotSets>,
-    /// One micro-batch's layers compute their main experts while its replicas stream.
-    pipelined_experts: bool,
 }
 
 /// What every micro-batch's share of the plane has in common.
@@ -58,7 +56,8 @@ pub(crate) struct MicroPlane<'p> {
     slots: &'p mut SlotSets,
 }
 
-/// A layer whose replicas are streamed and whose rows are dispatched, before its experts run.
+/// A layer whose rows are dispatched (and its replicas streamed, unless they stream under its
+/// main experts: [`MicroPlane::compute_streaming`]), before its experts run.
 pub(crate) struct Sent {
     router: InstanceRouter,
     /// `[i][src]`: the rows local rank `i` received from world rank `src`.
@@ -125,7 +124,6 @@ impl CpuPlane {
                     )
                 })
                 .collect(),
-            pipelined_experts: config.pipelined_experts,
             shape: Shape {
                 layout: layout.clone(),
                 local,
@@ -152,11 +150,6 @@ impl CpuPlane {
         )
     }
 
-    /// Micro-batch 0's [`MicroPlane::resident`] (the serial step's).
-    pub(crate) fn resident(&self, layer: usize) -> Option<&[Option<u32>]> {
-        self.slots[0].resident(layer)
-    }
-
     /// Each micro-batch's share, in order.
     pub(crate) fn micro_planes(&mut self) -> Vec<MicroPlane<'_>> {
         self.slots
@@ -167,25 +160,6 @@ impl CpuPlane {
             })
             .collect()
     }
-
-    /// Replication, dispatch, expert compute and combine of one layer (the first micro-batch's
-    /// slots): pipelined, or replicas first (UltraEP's order).
-    pub(crate) fn run_layer(
-        &mut self,
-        fabric: &dyn Fabric,
-        work: &LayerWork<'_>,
-    ) -> Result<PlaneOutput> {
-        let mut micro = MicroPlane {
-            shape: &self.shape,
-            slots: &mut self.slots[0],
-        };
-        if self.pipelined_experts {
-            return micro.run_pipelined(fabric, work);
-        }
-        let sent = micro.send(fabric, work)?;
-        let computed = micro.compute(work, sent)?;
-        micro.combine(fabric, work, computed)
-    }
 }
 
 impl MicroPlane<'_> {
@@ -195,12 +169,22 @@ impl MicroPlane<'_> {
         self.slots.resident(layer)
     }
 
-    /// Streams the layer's replicas into this micro-batch's slots, assigns every local source's
-    /// tokens to instances by cumulative quotas and dispatches them.
-    pub(crate) fn send(&mut self, fabric: &dyn Fabric, work: &LayerWork<'_>) -> Result<Sent> {
+    /// Streams the layer's replicas into this micro-batch's slots (unless `replicas` is false:
+    /// then [`Self::compute_streaming`] streams them under the main experts), assigns every
+    /// local source's tokens to instances by cumulative quotas and dispatches them.
+    pub(crate) fn send(
+        &mut self,
+        fabric: &dyn Fabric,
+        work: &LayerWork<'_>,
+        replicas: bool,
+    ) -> Result<Sent> {
         let mut phases = PhaseTimes::default();
         let started = Instant::now();
-        let replica_recv = self.stream_replicas(fabric, work)?;
+        let replica_recv = if replicas {
+            self.stream_replicas(fabric, work)?
+        } else {
+            Vec::new()
+        };
         phases.replicate = started.elapsed();
 
         let started = Instant::now();
@@ -240,22 +224,23 @@ impl MicroPlane<'_> {
         })
     }
 
-    /// One layer with its experts pipelined behind the dispatch: the tokens are dispatched
-    /// first, then every local rank's main-expert GEMMs run on their own thread while this one
-    /// (the only thread that calls the fabric) streams the replicas; the replica instances'
-    /// GEMMs run once the stream is in. The stream is one fabric call, so a replica waits for
-    /// all of them rather than for its own slot only.
-    pub(crate) fn run_pipelined(
+    /// Pipelined experts: every local rank's main-expert GEMMs run on their own thread while
+    /// this one (the only thread that calls the fabric) streams the replicas of a layer [`Self::send`]
+    /// dispatched without them; the replica instances' GEMMs run once the stream is in. The
+    /// stream is one fabric call, so a replica waits for all of them rather than for its own
+    /// slot only.
+    pub(crate) fn compute_streaming(
         &mut self,
         fabric: &dyn Fabric,
         work: &LayerWork<'_>,
-    ) -> Result<PlaneOutput> {
-        let mut phases = PhaseTimes::default();
-        let started = Instant::now();
-        let router = InstanceRouter::new(work.plan);
-        let (received, received_rows, sent_pairs) = self.dispatch(fabric, work, &router)?;
-        phases.dispatch = started.elapsed();
-
+        sent: Sent,
+    ) -> Result<Computed> {
+        let Sent {
+            router,
+            received,
+            mut exchanged,
+            mut phases,
+        } = sent;
         let mut groups = self.group_received(work, &router, received)?;
         let shape = self.shape;
         let (mains, streamed) = std::thread::scope(|scope| {
@@ -273,24 +258,17 @@ impl MicroPlane<'_> {
             });
             (mains, streamed)
         });
-        let (main_time, replica_recv) = (mains?, streamed?);
+        let main_time = mains?;
+        exchanged.replica_recv = streamed?;
         let replicas = Instant::now();
         compute_groups(shape, Some(self.slots), work, &mut groups)?;
         let replies = return_outputs(groups)?;
         phases.experts = main_time + replicas.elapsed();
-        self.combine(
-            fabric,
-            work,
-            Computed {
-                replies,
-                exchanged: Exchanged {
-                    received_rows,
-                    sent_pairs,
-                    replica_recv,
-                },
-                phases,
-            },
-        )
+        Ok(Computed {
+            replies,
+            exchanged,
+            phases,
+        })
     }
 
     /// Returns every output to its source and sums each token's outputs in top-k order.

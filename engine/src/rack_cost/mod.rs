@@ -5,7 +5,7 @@
 //! - [`rack`]: the hardware ([`Rack`]: GPUs, scale-up fabric, compute and efficiency curves);
 //! - [`moe_layer`]: the per-term cost of one MoE layer on it ([`MoeCost`]);
 //! - [`step_schedule`]: the order a step's phases run in and its makespan ([`Schedule`]), with
-//!   the engine's settings that follow from it ([`SlotMemory`], [`PipelinedExperts`]).
+//!   the engine's setting that follows from it ([`SlotMemory`]).
 
 pub mod moe_layer;
 pub mod rack;
@@ -15,4 +15,4 @@ pub use moe_layer::{
     token_traffic, MoeCost, MoeDims, MoeTerms, ReplicaTraffic, SimulatedMakespan, BYTES_PER_ELEMENT,
 };
 pub use rack::{roofline_curve, Rack, RackError};
-pub use step_schedule::{makespan, LayerPhases, PipelinedExperts, Schedule, SlotMemory};
+pub use step_schedule::{makespan, LayerPhases, Schedule, SlotMemory};

@@ -47,6 +47,11 @@ impl Schedule {
         micro_batches: 1,
         pipelined_experts: false,
     };
+    /// One micro-batch whose main experts compute while its replicas stream.
+    pub const PIPELINED: Self = Self {
+        micro_batches: 1,
+        pipelined_experts: true,
+    };
     /// Two micro-batches overlapping each other, experts not pipelined.
     pub const TWO_BATCH: Self = Self {
         micro_batches: 2,
@@ -59,11 +64,20 @@ impl Schedule {
     };
     /// The ablation, cumulative: UltraEP's schedule, + two-batch overlap, + pipelined experts.
     pub const ABLATION: [Self; 3] = [Self::ULTRAEP, Self::TWO_BATCH, Self::OVERLAPPED];
+    /// Every named schedule.
+    pub const ALL: [Self; 4] = [
+        Self::ULTRAEP,
+        Self::PIPELINED,
+        Self::TWO_BATCH,
+        Self::OVERLAPPED,
+    ];
 
-    /// A short name for reports: `ultraep`, `two-batch`, `overlapped`, or the fields.
+    /// A short name for reports and flags: `ultraep`, `pipelined`, `two-batch`, `overlapped`,
+    /// or the fields.
     pub fn name(&self) -> String {
         match *self {
             Self::ULTRAEP => "ultraep".into(),
+            Self::PIPELINED => "pipelined".into(),
             Self::TWO_BATCH => "two-batch".into(),
             Self::OVERLAPPED => "overlapped".into(),
             Self {
@@ -97,13 +111,15 @@ impl Default for Schedule {
 impl std::str::FromStr for Schedule {
     type Err = String;
 
-    /// `ultraep`, `two-batch` or `overlapped`.
+    /// `ultraep`, `pipelined`, `two-batch` or `overlapped`.
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ABLATION
+        Self::ALL
             .into_iter()
             .find(|schedule| schedule.name() == s)
             .ok_or_else(|| {
-                format!("unknown schedule '{s}' (expected ultraep, two-batch or overlapped)")
+                format!(
+                    "unknown schedule '{s}' (expected ultraep, pipelined, two-batch or overlapped)"
+                )
             })
     }
 }
@@ -141,54 +157,6 @@ impl std::str::FromStr for SlotMemory {
             other => Err(format!(
                 "unknown slot memory '{other}' (expected shared or per-layer)"
             )),
-        }
-    }
-}
-
-/// Whether an engine layer's dispatch and main-expert GEMMs wait for its replicas
-/// (`--pipelined-experts`; the engine's side of [`Schedule::pipelined_experts`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PipelinedExperts {
-    /// On where the data plane moves replica bytes beside the compute (the GPU plane), off on
-    /// the CPU plane, where the cores that compute would also copy the replicas (measured
-    /// slower there; docs/engine.md).
-    #[default]
-    Auto,
-    On,
-    Off,
-}
-
-impl PipelinedExperts {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::On => "on",
-            Self::Off => "off",
-        }
-    }
-
-    /// Whether experts are pipelined on a data plane that copies replicas with its compute
-    /// cores (`compute_copies`: the CPU plane) or beside them.
-    pub fn resolve(self, compute_copies: bool) -> bool {
-        match self {
-            Self::Auto => !compute_copies,
-            Self::On => true,
-            Self::Off => false,
-        }
-    }
-}
-
-impl std::str::FromStr for PipelinedExperts {
-    type Err = String;
-
-    /// `auto`, `on` or `off`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "on" => Ok(Self::On),
-            "off" => Ok(Self::Off),
-            other => Err(format!("invalid value '{other}': expected auto, on or off")),
         }
     }
 }

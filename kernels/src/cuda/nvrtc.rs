@@ -126,8 +126,17 @@ pub const GLUE: KernelSource = KernelSource {
     entry_points: &["copy_rows_f32", "gather_rows_f32"],
 };
 
+/// A checkpoint's tensors converted on the device at load: f32, f16 and bf16 to bf16 or f32,
+/// block-quantized FP8 (e4m3) dequantized by its block scales.
+pub const CONVERT: KernelSource = KernelSource {
+    name: "convert",
+    file: "convert.cu",
+    source: include_str!("../../cuda/convert.cu"),
+    entry_points: &["convert_elements", "dequant_fp8_e4m3"],
+};
+
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 7] = [
+pub const SOURCES: [KernelSource; 8] = [
     QUOTA_SOLVER,
     REPLICATE,
     TILE_PLAN,
@@ -135,6 +144,7 @@ pub const SOURCES: [KernelSource; 7] = [
     MODEL,
     ATTENTION,
     GLUE,
+    CONVERT,
 ];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.

@@ -8,9 +8,8 @@ use candle_core::{Module, Tensor, D};
 use crate::checkpoint::Weights;
 use crate::config::{MlaConfig, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::expert_selection::ExpertSelection;
 use crate::layers::attention::{causal_attention, check_chunks, Attention, SeqChunk};
-use crate::layers::moe::{MoeBlock, MoeNames};
+use crate::layers::moe::MoeNames;
 use crate::layers::rope::{yarn_mscale, Rope};
 use crate::layers::{Linear, MlpNames, RmsNorm};
 
@@ -18,11 +17,11 @@ use super::shared::{dense_mlp, FamilyLoader};
 
 /// Epsilon of the q and kv latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): transformers
 /// (like DeepSeek's own code) builds them with the norm's default, not `rms_norm_eps`.
-const LATENT_NORM_EPS: f64 = 1e-6;
+pub(crate) const LATENT_NORM_EPS: f64 = 1e-6;
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention,
-    moe,
+    moe_names,
     dense: dense_mlp,
 };
 
@@ -67,15 +66,7 @@ fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
             b: Linear::load(&w.pp("q_b_proj"), rank, heads * qk_head, false)?,
         },
     };
-    let mut scale = 1.0 / (qk_head as f64).sqrt();
-    let factor = match config.rope.scaling {
-        RopeScaling::None => None,
-        RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => Some(factor),
-    };
-    if let Some(factor) = factor.filter(|_| dims.mscale_all_dim != 0.0) {
-        let m = yarn_mscale(factor, dims.mscale_all_dim);
-        scale *= m * m;
-    }
+    let scale = softmax_scale(config, &dims);
     Ok(Box::new(MlaAttention {
         query,
         kv_a: Linear::load(
@@ -97,6 +88,22 @@ fn attention(w: &Weights, config: &ModelConfig) -> Result<Box<dyn Attention>> {
         heads,
         scale,
     }))
+}
+
+/// The attention's softmax scale: the unabsorbed head width's, times YaRN's `mscale` squared
+/// for a scaled RoPE (transformers' DeepseekV3 attention).
+pub(crate) fn softmax_scale(config: &ModelConfig, dims: &MlaConfig) -> f64 {
+    let qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+    let mut scale = 1.0 / (qk_head as f64).sqrt();
+    let factor = match config.rope.scaling {
+        RopeScaling::None => None,
+        RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } => Some(factor),
+    };
+    if let Some(factor) = factor.filter(|_| dims.mscale_all_dim != 0.0) {
+        let m = yarn_mscale(factor, dims.mscale_all_dim);
+        scale *= m * m;
+    }
+    scale
 }
 
 impl MlaAttention {
@@ -156,11 +163,11 @@ impl Attention for MlaAttention {
 }
 
 /// `mlp.gate` (with `e_score_correction_bias`), `mlp.experts.*`, `mlp.shared_experts`.
-fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
+fn moe_names<'a>(w: &Weights<'a>) -> (Weights<'a>, MoeNames) {
     let names = MoeNames {
         experts: MlpNames::HF,
         shared: "shared_experts",
         shared_gate: "shared_experts_gate",
     };
-    MoeBlock::load(&w.pp("mlp"), config, names, selection)
+    (w.pp("mlp"), names)
 }

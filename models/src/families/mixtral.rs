@@ -5,30 +5,31 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::expert_selection::ExpertSelection;
-use crate::layers::experts::load_experts;
-use crate::layers::moe::MoeBlock;
-use crate::layers::router::Router;
+use crate::layers::moe::MoeNames;
 use crate::layers::{Mlp, MlpNames};
 
 use super::shared::{gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention: gqa_attention,
-    moe,
+    moe_names,
     dense,
 };
 
-/// The MoE block under whichever prefix the checkpoint uses.
-fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
+/// The MoE block under whichever prefix the checkpoint uses, its experts' `w1` / `w3` / `w2`
+/// (no shared expert: the config has none).
+fn moe_names<'a>(w: &Weights<'a>) -> (Weights<'a>, MoeNames) {
     let block = if w.contains("block_sparse_moe.gate.weight") {
         w.pp("block_sparse_moe")
     } else {
         w.pp("mlp")
     };
-    let router = Router::load(&block.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&block.pp("experts"), config, MlpNames::MIXTRAL, selection)?;
-    Ok(MoeBlock::new(router, experts, None))
+    let names = MoeNames {
+        experts: MlpNames::MIXTRAL,
+        shared: "shared_expert",
+        shared_gate: "shared_expert_gate",
+    };
+    (block, names)
 }
 
 /// Mixtral has no dense layers; the config marks every layer sparse, so this never runs.

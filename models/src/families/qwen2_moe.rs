@@ -2,26 +2,23 @@
 //! expert whose output is scaled by `sigmoid(shared_expert_gate(x))`.
 
 use crate::checkpoint::Weights;
-use crate::config::ModelConfig;
-use crate::error::Result;
-use crate::expert_selection::ExpertSelection;
-use crate::layers::moe::{MoeBlock, MoeNames};
+use crate::layers::moe::MoeNames;
 use crate::layers::MlpNames;
 
 use super::shared::{dense_mlp, gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention: gqa_attention,
-    moe,
+    moe_names,
     dense: dense_mlp,
 };
 
 /// `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`.
-fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
+fn moe_names<'a>(w: &Weights<'a>) -> (Weights<'a>, MoeNames) {
     let names = MoeNames {
         experts: MlpNames::HF,
         shared: "shared_expert",
         shared_gate: "shared_expert_gate",
     };
-    MoeBlock::load(&w.pp("mlp"), config, names, selection)
+    (w.pp("mlp"), names)
 }

@@ -3,26 +3,23 @@
 //! `decoder_sparse_step`, no shared expert.
 
 use crate::checkpoint::Weights;
-use crate::config::ModelConfig;
-use crate::error::Result;
-use crate::expert_selection::ExpertSelection;
-use crate::layers::experts::load_experts;
-use crate::layers::moe::MoeBlock;
-use crate::layers::router::Router;
+use crate::layers::moe::MoeNames;
 use crate::layers::MlpNames;
 
 use super::shared::{dense_mlp, gqa_attention, FamilyLoader};
 
 pub(crate) const LOADER: FamilyLoader = FamilyLoader {
     attention: gqa_attention,
-    moe,
+    moe_names,
     dense: dense_mlp,
 };
 
-/// `mlp.gate` and the selected `mlp.experts.*`.
-fn moe(w: &Weights, config: &ModelConfig, selection: &ExpertSelection) -> Result<MoeBlock> {
-    let w = w.pp("mlp");
-    let router = Router::load(&w.pp("gate"), config.hidden_size, &config.moe)?;
-    let experts = load_experts(&w.pp("experts"), config, MlpNames::HF, selection)?;
-    Ok(MoeBlock::new(router, experts, None))
+/// `mlp.gate` and `mlp.experts.*` (no shared expert: the config has none).
+fn moe_names<'a>(w: &Weights<'a>) -> (Weights<'a>, MoeNames) {
+    let names = MoeNames {
+        experts: MlpNames::HF,
+        shared: "shared_expert",
+        shared_gate: "shared_expert_gate",
+    };
+    (w.pp("mlp"), names)
 }

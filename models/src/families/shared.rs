@@ -5,15 +5,17 @@
 use crate::checkpoint::Weights;
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::expert_selection::ExpertSelection;
 use crate::layers::attention::{Attention, GqaAttention};
-use crate::layers::moe::MoeBlock;
+use crate::layers::moe::MoeNames;
 use crate::layers::{Mlp, MlpNames};
 
 /// The per-family constructors of a layer's parts; each family file provides one.
 pub(crate) struct FamilyLoader {
     pub attention: fn(&Weights, &ModelConfig) -> Result<Box<dyn Attention>>,
-    pub moe: fn(&Weights, &ModelConfig, &ExpertSelection) -> Result<MoeBlock>,
+    /// Where a layer's MoE block is (below the layer's weights) and what its parts are called:
+    /// what both the CPU loader ([`crate::layers::moe::MoeBlock::load`]) and the GPU loader
+    /// read.
+    pub moe_names: for<'a> fn(&Weights<'a>) -> (Weights<'a>, MoeNames),
     pub dense: fn(&Weights, &ModelConfig) -> Result<Mlp>,
 }
 

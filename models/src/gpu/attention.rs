@@ -206,8 +206,10 @@ pub(super) fn mla(
     let q_nope = exec.alloc_zeroed(rows * heads * nope * 2)?;
     ops.f32_to_bf16(&q, 0, qk, rows * heads, nope, &q_nope, nope)?;
     let q_latent = exec.alloc_zeroed(rows * heads * latent_row * 4)?;
+    // kv_b is stored [heads * (nope + v), lora] (out x in): head h's rows are its key part
+    // (nope rows) then its value part (v rows), each a row of the latent's width.
     let kv_b = &a.kv_b.weight;
-    let per_head = nope + vd;
+    let head_stride = (nope + vd) * lora;
     ops.gemm(&Gemm {
         m: rows,
         n: lora,
@@ -219,15 +221,14 @@ pub(super) fn mla(
             ld: heads * nope,
             batch_stride: nope,
         },
-        // kv_b is stored [lora, heads * (nope + v)]: head h's key part, read as `lora x nope`
-        // rows of stride heads * (nope + v), is the `n x k` matrix of the product.
+        // Head h's key part, `nope x lora`, is the `k x n` matrix of the product.
         b: MatrixRef {
             ptr: kv_b.buffer.ptr(),
             dtype: DType::Bf16,
-            ld: kv_b.cols,
-            batch_stride: per_head,
+            ld: lora,
+            batch_stride: head_stride,
         },
-        b_layout: WeightLayout::OutByIn,
+        b_layout: WeightLayout::InByOut,
         c: MatrixRef {
             ptr: q_latent.ptr(),
             dtype: DType::F32,
@@ -247,7 +248,7 @@ pub(super) fn mla(
         a.scale,
         &out_latent,
     )?;
-    // Values: head h's value part of kv_b, `lora x v` rows of stride heads * (nope + v).
+    // Values: head h's value part of kv_b, `v x lora`, is the `n x k` matrix of the product.
     let out = exec.alloc_zeroed(rows * heads * vd * 4)?;
     ops.gemm(&Gemm {
         m: rows,
@@ -261,12 +262,12 @@ pub(super) fn mla(
             batch_stride: lora,
         },
         b: MatrixRef {
-            ptr: kv_b.buffer.at(nope * 2),
+            ptr: kv_b.buffer.at(nope * lora * 2),
             dtype: DType::Bf16,
-            ld: kv_b.cols,
-            batch_stride: per_head,
+            ld: lora,
+            batch_stride: head_stride,
         },
-        b_layout: WeightLayout::InByOut,
+        b_layout: WeightLayout::OutByIn,
         c: MatrixRef {
             ptr: out.ptr(),
             dtype: DType::F32,

@@ -5,12 +5,13 @@
 //! norm and LM head on the rows that need logits only).
 
 use rackfill_kernels::cuda::exec::{
-    DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, WeightLayout,
+    DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, Stream, WeightLayout,
 };
+use rackfill_kernels::cuda::moe::RoutedRows;
 
 use rackfill_kernels::kv_blocks::{BlockTable, StepArrays};
 
-use super::attention::{gqa, linear, mla, Step};
+use super::attention::{gqa, mla, Step};
 use super::ops::{AttentionStep, Ops};
 use super::weights::{GpuAttention, GpuFfn, GpuLayer, GpuMlp, GpuMoe};
 use std::sync::Arc;
@@ -32,8 +33,9 @@ pub struct GpuBatch {
     routing: Vec<Routing>,
 }
 
-/// One MoE layer's routed rows on the device ([`GpuModel::route`]).
-pub struct GpuRouted {
+/// One MoE layer's routed rows on the device: the router's input and choices and the block's
+/// output so far (the shared experts').
+struct GpuRouted {
     /// f32 `[rows, H]`, the routers' input.
     normed: DeviceBuffer,
     /// bf16 `[rows, H]`, what the experts multiply.
@@ -45,32 +47,6 @@ pub struct GpuRouted {
     /// f32 `[rows, H]`: the shared experts' output (zeros without), the routed sum goes on top.
     output: DeviceBuffer,
     top_k: usize,
-}
-
-impl GpuRouted {
-    /// bf16 `[rows, H]`: the normalised input the experts multiply.
-    pub fn rows_bf16(&self) -> &DeviceBuffer {
-        &self.normed_bf16
-    }
-
-    /// u32 `[rows, k]`: each row's experts.
-    pub fn experts(&self) -> &DeviceBuffer {
-        &self.experts
-    }
-
-    /// f32 `[rows, k]`: each choice's router weight.
-    pub fn weights(&self) -> &DeviceBuffer {
-        &self.weights
-    }
-
-    /// f32 `[rows, H]`: where the routed experts' weighted sum is added.
-    pub fn output(&self) -> &DeviceBuffer {
-        &self.output
-    }
-
-    pub fn top_k(&self) -> usize {
-        self.top_k
-    }
 }
 
 impl GpuBatch {
@@ -135,7 +111,8 @@ impl GpuModel {
         let h = self.config.hidden_size;
         let x = exec.alloc_zeroed(rows * h * 4)?;
         if rows > 0 {
-            ops.embed(&self.weights.embed, &exec.upload_u32(&ids)?, rows, h, &x)?;
+            let ids = exec.upload_u32(&ids)?;
+            ops.embed(&self.weights.embed.buffer, &ids, rows, h, &x)?;
         }
         Ok(GpuBatch {
             step,
@@ -165,8 +142,8 @@ impl GpuModel {
     }
 
     /// Layer `layer`'s feed-forward half on the device: `x += ffn(norm(x))` (a dense MLP, or
-    /// the MoE block with every routed expert here, which [`GpuModel::upload`] must have been
-    /// asked for).
+    /// the MoE block with every routed expert here, which [`GpuModel::load`] must have been
+    /// asked for: [`super::ExpertPlacement::Here`]).
     pub fn feed_forward(&self, layer: usize, batch: &mut GpuBatch) -> Result<()> {
         let ops = Ops {
             exec: self.exec.as_ref(),
@@ -185,26 +162,16 @@ impl GpuModel {
         )
     }
 
-    /// Layer `layer`'s normalised feed-forward input `[rows, H]` in host memory: what an EP data
-    /// plane routes and dispatches (the MoE layers of a model uploaded without its experts).
-    pub fn ffn_input(&self, layer: usize, batch: &GpuBatch) -> Result<Vec<f32>> {
-        let ops = Ops {
-            exec: self.exec.as_ref(),
-        };
-        let (rows, h) = (batch.rows(), self.config.hidden_size);
-        let normed = ops.exec.alloc_zeroed(rows * h * 4)?;
-        if rows > 0 {
-            ops.copy_rows(&batch.x, 0, h, rows, h, &normed, 0, h)?;
-            let norm = &self.weights.layers[layer].post_norm;
-            ops.rms_norm_inplace(&normed, 0, h, &norm.weight, norm.eps, rows, h)?;
-        }
-        Ok(ops.exec.download_f32(&normed)?)
-    }
-
-    /// Layer `layer`'s MoE block up to its routed experts, on the device: the normalised input,
-    /// the router's choices and the shared experts' output, all left where they are for an EP
-    /// data plane on the same device to dispatch from ([`GpuModel::add_routed`] finishes it).
-    pub fn route(&self, layer: usize, batch: &GpuBatch) -> Result<GpuRouted> {
+    /// Layer `layer`'s MoE block up to its routed experts, on the device: the normalised input
+    /// (bf16), the router's choices and weights and the shared experts' output, left where they
+    /// are for the EP data plane to dispatch from, `rank_rows` rows of each local rank in batch
+    /// order ([`GpuModel::add_routed`] finishes the block).
+    pub fn route(
+        &self,
+        layer: usize,
+        batch: &GpuBatch,
+        rank_rows: Vec<usize>,
+    ) -> Result<RoutedRows> {
         let ops = Ops {
             exec: self.exec.as_ref(),
         };
@@ -215,36 +182,45 @@ impl GpuModel {
             )));
         };
         let (rows, h) = (batch.rows(), self.config.hidden_size);
-        route(ops, weights, moe, rows, h, &batch.x)
-    }
-
-    /// `x += routed.output`: the MoE block's output (shared experts, plus the routed experts'
-    /// weighted sum the data plane added into it) into the residual stream.
-    pub fn add_routed(&self, batch: &mut GpuBatch, routed: &GpuRouted) -> Result<()> {
-        let n = batch.rows() * self.config.hidden_size;
-        if n > 0 {
-            let ops = Ops {
-                exec: self.exec.as_ref(),
-            };
-            ops.add(&batch.x, &routed.output, n)?;
-        }
-        Ok(())
-    }
-
-    /// `x += out` for a feed-forward output `[rows, H]` computed elsewhere (the EP data plane).
-    pub fn add_to_residual(&self, batch: &mut GpuBatch, out: &[f32]) -> Result<()> {
-        let n = batch.rows() * self.config.hidden_size;
-        if out.len() != n {
+        if rank_rows.iter().sum::<usize>() != rows {
             return Err(ModelError::Input(format!(
-                "{} values for a {n}-value residual",
-                out.len()
+                "rows {rank_rows:?} of the local ranks do not add up to the batch's {rows}"
             )));
         }
+        if rows == 0 {
+            // Nothing to route, but the layer's collectives still run with no rows.
+            let exec = ops.exec;
+            return Ok(RoutedRows {
+                x: exec.alloc_zeroed(0)?,
+                experts: exec.alloc_zeroed(0)?,
+                weights: exec.alloc_zeroed(0)?,
+                output: exec.alloc_zeroed(0)?,
+                rank_rows,
+                top_k: moe.top_k,
+                stream: Stream::MAIN,
+            });
+        }
+        let routed = route(ops, weights, moe, rows, h, &batch.x)?;
+        Ok(RoutedRows {
+            x: routed.normed_bf16,
+            experts: routed.experts,
+            weights: routed.weights,
+            output: routed.output,
+            rank_rows,
+            top_k: routed.top_k,
+            stream: Stream::MAIN,
+        })
+    }
+
+    /// `x += rows.output`: the MoE block's output (shared experts, plus the routed experts'
+    /// weighted sum the data plane added into it) into the residual stream.
+    pub fn add_routed(&self, batch: &mut GpuBatch, rows: &RoutedRows) -> Result<()> {
+        let n = batch.rows() * self.config.hidden_size;
         if n > 0 {
             let ops = Ops {
                 exec: self.exec.as_ref(),
             };
-            ops.add(&batch.x, &ops.exec.upload_f32(out)?, n)?;
+            ops.add(&batch.x, &rows.output, n)?;
         }
         Ok(())
     }
@@ -276,7 +252,8 @@ impl GpuModel {
         let norm = &self.weights.norm;
         ops.rms_norm_to_bf16(&picked, h, &norm.weight, norm.eps, n, h, &picked_bf16, h)?;
         let logits = exec.alloc_zeroed(n * vocab * 4)?;
-        linear(ops, &picked_bf16, n, &self.weights.lm_head, &logits, 0.0)?;
+        let head = self.weights.lm_head();
+        ops.linear((&picked_bf16, DType::Bf16), n, head, &logits, 0.0)?;
         Ok(GpuStep {
             logits: exec.download_f32(&logits)?,
             routing: batch.routing,
@@ -347,7 +324,7 @@ fn route(
             ops.scale_by_sigmoid(&output, &logit, rows, h)?;
         }
     }
-    let (experts, k) = (moe.router.cols, moe.top_k);
+    let (experts, k) = (moe.router.out_dim, moe.top_k);
     let logits = exec.alloc_zeroed(rows * experts * 4)?;
     ops.linear((&normed, DType::F32), rows, &moe.router, &logits, 0.0)?;
     let ids = exec.alloc_zeroed(rows * k * 4)?;
@@ -414,7 +391,7 @@ fn routed_experts(
     routing: &mut Vec<Routing>,
 ) -> Result<()> {
     let exec = ops.exec;
-    let (experts, k) = (moe.router.cols, moe.top_k);
+    let (experts, k) = (moe.router.out_dim, moe.top_k);
     if moe.experts.len() != experts {
         return Err(ModelError::Input(
             "this GPU model was uploaded without its routed experts (they run on an EP data plane)"
@@ -491,8 +468,8 @@ fn routed_experts(
     Ok(())
 }
 
-/// The GEMM of rows `start..start + n` of `a` (`[*, k]`) by weight `w` into the same rows of
-/// `c` (f32 `[*, w.cols]`).
+/// The GEMM of rows `start..start + n` of `a` (`[*, k]`) by weight `w` (`[out, k]`) into the
+/// same rows of `c` (f32 `[*, out]`).
 fn rows_gemm(
     a: &DeviceBuffer,
     start: usize,
@@ -510,13 +487,13 @@ fn rows_gemm(
     };
     Gemm {
         m: n,
-        n: w.cols,
+        n: w.out_dim,
         k,
         batch: 1,
         a: dense(a.at(start * k * dtype.size()), dtype, k),
-        b: dense(w.buffer.ptr(), w.dtype, w.cols),
-        b_layout: WeightLayout::InByOut,
-        c: dense(c.at(start * w.cols * 4), DType::F32, w.cols),
+        b: dense(w.buffer.ptr(), w.dtype, w.in_dim),
+        b_layout: WeightLayout::OutByIn,
+        c: dense(c.at(start * w.out_dim * 4), DType::F32, w.out_dim),
         alpha: 1.0,
         beta: 0.0,
     }

@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::kv_cache::DeviceCache;
 use crate::layers::router::Routing;
-use crate::model::{LogitsFor, MoeModel};
+use crate::model::LogitsFor;
 
 /// Tokens per KV cache block.
 pub const BLOCK_TOKENS: usize = crate::layers::kv_cache::KV_BLOCK_TOKENS;
@@ -89,17 +89,15 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
-    /// Uploads `model` to `exec` with a KV cache of `kv_tokens` tokens (rounded up to whole
-    /// blocks) in every layer; its routed experts too when `experts` is [`Experts::Here`]
-    /// (then `model` must hold all of them).
-    pub fn upload(
+    /// The model of `weights` (uploaded by [`GpuModel::load`]) with a KV cache of `kv_tokens`
+    /// tokens (rounded up to whole blocks) in every layer.
+    pub(super) fn new(
         exec: Arc<dyn Executor>,
-        model: &MoeModel,
+        config: ModelConfig,
+        weights: GpuWeights,
         kv_tokens: usize,
         experts: Experts,
     ) -> Result<Self> {
-        check_kernel_limits(model)?;
-        let weights = GpuWeights::upload(exec.as_ref(), model, experts)?;
         let blocks = kv_tokens.div_ceil(BLOCK_TOKENS).max(1);
         let too_many = || ModelError::Input(format!("a KV cache of {kv_tokens} tokens"));
         let caches = weights
@@ -126,11 +124,16 @@ impl GpuModel {
         Ok(Self {
             experts,
             exec,
-            config: model.config().clone(),
+            config,
             weights,
             caches,
             pool: Arc::new(Mutex::new(pool)),
         })
+    }
+
+    /// The executor the model runs on.
+    pub fn executor(&self) -> &dyn Executor {
+        self.exec.as_ref()
     }
 
     /// The normalised architecture.
@@ -179,11 +182,10 @@ impl GpuModel {
 
 /// The kernels' own limits (`kernels/cuda/model.cu`, `attention.cu`): a model beyond them is
 /// refused before anything is uploaded, with what exceeds which limit.
-fn check_kernel_limits(model: &MoeModel) -> Result<()> {
+pub(super) fn check_kernel_limits(c: &ModelConfig) -> Result<()> {
     const ROUTER_MAX_EXPERTS: usize = 1024;
     const ROUTER_MAX_K: usize = 32;
     const ROPE_MAX_DIM: usize = 512;
-    let c = model.config();
     let beyond = |what: String| Err(ModelError::Input(format!("the GPU path: {what}")));
     if c.moe.num_experts > ROUTER_MAX_EXPERTS || c.moe.top_k > ROUTER_MAX_K {
         return beyond(format!(

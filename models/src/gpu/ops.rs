@@ -476,8 +476,8 @@ impl Ops<'_> {
         )
     }
 
-    /// `c = x · W (+ beta c)` for a linear layer: `x` `[m, k]` of `x_dtype`, `w` the layer's
-    /// weight `[k, n]` (input by output) of the same dtype, `c` f32 `[m, n]`.
+    /// `c = x · Wᵀ (+ beta c)` for a linear layer: `x` `[m, in]` of `x_dtype`, `w` the layer's
+    /// weight `[out, in]` (as checkpoints store it) of the same dtype, `c` f32 `[m, out]`.
     pub fn linear(
         &self,
         x: (&DeviceBuffer, DType),
@@ -494,17 +494,67 @@ impl Ops<'_> {
         };
         let gemm = Gemm {
             m,
-            n: w.cols,
-            k: w.rows,
+            n: w.out_dim,
+            k: w.in_dim,
             batch: 1,
-            a: dense(x.0.ptr(), x.1, w.rows),
-            b: dense(w.buffer.ptr(), w.dtype, w.cols),
-            b_layout: WeightLayout::InByOut,
-            c: dense(c.ptr(), DType::F32, w.cols),
+            a: dense(x.0.ptr(), x.1, w.in_dim),
+            b: dense(w.buffer.ptr(), w.dtype, w.in_dim),
+            b_layout: WeightLayout::OutByIn,
+            c: dense(c.ptr(), DType::F32, w.out_dim),
             alpha: 1.0,
             beta,
         };
         self.gemm(&gemm)
+    }
+
+    /// `n` elements at `src` of `from` converted into `to` at `dst` (each rounded once, to
+    /// nearest even): a checkpoint's f32, f16 or bf16 tensor into the model's bf16 or f32.
+    pub fn convert(&self, src: u64, from: ConvertFrom, n: usize, dst: u64, to: DType) -> R {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(
+            "convert_elements",
+            elementwise(n),
+            &[
+                A::Ptr(src),
+                A::U32(from as u32),
+                A::U64(n as u64),
+                A::Ptr(dst),
+                A::U32(dtype_code(to)),
+            ],
+        )
+    }
+
+    /// A block-quantized FP8 (e4m3) `[rows, cols]` matrix at `src` dequantized into `to` at
+    /// `dst`: each value times its `block`'s f32 scale (`scales` `[ceil(rows / block[0]),
+    /// ceil(cols / block[1])]`).
+    pub fn dequant_fp8(
+        &self,
+        src: u64,
+        scales: u64,
+        (rows, cols): (usize, usize),
+        block: [usize; 2],
+        dst: u64,
+        to: DType,
+    ) -> R {
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        self.launch(
+            "dequant_fp8_e4m3",
+            elementwise(rows * cols),
+            &[
+                A::Ptr(src),
+                A::Ptr(scales),
+                A::U32(n32(rows)),
+                A::U32(n32(cols)),
+                A::U32(n32(block[0])),
+                A::U32(n32(block[1])),
+                A::Ptr(dst),
+                A::U32(dtype_code(to)),
+            ],
+        )
     }
 
     /// Any GEMM whose operands the caller sized (see [`Gemm`]).
@@ -517,12 +567,36 @@ impl Ops<'_> {
     }
 }
 
-/// A weight matrix in device memory, stored `[rows = in, cols = out]` row-major.
+/// Element types `convert_elements` reads (`convert.cu`'s codes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConvertFrom {
+    F32 = 0,
+    Bf16 = 1,
+    F16 = 2,
+}
+
+fn dtype_code(dtype: DType) -> u32 {
+    match dtype {
+        DType::F32 => ConvertFrom::F32 as u32,
+        DType::Bf16 => ConvertFrom::Bf16 as u32,
+    }
+}
+
+/// A grid-stride launch over `n` elements: 256 threads a block, up to 16 elements a thread
+/// before more blocks are added (at most 65,535).
+fn elementwise(n: usize) -> Launch {
+    const THREADS: usize = 256;
+    let blocks = n.div_ceil(THREADS * 16).clamp(1, 65_535);
+    Launch::blocks(blocks as u32, THREADS as u32)
+}
+
+/// A weight matrix in device memory, stored `[out_dim, in_dim]` row-major, as checkpoints store
+/// a linear layer (the GEMMs read it as [`WeightLayout::OutByIn`]).
 pub(crate) struct DeviceWeight {
     pub buffer: DeviceBuffer,
     pub dtype: DType,
-    pub rows: usize,
-    pub cols: usize,
+    pub out_dim: usize,
+    pub in_dim: usize,
 }
 
 /// The rotary frequencies of one attention, on the device.

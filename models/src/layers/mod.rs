@@ -38,18 +38,6 @@ impl Linear {
         })
     }
 
-    /// The weight, transposed: `[in, out]`.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn weight_t(&self) -> &Tensor {
-        &self.weight_t
-    }
-
-    /// The bias `[out]`, if any.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
     /// From an existing `[out, in]` weight (tied embeddings).
     pub fn from_weight(weight: &Tensor) -> Result<Self> {
         Ok(Self {
@@ -83,14 +71,6 @@ impl RmsNorm {
             weight: w.get(&[dim], "weight")?,
             eps: eps as f32,
         })
-    }
-}
-
-impl RmsNorm {
-    /// The learned scale `[dim]` and epsilon.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn parts(&self) -> (&Tensor, f32) {
-        (&self.weight, self.eps)
     }
 }
 

@@ -3,7 +3,7 @@
 //! process. Device memory is host memory (shared anonymous mappings, so that the processes of a
 //! concurrent grid see it), a launch runs its blocks one after another (one std::thread per CUDA
 //! thread), or all at once as forked processes ([`EmulatorSettings::concurrent_blocks`]), and a
-//! GEMM is a plain f32-accumulating loop standing in for cuBLAS. Every call runs to completion
+//! GEMM is a plain f32-accumulating loop (in the library too) standing in for cuBLAS. Every call runs to completion
 //! before it returns, so streams are names and events timestamps.
 //!
 //! What it shows: the kernels' arithmetic, indexing and block-level synchronisation, run from the
@@ -91,10 +91,49 @@ type LaunchFn = unsafe extern "C" fn(
     *mut LaunchStats,
 ) -> c_int;
 
+/// A GEMM operand as `emu_gemm` reads it (`EmuMatrix` in `launch.cpp`).
+#[repr(C)]
+struct EmuMatrix {
+    ptr: u64,
+    ld: u64,
+    batch_stride: u64,
+    dtype: u32,
+    reserved: u32,
+}
+
+impl EmuMatrix {
+    fn of(m: &super::executor::MatrixRef) -> Self {
+        Self {
+            ptr: m.ptr,
+            ld: m.ld as u64,
+            batch_stride: m.batch_stride as u64,
+            dtype: match m.dtype {
+                DType::F32 => 0,
+                DType::Bf16 => 1,
+            },
+            reserved: 0,
+        }
+    }
+}
+
+type GemmFn = unsafe extern "C" fn(
+    c_ulonglong,
+    c_ulonglong,
+    c_ulonglong,
+    c_ulonglong,
+    *const EmuMatrix,
+    *const EmuMatrix,
+    c_uint,
+    *const EmuMatrix,
+    f32,
+    f32,
+);
+
 /// The library every [`Emulator`] of a process shares.
 struct Library {
     _library: libloading::Library,
     launch: LaunchFn,
+    gemm: GemmFn,
     /// The emulation keeps a launch's state in globals of the library: one launch at a time.
     running: Mutex<()>,
     path: PathBuf,
@@ -107,6 +146,7 @@ pub struct Emulator {
     streams: AtomicUsize,
     backoffs: AtomicU64,
     max_warp_ops: AtomicU64,
+    bytes_written: AtomicU64,
 }
 
 impl Emulator {
@@ -139,12 +179,20 @@ impl Emulator {
             streams: AtomicUsize::new(1),
             backoffs: AtomicU64::new(0),
             max_warp_ops: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
         }
     }
 
     /// Wait-loop back-offs (`__nanosleep`) of this emulator's launches so far, over every block.
     pub fn backoffs(&self) -> u64 {
         self.backoffs.load(Ordering::Relaxed)
+    }
+
+    /// Bytes copied from the host into this emulator's memory so far ([`Executor::write_on`] and
+    /// the uploads built on it; device-to-device copies and zeroing are not counted): what a
+    /// loader uploads.
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes_written.load(Ordering::Relaxed)
     }
 
     /// The most warp-synchronous operations (shuffles, reductions, warp barriers) one thread ran
@@ -210,9 +258,14 @@ impl Emulator {
         let launch = unsafe { library.get::<LaunchFn>(b"emu_launch\0") }
             .map(|f| *f)
             .map_err(|e| EmulatorUnavailable::Io(e.to_string()))?;
+        // SAFETY: launch.cpp defines emu_gemm with exactly GemmFn's C signature.
+        let gemm = unsafe { library.get::<GemmFn>(b"emu_gemm\0") }
+            .map(|f| *f)
+            .map_err(|e| EmulatorUnavailable::Io(e.to_string()))?;
         let library = Library {
             _library: library,
             launch,
+            gemm,
             running: Mutex::new(()),
             path: lib,
         };
@@ -222,6 +275,7 @@ impl Emulator {
             streams: AtomicUsize::new(1),
             backoffs: AtomicU64::new(0),
             max_warp_ops: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
         })
     }
 }
@@ -311,6 +365,8 @@ impl Executor for Emulator {
         unsafe {
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.at(offset) as *mut u8, bytes.len());
         }
+        self.bytes_written
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -430,9 +486,32 @@ impl Executor for Emulator {
     unsafe fn gemm_on(&self, stream: Stream, gemm: &Gemm) -> Result<(), CudaError> {
         self.check_stream(stream)?;
         gemm.check()?;
+        let (a, b, c) = (
+            EmuMatrix::of(&gemm.a),
+            EmuMatrix::of(&gemm.b),
+            EmuMatrix::of(&gemm.c),
+        );
+        let layout = match gemm.b_layout {
+            WeightLayout::OutByIn => 0,
+            WeightLayout::InByOut => 1,
+        };
         // SAFETY: the caller vouches that every operand addresses host memory of this emulator
-        // holding the described matrices (this function's contract).
-        unsafe { reference_gemm(gemm) };
+        // holding the described matrices (this function's contract); the operand descriptions
+        // live across the call. The GEMM touches no global of the library, so it needs no lock.
+        unsafe {
+            (self.library.gemm)(
+                gemm.m as u64,
+                gemm.n as u64,
+                gemm.k as u64,
+                gemm.batch as u64,
+                &a,
+                &b,
+                layout,
+                &c,
+                gemm.alpha,
+                gemm.beta,
+            )
+        };
         Ok(())
     }
 
@@ -463,61 +542,5 @@ impl Executor for Emulator {
 
     fn synchronize(&self) -> Result<(), CudaError> {
         Ok(()) // every launch and GEMM has finished when its call returns
-    }
-}
-
-/// Reads element `i` of a matrix operand.
-///
-/// # Safety
-/// `ptr` + `i` elements must be readable memory of `dtype`.
-unsafe fn load(ptr: u64, dtype: DType, i: usize) -> f32 {
-    // SAFETY: the caller's contract.
-    unsafe {
-        match dtype {
-            DType::F32 => *(ptr as *const f32).add(i),
-            DType::Bf16 => super::bf16_to_f32(*(ptr as *const u16).add(i)),
-        }
-    }
-}
-
-/// What cuBLAS computes for `g`, in f32, on host memory.
-///
-/// # Safety
-/// As [`Executor::gemm`].
-unsafe fn reference_gemm(g: &Gemm) {
-    for batch in 0..g.batch {
-        let (a, b, c) = (
-            g.a.ptr + (batch * g.a.batch_stride * g.a.dtype.size()) as u64,
-            g.b.ptr + (batch * g.b.batch_stride * g.b.dtype.size()) as u64,
-            g.c.ptr + (batch * g.c.batch_stride * g.c.dtype.size()) as u64,
-        );
-        for row in 0..g.m {
-            for col in 0..g.n {
-                let mut acc = 0f32;
-                for i in 0..g.k {
-                    let b_at = match g.b_layout {
-                        WeightLayout::OutByIn => col * g.b.ld + i,
-                        WeightLayout::InByOut => i * g.b.ld + col,
-                    };
-                    // SAFETY: the caller's contract covers every element the sizes describe.
-                    acc +=
-                        unsafe { load(a, g.a.dtype, row * g.a.ld + i) * load(b, g.b.dtype, b_at) };
-                }
-                let at = row * g.c.ld + col;
-                // SAFETY: as above.
-                unsafe {
-                    let old = if g.beta == 0.0 {
-                        0.0
-                    } else {
-                        load(c, g.c.dtype, at)
-                    };
-                    let value = g.alpha * acc + g.beta * old;
-                    match g.c.dtype {
-                        DType::F32 => *(c as *mut f32).add(at) = value,
-                        DType::Bf16 => *(c as *mut u16).add(at) = super::f32_to_bf16(value),
-                    }
-                }
-            }
-        }
     }
 }

@@ -125,7 +125,7 @@ pub(super) enum Streamed {
     /// Tasks built by the lane's device tile planner.
     Planner,
     /// Tasks compiled on the host and uploaded (kept alive until the stream has run).
-    Uploaded(DeviceTileStream),
+    Uploaded(Box<DeviceTileStream>),
     /// Host buffers and the process group's transport: landed before the replication returned.
     Host,
 }

@@ -291,7 +291,7 @@ impl MoeLane {
                 Some(&self.landed),
             )?;
         }
-        Ok(Streamed::Uploaded(uploaded))
+        Ok(Streamed::Uploaded(Box::new(uploaded)))
     }
 
     /// Moves `schedule`'s bytes of MoE layer `layer` through host buffers and `remote`, then
@@ -311,7 +311,7 @@ impl MoeLane {
         let layer_offsets = &self.shared.home_offsets[layer];
         // Every replicated expert homed here, from its home buffer.
         let mut homes = BTreeMap::new();
-        for expert in 0..stream_plan.experts() {
+        for (expert, &offset) in layer_offsets.iter().enumerate() {
             let instances = stream_plan.instances(expert);
             let main = instances[0].rank as usize;
             let (true, Some(index)) = (instances.len() > 1, self.shared.index(main)) else {
@@ -325,12 +325,7 @@ impl MoeLane {
                     ranks: self.shared.local.len(),
                 })?;
             let mut weights = vec![0u8; bytes];
-            exec.read_on(
-                self.replicas,
-                home,
-                layer_offsets[expert] as usize,
-                &mut weights,
-            )?;
+            exec.read_on(self.replicas, home, offset as usize, &mut weights)?;
             homes.insert(expert as u32, weights);
         }
         let set_bytes = self.buffers.set_bytes();

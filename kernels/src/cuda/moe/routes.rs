@@ -27,7 +27,7 @@ impl Routes {
         let offsets = instance_offsets(plan)?;
         let mut inst_rows = vec![0usize; *offsets.last().unwrap_or(&0) as usize];
         let mut sent = vec![vec![0usize; ranks]; ranks];
-        for src in 0..ranks {
+        for (src, sent_from) in sent.iter_mut().enumerate() {
             for (e, &c) in load.row(src).iter().enumerate() {
                 let instances = plan.instances(e);
                 let mut per = vec![0u64; instances.len()];
@@ -48,7 +48,7 @@ impl Routes {
                     .zip(&mut inst_rows[offsets[e] as usize..])
                 {
                     *rows += n as usize;
-                    sent[src][inst.rank as usize] += n as usize;
+                    sent_from[inst.rank as usize] += n as usize;
                 }
             }
         }
