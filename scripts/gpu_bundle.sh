@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a GPU host without a Rust toolchain needs for rackfill's GPU checks and figures:
-# the release binary and the test binaries with GPU tests (rackfill-kernels' cuda_* and exec_*,
-# rackfill-models' gpu_* and rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
+# the release binary, the load_gpu example and the test binaries that run on every executor
+# (rackfill-kernels' device_*, exec_* and cuda_nvrtc, rackfill-models' gpu_* and fp8,
+# rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
 # one file in a folder (default .gpu-bundle, git-ignored; its size is printed at the end) to copy
 # or carry there. Then, on the GPU host, in a copy of this repository:
 # `bash scripts/gpu_session.sh .gpu-bundle` (docs/gpu.md "On a GPU host").
@@ -15,6 +16,8 @@ json=$(mktemp)
 cargo build --release --locked --bin rackfill --message-format=json >"$json"
 cargo test --release --locked --features cuda -p rackfill-kernels -p rackfill-models -p rackfill-engine --no-run \
   --message-format=json >>"$json"
+cargo build --release --locked --features cuda -p rackfill-models --example load_gpu \
+  --message-format=json >>"$json"
 # The executables cargo reports: the binary, then each test target.
 python3 - "$json" "$stage" <<'PY'
 import json, shutil, sys
@@ -25,13 +28,15 @@ for line in open(src):
     if not exe:
         continue
     name = m["target"]["name"]
-    if m["profile"]["test"] and (name.startswith(("cuda_", "gpu_", "exec_")) or name == "ep_equivalence"):
+    if m["profile"]["test"] and (
+        name.startswith(("cuda_", "gpu_", "exec_", "device_")) or name in ("ep_equivalence", "fp8")
+    ):
         shutil.copy(exe, f"{out}/tests/")
-    elif m["target"]["name"] == "rackfill":
-        shutil.copy(exe, f"{out}/rackfill")
+    elif name in ("rackfill", "load_gpu"):
+        shutil.copy(exe, f"{out}/{name}")
 PY
 rm -f "$json"
-strip "$stage/rackfill" "$stage"/tests/*
+strip "$stage/rackfill" "$stage/load_gpu" "$stage"/tests/*
 # Tests find their fixtures through paths compiled in (CARGO_MANIFEST_DIR): the session script
 # links this checkout's path to wherever the repository lands on the GPU host.
 pwd >"$stage/root"

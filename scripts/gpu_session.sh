@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Runs on a GPU host, in the repository root, with a bundle from scripts/gpu_bundle.sh: every
-# CUDA test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the figures
-# docs/gpu.md records, then the tile-streaming tests under compute-sanitizer. Writes device.txt,
-# tests.log, kernels-bench.txt, bench-ep.txt and sanitizer-*.txt to ${OUT:-target/gpu-session};
+# executor test binary with a missing GPU made a failure (RACKFILL_REQUIRE_GPU=1), then the
+# figures docs record. Writes to ${OUT:-target/gpu-session}: device.txt, tests.log,
+# kernels-bench.txt; serve-*.txt and serve-bench.json (a generated Qwen3-30B-A3B-shaped
+# checkpoint served with the defaults: device memory and prompt tokens/s); load-memory.txt;
 # bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs), bench-attention.txt;
-# exits non-zero if any test binary or sanitizer run failed.
+# sanitizer-*.txt. Exits non-zero if any test binary, the serve check or a sanitizer run failed.
+#
+# RACKFILL_SESSION_STEPS picks the steps, in order (default: every one):
+#   tests kernels serve forward attention sanitizer
 # Time bounds, for short leases: RACKFILL_SESSION_TEST_S (each test binary, default 300 s; a
-# timeout counts as a failure) and RACKFILL_SESSION_SANITIZER_S (each sanitizer tool, default 240 s;
-# 0 skips them); RACKFILL_SESSION_SANITIZERS lists the tools (default memcheck racecheck synccheck).
+# timeout counts as a failure), RACKFILL_SESSION_SANITIZER_S (each sanitizer tool, default
+# 240 s), RACKFILL_SESSION_SANITIZERS (default memcheck racecheck synccheck); the serve check's
+# checkpoint has RACKFILL_SESSION_LAYERS layers (default 4: about 5.7 GiB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=$(mktemp -d)
@@ -19,51 +24,102 @@ if [ "$root" != "$PWD" ] && [ ! -e "$root" ]; then
   mkdir -p "$(dirname "$root")" && ln -s "$PWD" "$root"
 fi
 export RACKFILL_REQUIRE_GPU=1
+steps=${RACKFILL_SESSION_STEPS:-tests kernels serve forward attention sanitizer}
+has() { [[ " $steps " == *" $1 "* ]]; }
 { nvidia-smi -L; "$bundle/rackfill" kernels probe; } 2>&1 | tee "$out/device.txt"
 failed=()
-for t in "$bundle"/tests/*; do
-  echo "== $(basename "$t")" | tee -a "$out/tests.log"
-  timeout "${RACKFILL_SESSION_TEST_S:-300}" "$t" --test-threads 1 2>&1 | tee -a "$out/tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$(basename "$t")")
-done
-"$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
-"$bundle/rackfill" bench ep --model rackfill-tiny-moe --prompts models/builtin/skew.json --ep-size 8 \
-  --balancer quota,none --data-plane cpu,gpu 2>&1 | tee "$out/bench-ep.txt"
-# The whole model on the GPU (bf16): prefill tokens/s of the bench shape, and beside it
-# transformers in bf16 on the same GPU and checkpoint where torch with CUDA is installed.
-"$bundle/rackfill" bench forward --device cuda --tokens 512,2048,4096 --repeats 5 \
-  --json "$out/bench-forward-cuda.json" 2>&1 | tee "$out/bench-forward-cuda.txt"
-if python3 -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
-  python3 scripts/bench_forward_hf.py --device cuda --rackfill "$bundle/rackfill" --repeats 5 \
-    --json "$out/bench-forward-hf-cuda.json" 2>&1 | tee "$out/bench-forward-hf-cuda.txt"
-else
-  echo "torch with CUDA or transformers missing: no transformers comparison" | tee -a "$out/bench-forward-cuda.txt"
-fi
-# The fused paged attention kernel against cuBLAS + softmax + cuBLAS on Qwen3-30B-A3B's attention
-# shape (32 query heads, 4 KV heads, head_dim 128), 2048-token chunks over 0, 2048 and 6144 cached.
-"$bundle/rackfill" bench attention --device cuda --context 0,2048,6144 --chunk 2048 --repeats 20 \
-  --json "$out/bench-attention.json" 2>&1 | tee "$out/bench-attention.txt"
-# What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
-# barriers): the tile-streaming and relay-planner GPU tests under compute-sanitizer, when the
-# host has it. Last and time-bounded, so the figures above never wait on it; a timeout is
-# reported, not counted as a failure. The sanitizers slow kernels many times over, so a relay wait
-# gets a minute before tile_stream calls the stream broken (RACKFILL_TILE_STALL_MS; default 5 s).
-sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-replicate=$(ls "$bundle"/tests/cuda_replicate-* 2>/dev/null | head -1)
-sanitizer_s=${RACKFILL_SESSION_SANITIZER_S:-240}
-if [ -n "$sanitizer" ] && [ -n "$replicate" ] && [ "$sanitizer_s" -gt 0 ]; then
-  for tool in ${RACKFILL_SESSION_SANITIZERS:-memcheck racecheck synccheck}; do
-    RACKFILL_TILE_STALL_MS=60000 timeout "$sanitizer_s" "$sanitizer" --tool "$tool" --error-exitcode 3 "$replicate" --test-threads 1 gpu_ \
-      > "$out/sanitizer-$tool.txt" 2>&1
-    status=$?
-    echo "compute-sanitizer --tool $tool: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" \
-      | tee -a "$out/tests.log"
-    [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || failed+=("sanitizer-$tool")
+
+if has tests; then
+  for t in "$bundle"/tests/*; do
+    echo "== $(basename "$t")" | tee -a "$out/tests.log"
+    # ep_equivalence: its device tests only (the rest runs on the CPU, as in CI).
+    filter=()
+    [[ "$(basename "$t")" == ep_equivalence-* ]] && filter=(device)
+    timeout "${RACKFILL_SESSION_TEST_S:-300}" "$t" --test-threads 1 "${filter[@]}" 2>&1 | tee -a "$out/tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$(basename "$t")")
   done
-else
-  echo "compute-sanitizer not found or RACKFILL_SESSION_SANITIZER_S=0: the sanitizer runs are skipped" | tee -a "$out/tests.log"
 fi
+
+if has kernels; then
+  "$bundle/rackfill" kernels bench --reps 50 --expert-bytes 8388608 2>&1 | tee "$out/kernels-bench.txt"
+fi
+
+if has serve; then
+  # A Qwen3-30B-A3B-shaped checkpoint (random bf16 weights, few layers), loaded straight to the
+  # GPU (peak host memory measured), then served with the defaults (--device auto: the GPU, EP 8,
+  # quota, the pipelined schedule) and driven by bench serve: prompt tokens/s and device memory.
+  layers=${RACKFILL_SESSION_LAYERS:-4}
+  dir=/tmp/rackfill-session/qwen3-30b-a3b-shape-$layers-layers
+  python3 scripts/load_memory.py --layers "$layers" --dir /tmp/rackfill-session --keep --gpu \
+    --binary "$bundle/load_gpu" 2>&1 | tee "$out/load-memory.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("load-memory")
+  cp models/builtin/tokenizer.json models/builtin/tokenizer_config.json "$dir/"
+  port=18520
+  "$bundle/rackfill" serve --model "$dir" --port "$port" > "$out/serve-log.txt" 2>&1 &
+  server=$!
+  for _ in $(seq 1 240); do
+    curl -fsS "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
+    kill -0 "$server" 2>/dev/null || break
+    sleep 0.5
+  done
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/serve-memory.txt"
+  for len in 512 2048; do
+    "$bundle/rackfill" bench serve --base-url "http://127.0.0.1:$port" --num-prompts 64 \
+      --random-input-len "$len" --random-output-len 1 --ignore-eos --request-rate inf \
+      --max-concurrency 32 --output "$out/serve-bench-$len.json" --no-progress 2>&1 \
+      | tee "$out/serve-bench-$len.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("serve-bench-$len")
+  done
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$out/serve-memory.txt"
+  kill -TERM "$server"
+  wait "$server" || failed+=("serve")
+  tail -5 "$out/serve-log.txt"
+fi
+
+if has forward; then
+  # The whole model on the GPU (bf16): prefill tokens/s of the bench shape, and beside it
+  # transformers in bf16 on the same GPU and checkpoint where torch with CUDA is installed.
+  "$bundle/rackfill" bench forward --device cuda --tokens 512,2048,4096 --repeats 5 \
+    --json "$out/bench-forward-cuda.json" 2>&1 | tee "$out/bench-forward-cuda.txt"
+  if python3 -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
+    python3 scripts/bench_forward_hf.py --device cuda --rackfill "$bundle/rackfill" --repeats 5 \
+      --json "$out/bench-forward-hf-cuda.json" 2>&1 | tee "$out/bench-forward-hf-cuda.txt"
+  else
+    echo "torch with CUDA or transformers missing: no transformers comparison" | tee -a "$out/bench-forward-cuda.txt"
+  fi
+fi
+
+if has attention; then
+  # The fused paged attention kernel against cuBLAS + softmax + cuBLAS on Qwen3-30B-A3B's
+  # attention shape (32 query heads, 4 KV heads, head_dim 128), 2048-token chunks over 0, 2048
+  # and 6144 cached tokens.
+  "$bundle/rackfill" bench attention --device cuda --context 0,2048,6144 --chunk 2048 --repeats 20 \
+    --json "$out/bench-attention.json" 2>&1 | tee "$out/bench-attention.txt"
+fi
+
+if has sanitizer; then
+  # What the emulator cannot show (cp.async, concurrent blocks, cross-block memory ordering,
+  # barriers): the tile-streaming tests under compute-sanitizer, when the host has it. Time-bounded;
+  # a timeout is reported, not counted as a failure. The sanitizers slow kernels many times over,
+  # so a relay wait gets a minute before tile_stream calls the stream broken.
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  kernels=$(ls "$bundle"/tests/device_kernels-* 2>/dev/null | head -1)
+  sanitizer_s=${RACKFILL_SESSION_SANITIZER_S:-240}
+  if [ -n "$sanitizer" ] && [ -n "$kernels" ] && [ "$sanitizer_s" -gt 0 ]; then
+    for tool in ${RACKFILL_SESSION_SANITIZERS:-memcheck racecheck synccheck}; do
+      RACKFILL_TILE_STALL_MS=60000 timeout "$sanitizer_s" "$sanitizer" --tool "$tool" --error-exitcode 3 \
+        "$kernels" --test-threads 1 tiles:: > "$out/sanitizer-$tool.txt" 2>&1
+      status=$?
+      echo "compute-sanitizer --tool $tool: exit $status$([ $status -eq 124 ] && echo ' (timed out)')" \
+        | tee -a "$out/tests.log"
+      [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || failed+=("sanitizer-$tool")
+    done
+  else
+    echo "compute-sanitizer not found or RACKFILL_SESSION_SANITIZER_S=0: the sanitizer runs are skipped" | tee -a "$out/tests.log"
+  fi
+fi
+
 if [ "${#failed[@]}" -ne 0 ]; then
-  echo "failed test binaries: ${failed[*]}" | tee -a "$out/tests.log"
+  echo "failed: ${failed[*]}" | tee -a "$out/tests.log"
   exit 1
 fi

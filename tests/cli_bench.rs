@@ -298,13 +298,12 @@ fn bench_ep_costs_on_the_rack_it_is_given() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `bench ep --micro-batches 1,2 --slot-memory shared,per-layer --pipelined-experts on,off` runs
-/// every configuration each way, side by side (pipelining once with two micro-batches, where it
-/// does not act): two micro-batches report both micro-batches' replicas, pipelining moves the
-/// same replica bytes; 0 or 3 micro-batches and a pipelining other than on or off are one-line
-/// errors.
+/// `bench ep --schedule ultraep,pipelined,two-batch --slot-memory shared,per-layer` runs every
+/// configuration each way, side by side: two micro-batches report both micro-batches' replicas,
+/// pipelining moves the same replica bytes, resident replicas are not streamed again; a schedule
+/// it does not know, and the replaced flags, are one-line errors.
 #[test]
-fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
+fn bench_ep_runs_every_schedule_side_by_side() {
     // Its own directory: other tests remove the shared one when they finish.
     let dir = std::env::temp_dir().join(format!("rackfill-cli-micro-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -322,12 +321,10 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
         "4",
         "--balancer",
         "quota",
-        "--micro-batches",
-        "1,2",
+        "--schedule",
+        "ultraep,pipelined,two-batch",
         "--slot-memory",
         "shared,per-layer",
-        "--pipelined-experts",
-        "on,off",
         "--rounds",
         "1",
         "--json",
@@ -335,26 +332,25 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     ];
     let report = json_report(&args, &json);
     let results = report["results"].as_array().unwrap();
-    let cases: Vec<(u64, &str, &str)> = results[1..]
+    let cases: Vec<(&str, &str)> = results[1..]
         .iter()
         .map(|r| {
             let case = &r["case"];
             (
-                case["micro_batches"].as_u64().unwrap(),
+                case["schedule"].as_str().unwrap(),
                 case["slot_memory"].as_str().unwrap(),
-                case["pipelined_experts"].as_str().unwrap(),
             )
         })
         .collect();
     assert_eq!(
         cases,
         [
-            (1, "shared", "on"),
-            (1, "shared", "off"),
-            (1, "per-layer", "on"),
-            (1, "per-layer", "off"),
-            (2, "shared", "on"),
-            (2, "per-layer", "on")
+            ("ultraep", "shared"),
+            ("ultraep", "per-layer"),
+            ("pipelined", "shared"),
+            ("pipelined", "per-layer"),
+            ("two-batch", "shared"),
+            ("two-batch", "per-layer")
         ],
         "{report}"
     );
@@ -363,26 +359,21 @@ fn bench_ep_runs_one_and_two_micro_batches_side_by_side() {
     // Every round repeats the prompts: per-layer slots still hold the replicas from the warm-up.
     let streamed = |i: usize| results[i]["replica_bytes"].as_u64().unwrap();
     assert!(streamed(1) > 0 && streamed(5) > 0, "{report}");
-    assert_eq!(streamed(1), streamed(2), "pipelining moves the same bytes");
+    assert_eq!(streamed(1), streamed(3), "pipelining moves the same bytes");
     assert_eq!(
-        (streamed(3), streamed(4), streamed(6)),
+        (streamed(2), streamed(4), streamed(6)),
         (0, 0, 0),
         "{report}"
     );
-    for bad in ["0", "3"] {
-        refused(
-            &["bench", "ep", "--micro-batches", bad],
-            "a step runs 1 or 2 micro-batches",
-        );
-    }
     refused(
-        &["bench", "ep", "--pipelined-experts", "yes"],
-        "expected auto, on or off",
+        &["bench", "ep", "--schedule", "three-batch"],
+        "unknown schedule 'three-batch'",
     );
     refused(
-        &["serve", "--pipelined-experts", "maybe"],
-        "expected auto, on or off",
+        &["serve", "--pipelined-experts", "on"],
+        "replaced by --schedule",
     );
+    refused(&["serve", "--data-plane", "gpu"], "replaced by --device");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

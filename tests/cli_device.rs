@@ -1,9 +1,9 @@
 //! `rackfill serve --device`: the whole-model GPU path behind the real HTTP server, run on the
 //! host emulator (`--device emulator`, the same CUDA kernels on the CPU), answers like the CPU
-//! path: every prompt token's logprob (echo) within 0.05 of `--device cpu`'s (0.007 seen), at
-//! EP 1 (the MoE layers on the device too) and EP 2 (the MoE layers on the data plane), and a
-//! decode after the prompt. Bad `--device` values get one line. Needs a C++ compiler for the
-//! emulator; without one it says so and passes.
+//! path: every prompt token's logprob (echo) within 0.05 of `--device cpu`'s, at EP 1 and EP 2
+//! (the MoE layers on the device's data plane), and a decode after the prompt; with the defaults
+//! it runs one data plane and uploads each expert once. Needs a C++ compiler for the emulator;
+//! without one it says so and passes.
 
 mod common;
 
@@ -87,4 +87,42 @@ fn a_bad_device_gets_one_line() {
         assert_eq!(stderr.lines().count(), 1, "{bad}: {stderr}");
         assert!(stderr.contains("--device"), "{bad}: {stderr}");
     }
+}
+
+/// `rackfill serve --device emulator` with every other default (EP 8 in one process, quota, the
+/// pipelined schedule) runs one MoE data plane, on the device, and uploads each of the built-in
+/// model's experts once: the home experts on the device are the 4 MoE layers x 32 experts x
+/// (3 x 128 x 64 bf16 values), and everything written from the host while loading fits in the
+/// checkpoint's own bytes (a bf16 checkpoint: nothing is uploaded twice).
+#[test]
+fn the_defaults_on_the_emulator_run_one_plane_and_upload_each_expert_once() {
+    if !has_cxx() {
+        return;
+    }
+    let server = Server::start(&["--device", "emulator"]);
+    server.complete("Once upon a time");
+    let path = server.metric_when("rackfill:moe_data_path{path=\"device\"}", |v| v == 1.0);
+    assert_eq!(path, 1.0);
+    let experts = server.metric_when("rackfill:device_weight_bytes{part=\"home_experts\"}", |v| {
+        v > 0.0
+    });
+    assert_eq!(experts, (4 * 32 * 3 * 128 * 64 * 2) as f64);
+    let uploaded = server.metric_when("rackfill:device_weight_bytes{part=\"uploaded\"}", |v| {
+        v > 0.0
+    });
+    let checkpoint = std::fs::metadata(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/models/builtin/model.safetensors"
+    ))
+    .unwrap()
+    .len() as f64;
+    assert!(
+        uploaded >= experts && uploaded <= checkpoint,
+        "{uploaded} bytes uploaded for a {checkpoint}-byte checkpoint holding {experts} bytes of experts"
+    );
+    let (_, text) = server.request("GET", "/metrics", "");
+    assert!(
+        !text.contains("rackfill:moe_data_path{path=\"cpu\"}"),
+        "one data plane only:\n{text}"
+    );
 }

@@ -254,8 +254,6 @@ fn bench_ep_takes_the_old_spellings() {
             "1",
             "--balancer",
             "greedy-move,none",
-            "--data-plane",
-            "cpu",
         ],
     );
     let want = vec![(2.into(), "greedy-move".into()), (2.into(), "none".into())];
@@ -269,8 +267,6 @@ fn bench_ep_takes_the_old_spellings() {
             "1",
             "--balancers",
             "greedy-move,none",
-            "--data-planes",
-            "cpu",
         ],
     );
     assert_eq!(old, new);

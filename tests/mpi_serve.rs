@@ -134,10 +134,10 @@ fn four_processes_equal_one_on_every_family_for_every_balancer() {
 /// Two micro-batches a step across four processes (each process's collectives issued by one
 /// micro-batch at a time, in the same order everywhere): the same tokens and logprobs as one
 /// process at EP 1, under quota and eplb-exact, and with per-layer slots (resident replicas kept,
-/// only new ones streamed over MPI); so do pipelined experts with one micro-batch;
-/// `--micro-batches 3` is refused with one line.
+/// only new ones streamed over MPI); so do pipelined experts with one micro-batch; a schedule it
+/// does not know is refused with one line.
 #[test]
-fn four_processes_with_two_micro_batches_or_pipelined_experts_equal_one_process() {
+fn four_processes_with_every_schedule_equal_one_process() {
     if !mpirun_available() {
         return;
     }
@@ -148,43 +148,82 @@ fn four_processes_with_two_micro_batches_or_pipelined_experts_equal_one_process(
     dense.stop_with_sigterm();
     // Last, one micro-batch with pipelined experts: the replicas stream over MPI on the calling
     // thread while the main experts compute on another.
-    for (balancer, micro_batches, slots) in [
-        ("quota", "2", "shared"),
-        ("eplb-exact", "2", "shared"),
-        ("quota", "2", "per-layer"),
-        ("quota", "1", "shared"),
+    for (balancer, schedule, slots) in [
+        ("quota", "two-batch", "shared"),
+        ("eplb-exact", "two-batch", "shared"),
+        ("quota", "overlapped", "per-layer"),
+        ("quota", "pipelined", "shared"),
     ] {
         let flags = [
             "--model",
             model,
             "--balancer",
             balancer,
-            "--micro-batches",
-            micro_batches,
+            "--schedule",
+            schedule,
             "--slot-memory",
             slots,
-            "--pipelined-experts",
-            "on",
         ];
         let group = Group::start(4, &flags, &[]);
         let spread = group.complete_all(&requests);
         group.stop_with_sigterm();
         assert_same_completions(
-            &format!(
-                "-np 4 {balancer}, {micro_batches} micro-batches, {slots} slots, pipelined \
-                 experts, vs one process at EP 1"
-            ),
+            &format!("-np 4 {balancer}, {schedule}, {slots} slots, vs one process at EP 1"),
             &spread,
             &reference,
         );
     }
-    let out = Group::run_to_end(2, &["--micro-batches", "3"]);
+    let out = Group::run_to_end(2, &["--schedule", "three-batch"]);
     assert!(!out.status.success());
     assert!(
-        out.stderr.contains("a step runs 1 or 2 micro-batches"),
+        out.stderr.contains("unknown schedule 'three-batch'"),
         "{}",
         out.stderr
     );
+}
+
+/// The whole model and its MoE layers on a device in every process (`--device emulator`, the
+/// host emulator running the CUDA kernels): three processes, each reading its home experts from
+/// the checkpoint, the data plane's rows, outputs and replicas crossing between processes through
+/// MPI, give the same tokens and logprobs as one process holding every rank on the device, with
+/// one and two micro-batches.
+#[test]
+fn processes_on_devices_equal_one_process_on_a_device() {
+    if !mpirun_available() || !emulator_available() {
+        return;
+    }
+    let model = "rackfill-tiny-moe";
+    let requests = scoring_requests(512);
+    let device = ["--model", model, "--device", "emulator", "--ep-size", "3"];
+    let single = Served::single(&device);
+    let reference = single.complete_all(&requests);
+    single.stop_with_sigterm();
+    for schedule in ["pipelined", "overlapped"] {
+        let flags = [
+            "--model",
+            model,
+            "--device",
+            "emulator",
+            "--schedule",
+            schedule,
+        ];
+        let group = Group::start(3, &flags, &[]);
+        let spread = group.complete_all(&requests);
+        group.stop_with_sigterm();
+        assert_same_completions(
+            &format!("-np 3 on the emulator, {schedule}, vs one process on it"),
+            &spread,
+            &reference,
+        );
+    }
+}
+
+/// Whether the host emulator can be built here (a C++ compiler).
+fn emulator_available() -> bool {
+    std::process::Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .arg("--version")
+        .output()
+        .is_ok()
 }
 
 /// Prompt `i` of the routing test: 50 tokens of its own, then `extra` more.

@@ -426,6 +426,10 @@ impl EngineLoop {
                 Ok(Some(summary)) => {
                     metrics::record_step(&summary.output, summary.tokens.iter().sum(), took);
                     metrics::record_fabric(self.runtime.bytes_moved());
+                    metrics::record_placement(
+                        self.runtime.data_path(),
+                        self.runtime.device_weight_bytes(),
+                    );
                     record_routing(&mut self.recorder, self.step, &summary.output);
                     self.step += 1;
                 }

@@ -244,6 +244,31 @@ impl EpRuntime {
         self.fabric.local_ranks()
     }
 
+    /// The path the MoE layers' rows and replicas take between ranks: `cpu` (host memory and the
+    /// fabric), `device` (every rank on this process's device) or `host` (device ranks of
+    /// several processes, through host buffers and the fabric).
+    pub fn data_path(&self) -> &'static str {
+        match &self.backend {
+            Backend::Host { .. } => "cpu",
+            #[cfg(feature = "cuda")]
+            Backend::Device(_) if self.fabric.local_ranks().len() == self.config.ep_size => {
+                "device"
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Device(_) => "host",
+        }
+    }
+
+    /// With the model on a device: the bytes written there from the host while loading (each
+    /// tensor once), and the bytes of the routed experts this process's ranks home.
+    pub fn device_weight_bytes(&self) -> Option<(u64, u64)> {
+        match &self.backend {
+            Backend::Host { .. } => None,
+            #[cfg(feature = "cuda")]
+            Backend::Device(device) => Some(device.weight_bytes()),
+        }
+    }
+
     /// Bytes the fabric has delivered to this process's ranks since the runtime was built.
     pub fn bytes_moved(&self) -> u64 {
         self.fabric.bytes_moved()

@@ -64,6 +64,13 @@ pub const KV_BLOCKS: &str = "rackfill:kv_blocks";
 pub const KV_BLOCKS_EVICTED: &str = "rackfill:kv_blocks_evicted_total";
 /// Seconds since the leader last heard a rank's heartbeat (`rank` label).
 pub const RANK_HEARTBEAT_AGE: &str = "rackfill:rank_heartbeat_age_seconds";
+/// 1 for the path the MoE layers' rows and replicas take between ranks (`path` label: `cpu`,
+/// host memory and the fabric; `device`, every rank on this process's device; `host`, device
+/// ranks of several processes through host buffers and the fabric).
+pub const MOE_DATA_PATH: &str = "rackfill:moe_data_path";
+/// Bytes of the model on this process's device (`part` label: `uploaded`, written from the
+/// host while loading; `home_experts`, the routed experts this process's ranks home).
+pub const DEVICE_WEIGHT_BYTES: &str = "rackfill:device_weight_bytes";
 
 /// Gives every engine metric its `# HELP` text in the installed recorder (call once, after
 /// installing it), so a scraper's users see what each series means.
@@ -164,6 +171,26 @@ pub fn describe() {
         RANK_HEARTBEAT_AGE,
         "Seconds since the leader last heard the rank's heartbeat."
     );
+    describe_gauge!(
+        MOE_DATA_PATH,
+        "1 for the path MoE rows and replicas take between ranks: cpu, device (every rank on \
+         this device) or host (device ranks of several processes, through host buffers)."
+    );
+    describe_gauge!(
+        DEVICE_WEIGHT_BYTES,
+        "Bytes of the model on this process's device: uploaded (written from the host while \
+         loading, each tensor once) and home_experts (the routed experts its ranks home)."
+    );
+}
+
+/// Records where the MoE data moves and what the device holds (`weights`: bytes uploaded and
+/// bytes of home experts, with the model on a device).
+pub fn record_placement(path: &'static str, weights: Option<(u64, u64)>) {
+    gauge!(MOE_DATA_PATH, "path" => path).set(1.0);
+    if let Some((uploaded, home_experts)) = weights {
+        gauge!(DEVICE_WEIGHT_BYTES, "part" => "uploaded").set(uploaded as f64);
+        gauge!(DEVICE_WEIGHT_BYTES, "part" => "home_experts").set(home_experts as f64);
+    }
 }
 
 /// Records one step's balancing figures and phase times; `tokens` were computed over all ranks

@@ -219,7 +219,7 @@ fn each_emulator_counts_the_bytes_the_host_wrote_into_it() {
         shared.with_settings(EmulatorSettings::default()),
     );
     let buffer = a.alloc_zeroed(64).unwrap();
-    assert_eq!(a.bytes_written(), 0, "allocating writes nothing");
+    assert_eq!(a.bytes_uploaded(), 0, "allocating writes nothing");
     a.write(&buffer, 8, &[1; 24]).unwrap();
     a.upload_f32(&[1.0; 5]).unwrap();
     assert!(a.write(&buffer, 60, &[0; 8]).is_err(), "out of range");
@@ -228,11 +228,11 @@ fn each_emulator_counts_the_bytes_the_host_wrote_into_it() {
     a.zero_on(rackfill_kernels::cuda::exec::Stream::MAIN, &copy, 0, 64)
         .unwrap();
     assert_eq!(
-        a.bytes_written(),
+        a.bytes_uploaded(),
         24 + 20,
         "host writes only, refused ones not"
     );
-    assert_eq!(b.bytes_written(), 0, "another emulator's count");
+    assert_eq!(b.bytes_uploaded(), 0, "another emulator's count");
 }
 
 /// Launches `convert_elements` on `n` elements of `src_dtype` (0 f32, 1 bf16, 2 f16) into

@@ -50,7 +50,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         .flat_map(|h| &h.buffers)
         .map(|b| b.bytes())
         .sum();
-    let written = emulator.map_or("null".to_string(), |e| e.bytes_written().to_string());
+    let written = emulator.map_or("null".to_string(), |e| e.bytes_uploaded().to_string());
     println!(
         "{{\"seconds\": {seconds:.3}, \"bytes_written\": {written}, \
          \"home_expert_bytes\": {home_bytes}, \"device\": {:?}}}",

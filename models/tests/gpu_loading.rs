@@ -227,7 +227,7 @@ fn each_process_writes_the_dense_weights_and_its_own_home_experts_once() {
         assert_eq!(gpu.experts(), Experts::Elsewhere);
         let (dense, mine) = tensor_bytes(&tensors, |e| local.contains(&layout.home(e as usize)));
         assert_eq!(
-            exec.bytes_written(),
+            exec.bytes_uploaded(),
             dense + mine + rope_bytes(&config),
             "local ranks {local:?}: the dense tensors and the home experts, once each"
         );
@@ -257,7 +257,7 @@ fn each_process_writes_the_dense_weights_and_its_own_home_experts_once() {
     };
     let (_, homes) = GpuModel::load(exec.clone(), &config, &checkpoint, 64, placement).unwrap();
     let (dense, all) = tensor_bytes(&tensors, |_| true);
-    assert_eq!(exec.bytes_written(), dense + all + rope_bytes(&config));
+    assert_eq!(exec.bytes_uploaded(), dense + all + rope_bytes(&config));
     let homes = homes.unwrap();
     let what = "EP 1";
     check_homes(
@@ -279,7 +279,7 @@ fn each_process_writes_the_dense_weights_and_its_own_home_experts_once() {
             GpuModel::load(exec.clone(), &config, &checkpoint, 64, placement).unwrap();
         assert!(homes.is_none());
         assert_eq!(
-            exec.bytes_written(),
+            exec.bytes_uploaded(),
             dense + experts + rope_bytes(&config),
             "{:?}",
             gpu.experts()
@@ -307,7 +307,7 @@ fn home_experts_of_f32_and_f16_checkpoints_are_rounded_once_on_the_device() {
         let tensors = read_tensors(&dir);
         let (dense, mine) = tensor_bytes(&tensors, |e| layout.home(e as usize) == 1);
         assert_eq!(
-            exec.bytes_written(),
+            exec.bytes_uploaded(),
             dense + mine + rope_bytes(&config),
             "{name}: the stored bytes, converted on the device"
         );
@@ -379,7 +379,7 @@ fn fused_expert_tensors_fill_the_same_home_experts() {
                 bytes
             })
             .collect();
-        contents.push((buffers, exec.bytes_written()));
+        contents.push((buffers, exec.bytes_uploaded()));
     }
     assert!(contents[0] == contents[1], "fused and per-expert tensors");
     assert_eq!(fused.unused_tensors(), Vec::<&str>::new());
@@ -403,5 +403,5 @@ fn a_layout_of_another_expert_count_is_refused() {
         .unwrap()
         .to_string();
     assert!(err.contains("9 experts") && err.contains("of 8"), "{err}");
-    assert_eq!(exec.bytes_written(), 0, "refused before any upload");
+    assert_eq!(exec.bytes_uploaded(), 0, "refused before any upload");
 }

@@ -34,6 +34,8 @@ pub(super) struct OnDevice {
     /// Per model layer: its index among the MoE layers.
     moe_ordinal: Vec<Option<usize>>,
     local: Range<usize>,
+    /// Bytes written from the host while loading, and bytes of the home experts.
+    weight_bytes: (u64, u64),
 }
 
 /// The device model as the micro-batches of a step share it.
@@ -83,10 +85,15 @@ impl OnDevice {
             layout,
             local: local.clone(),
         };
+        let before = exec.bytes_uploaded();
         let (gpu, homes) =
             GpuModel::load(Arc::clone(&exec), mc, &model.checkpoint, tokens, placement)?;
         let homes = homes
             .ok_or_else(|| EngineError::Config("the device model loaded no home experts".into()))?;
+        let weight_bytes = (
+            exec.bytes_uploaded() - before,
+            homes.buffers.iter().map(|b| b.bytes() as u64).sum(),
+        );
         let moe = open_device_plane(exec, (layout, local.clone()), dims, homes, plane)?;
         let mut next = 0;
         let moe_ordinal = mc
@@ -104,6 +111,7 @@ impl OnDevice {
             moe,
             moe_ordinal,
             local,
+            weight_bytes,
         })
     }
 
@@ -117,6 +125,12 @@ impl OnDevice {
             },
             self.moe.lanes_mut(),
         )
+    }
+
+    /// Bytes written from the host while loading (each tensor once), and bytes of the home
+    /// experts.
+    pub(super) fn weight_bytes(&self) -> (u64, u64) {
+        self.weight_bytes
     }
 
     /// A new sequence's blocks in the device KV cache.

@@ -188,13 +188,6 @@ impl Emulator {
         self.backoffs.load(Ordering::Relaxed)
     }
 
-    /// Bytes copied from the host into this emulator's memory so far ([`Executor::write_on`] and
-    /// the uploads built on it; device-to-device copies and zeroing are not counted): what a
-    /// loader uploads.
-    pub fn bytes_written(&self) -> u64 {
-        self.bytes_written.load(Ordering::Relaxed)
-    }
-
     /// The most warp-synchronous operations (shuffles, reductions, warp barriers) one thread ran
     /// in one launch of this emulator so far: the length of a kernel's warp-level critical
     /// path, a count and not a time.
@@ -542,5 +535,9 @@ impl Executor for Emulator {
 
     fn synchronize(&self) -> Result<(), CudaError> {
         Ok(()) // every launch and GEMM has finished when its call returns
+    }
+
+    fn bytes_uploaded(&self) -> u64 {
+        self.bytes_written.load(Ordering::Relaxed)
     }
 }

@@ -404,6 +404,10 @@ pub trait Executor: Send + Sync {
     /// Waits for everything queued on every stream.
     fn synchronize(&self) -> Result<(), CudaError>;
 
+    /// Bytes copied from the host into device memory so far ([`Self::write_on`] and the uploads
+    /// built on it; device-to-device copies and zeroing are not counted): what a loader uploaded.
+    fn bytes_uploaded(&self) -> u64;
+
     /// [`Self::alloc_zeroed_on`] the main stream.
     fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {
         self.alloc_zeroed_on(Stream::MAIN, bytes)

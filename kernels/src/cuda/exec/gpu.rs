@@ -3,6 +3,7 @@
 //! accumulation (`cublasGemmStridedBatchedEx`); streams forked from the GPU's own, each with its
 //! own cuBLAS handle; events with timing.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,6 +24,8 @@ pub struct GpuExecutor {
     gpu: Gpu,
     /// Indexed by [`Stream`]: the GPU's own stream first.
     streams: Mutex<Vec<Lane>>,
+    /// Bytes written from the host so far.
+    uploaded: AtomicU64,
 }
 
 /// One stream and the cuBLAS handle bound to it.
@@ -45,6 +48,7 @@ impl GpuExecutor {
         Ok(Self {
             gpu,
             streams: Mutex::new(vec![main]),
+            uploaded: AtomicU64::new(0),
         })
     }
 
@@ -162,7 +166,10 @@ impl Executor for GpuExecutor {
                     lane.stream.cu_stream(),
                 )
             }?;
-            Ok(lane.stream.synchronize()?)
+            lane.stream.synchronize()?;
+            self.uploaded
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            Ok(())
         })
     }
 
@@ -359,5 +366,9 @@ impl Executor for GpuExecutor {
     fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;
         Ok(self.gpu.context().synchronize()?)
+    }
+
+    fn bytes_uploaded(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
     }
 }
