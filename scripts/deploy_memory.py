@@ -79,10 +79,12 @@ def main():
         b = breakdown(m, 64)
         print(f"- {m['name']}: {b['total_params']:.1f}B parameters; one expert {b['expert_mb']:.1f} MB in bf16; "
               f"KV {kv_bytes_per_token(m) / 1024:.1f} KiB per token in bf16"
-              + (f" (rackfill's expanded f32 MLA cache today: {kv_bytes_per_token(m, 4, True) / 2**20:.2f} MiB)"
+              + (f" (rackfill's expanded f32 MLA cache with --device cpu: {kv_bytes_per_token(m, 4, True) / 2**20:.2f} MiB)"
                  if m["attn"]["kind"] == "mla" else ""))
     print()
-    print("| model, EP | today, f32: GPU (home experts + slots) | today, f32: host (replicated) |")
+    print("With --device cpu (f32, host memory), per rank:")
+    print()
+    print("| model, EP | home experts + slots | replicated weights (plus KV) |")
     print("|:--|--:|--:|")
     for m in (QWEN3, DEEPSEEK_V3):
         for ranks in (64, 72):

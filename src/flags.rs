@@ -6,7 +6,8 @@
 //! | expert-parallel ranks | `--ep-size` | `--ep`, `--ranks` |
 //! | redundant expert slots per rank | `--redundant-slots` | `--slots` |
 //! | balancer (a comma list where a command compares several) | `--balancer` | `--algo`, `--balancers` |
-//! | MoE data plane (a comma list where a command compares several) | `--data-plane` | `--data-planes` |
+//! | how a step's MoE work overlaps (a comma list where a command compares several) | `--schedule` | |
+//! | replica slot memory (likewise) | `--slot-memory` | |
 //!
 //! Defaults come from the config types (`EpConfig::default()`, `ServerConfig::default()`, ...),
 //! never from literals in the clap attributes.

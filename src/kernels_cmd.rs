@@ -1,4 +1,4 @@
-//! `rackfill kernels ...`: the GPU data plane's command line.
+//! `rackfill kernels ...`: the GPU engine's kernels on the command line.
 //!
 //! - `check [--arch sm_90,sm_100]` compiles every CUDA kernel with NVRTC for each architecture;
 //!   no GPU is needed, so CI runs it and a kernel that does not compile fails the build;
@@ -7,7 +7,7 @@
 //!   changes the exit status;
 //! - `bench` measures the GPU figures of docs/gpu.md (GPU host only).
 //!
-//! All of it needs the GPU data plane of the default build; a binary built with
+//! All of it needs the GPU engine of the default build; a binary built with
 //! `--no-default-features` says so.
 
 use anyhow::Result;
@@ -58,7 +58,7 @@ mod imp {
 
     pub fn run(_cmd: KernelsCommand) -> Result<()> {
         bail!(
-            "this rackfill was built without the GPU data plane (--no-default-features): \
+            "this rackfill was built without the GPU engine (--no-default-features): \
              the default build (`cargo build --release`) has it"
         )
     }

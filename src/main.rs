@@ -62,7 +62,7 @@ enum Command {
     Bench(bench_cmd::BenchCommand),
     /// Serve the OpenAI-compatible API (the built-in model when --model is omitted).
     Serve(serve_cmd::ServeArgs),
-    /// GPU data plane: compile-check the CUDA kernels, probe the GPU, GPU benchmarks.
+    /// GPU engine: compile-check the CUDA kernels, probe the GPU, GPU benchmarks.
     #[command(subcommand)]
     Kernels(kernels_cmd::KernelsCommand),
     /// Rack-scale what-if: per-term step cost of balancers against the force-balanced ideal.

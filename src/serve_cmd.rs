@@ -106,8 +106,14 @@ pub struct ServeArgs {
     /// plane run there in bf16, weights read from the checkpoint straight to the device.
     #[arg(long, default_value = "auto")]
     pub(crate) device: String,
-    /// How each step's MoE work overlaps: `auto` (`pipelined` on a GPU, `ultraep` on the CPU,
-    /// where pipelining measured slower), `ultraep` (replicas, then dispatch and experts),
+    /// Where a GPU's quota plans are solved: `host` (the host planner, the plan uploaded; measured
+    /// faster on an H100) or `device` (the quota solver on the GPU, the relay planner reading the
+    /// plan where it is). Only with a GPU and a quota balancer.
+    #[arg(long, default_value = "host", value_parser = ["host", "device"])]
+    pub(crate) plan_on: String,
+    /// How each step's MoE work overlaps: `auto` (`ultraep`, measured fastest on the CPU and on
+    /// one GPU; the overlapping schedules are for racks whose replicas cross NVLink), `ultraep`
+    /// (replicas, then dispatch and experts),
     /// `pipelined` (dispatch and main experts while the replicas stream; each replica waits for
     /// its own slot), `two-batch` (each rank's sequences in two micro-batches, one communicating
     /// while the other computes, each with its own plan and replica slots), `overlapped` (both).
@@ -207,7 +213,7 @@ impl ServeArgs {
 }
 
 /// Engine and server settings from the flags, checked before anything is loaded (the GPU probe
-/// for `--data-plane auto` runs here, once).
+/// for `--device auto` runs here, once).
 pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
     if args.ep_size == Some(0) {
         bail!("--ep-size must be at least 1");
@@ -259,7 +265,17 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         bail!("--watchdog-timeout must be more than 0 seconds");
     }
     let (device, device_note) = model_device(&args.device)?;
-    let schedule = schedule(&args.schedule, device)?;
+    let schedule = schedule(&args.schedule)?;
+    let plan_on_device = args.plan_on == "device";
+    if plan_on_device && device == ModelDevice::Cpu {
+        bail!("--plan-on device solves plans on the GPU: the model runs {device_note}");
+    }
+    if plan_on_device && !matches!(args.balancer, Algo::Quota | Algo::QuotaPaper) {
+        bail!(
+            "--plan-on device: the GPU solves quota plans only; --balancer {} plans on the host",
+            args.balancer
+        );
+    }
     let engine = EngineConfig {
         device,
         ep: EpConfig {
@@ -271,6 +287,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
             reuse_tolerance: args
                 .reuse_tolerance
                 .map_or(EpConfig::default().reuse_tolerance, |t| t.0),
+            plan_on_device,
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {
@@ -504,13 +521,14 @@ pub(crate) fn model_device(arg: &str) -> Result<(ModelDevice, String)> {
     }
 }
 
-/// The schedule `--schedule` names for a model on `device`: `auto` pipelines the experts on a
-/// device (replicas stream beside the compute) and not on the CPU, whose cores would copy the
-/// replicas and compute at once (measured slower, docs/engine.md).
-pub(crate) fn schedule(arg: &str, device: ModelDevice) -> Result<Schedule> {
+/// The schedule `--schedule` names: `auto` is the one measured fastest wherever rackfill has
+/// been measured, `ultraep`: on the CPU, whose cores would copy replicas and compute at once, and
+/// on one GPU, where a step's replicas are device copies of about a millisecond and leave nothing
+/// to hide (pipelined 0.96x, two-batch 0.86x; docs/gpu.md). The overlapping schedules are for
+/// racks where replicas cross NVLink (`rackfill simulate` costs them).
+pub(crate) fn schedule(arg: &str) -> Result<Schedule> {
     match arg {
-        "auto" if device == ModelDevice::Cpu => Ok(Schedule::ULTRAEP),
-        "auto" => Ok(Schedule::PIPELINED),
+        "auto" => Ok(Schedule::ULTRAEP),
         other => other
             .parse::<Schedule>()
             .map_err(|e| anyhow::anyhow!("--schedule: {e}")),
@@ -647,9 +665,14 @@ mod tests {
         assert_eq!(engine.ep.schedule, Schedule::ULTRAEP);
         let (engine, _) = parse(&["--device", "cpu", "--schedule", "overlapped"]).unwrap();
         assert_eq!(engine.ep.schedule, Schedule::OVERLAPPED);
-        assert_eq!(
-            schedule("auto", ModelDevice::Emulator).unwrap(),
-            Schedule::PIPELINED
+        assert_eq!(schedule("auto").unwrap(), Schedule::ULTRAEP);
+        assert!(!parse(&[]).unwrap().0.ep.plan_on_device);
+        let err = parse(&["--device", "cpu", "--plan-on", "device"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--plan-on device solves plans on the GPU"),
+            "{err}"
         );
         let err = parse(&["--schedule", "three-batch"])
             .unwrap_err()

@@ -57,10 +57,10 @@ pub struct SimulateArgs {
               &simulated_balancers()))]
     balancer: Vec<Algo>,
     /// How a step's phases overlap: ultraep (one micro-batch, solve and replica streaming on the
-    /// critical path), two-batch (two micro-batches overlapping each other's compute and
-    /// communication), overlapped (two-batch and pipelined experts: dispatch and the main
-    /// experts' GEMMs do not wait for the replicas). Every run also reports all three
-    /// (the ablation).
+    /// critical path), pipelined (dispatch and the main experts' GEMMs do not wait for the
+    /// replicas), two-batch (two micro-batches overlapping each other's compute and
+    /// communication), overlapped (both). Every run also reports all four (the ablation); the
+    /// names `rackfill serve --schedule` runs.
     #[arg(long, default_value = "overlapped", value_parser = crate::flags::parse_schedule)]
     schedule: Schedule,
     /// Where replicas live between steps: shared (one set of slots for every MoE layer, each

@@ -90,7 +90,7 @@ fn a_bad_device_gets_one_line() {
 }
 
 /// `rackfill serve --device emulator` with every other default (EP 8 in one process, quota, the
-/// pipelined schedule) runs one MoE data plane, on the device, and uploads each of the built-in
+/// `ultraep` schedule) runs one MoE data plane, on the device, and uploads each of the built-in
 /// model's experts once: the home experts on the device are the 4 MoE layers x 32 experts x
 /// (3 x 128 x 64 bf16 values), and everything written from the host while loading fits in the
 /// checkpoint's own bytes (a bf16 checkpoint: nothing is uploaded twice).

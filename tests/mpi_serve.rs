@@ -209,6 +209,13 @@ fn processes_on_devices_equal_one_process_on_a_device() {
         ];
         let group = Group::start(3, &flags, &[]);
         let spread = group.complete_all(&requests);
+        // The leader reports where its MoE layers ran: on its device, bytes to other
+        // processes through the host.
+        let metrics = group.metrics();
+        assert!(
+            metrics.contains("rackfill:moe_data_path{path=\"host\"} 1"),
+            "{metrics}"
+        );
         group.stop_with_sigterm();
         assert_same_completions(
             &format!("-np 3 on the emulator, {schedule}, vs one process on it"),

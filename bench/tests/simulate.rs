@@ -388,8 +388,8 @@ fn overlapping_micro_batches_hides_balancing_behind_compute() {
         .iter()
         .map(|s| s.schedule.as_str())
         .collect();
-    assert_eq!(names, ["ultraep", "two-batch", "overlapped"]);
-    let (ultraep, overlapped) = (&r.ideal.schedules[0], &r.ideal.schedules[2]);
+    assert_eq!(names, ["ultraep", "pipelined", "two-batch", "overlapped"]);
+    let (ultraep, overlapped) = (&r.ideal.schedules[0], &r.ideal.schedules[3]);
     assert!(close(r.ideal.step_ms, overlapped.step_ms));
     assert!(
         overlapped.step_ms < ultraep.step_ms,
@@ -403,7 +403,7 @@ fn overlapping_micro_batches_hides_balancing_behind_compute() {
         "{overlapped:?} vs {compute_ms}"
     );
     for b in &r.balancers {
-        let (serial, best) = (&b.schedules[0], &b.schedules[2]);
+        let (serial, best) = (&b.schedules[0], &b.schedules[3]);
         assert!(close(b.fraction_of_ideal, best.fraction_of_ideal));
         assert!(close(
             b.speedup_over_ultraep,
@@ -422,12 +422,12 @@ fn overlapping_micro_batches_hides_balancing_behind_compute() {
     let quota = &r.balancers[0];
     // Each micro-batch has its own plan and replicas: the two together move more than one plan.
     assert!(
-        quota.schedules[2].replica_mb_busiest_mean > quota.schedules[0].replica_mb_busiest_mean
+        quota.schedules[3].replica_mb_busiest_mean > quota.schedules[0].replica_mb_busiest_mean
     );
     let json = serde_json::to_value(&r).unwrap();
     assert_eq!(
         json["balancers"][0]["schedules"].as_array().unwrap().len(),
-        3
+        4
     );
 }
 
@@ -1084,7 +1084,7 @@ fn costing_the_chosen_schedule_only_gives_the_same_step() {
                 chosen.step(&batch, &loads).unwrap(),
             );
             for (a, o) in all.iter().zip(&only) {
-                for (i, sched) in Schedule::ABLATION.iter().enumerate() {
+                for (i, sched) in Schedule::ALL.iter().enumerate() {
                     if sched.micro_batches == schedule.micro_batches {
                         assert_eq!(a.schedules[i], o.schedules[i], "{}", sched.name());
                     } else {

@@ -40,9 +40,7 @@ mod planning;
 mod step;
 
 use backend::Backend;
-use config::{
-    check_group, check_home_experts, check_schedule, home_layout, plane_config, planners,
-};
+use config::{check_config, check_group, check_home_experts, home_layout, plane_config, planners};
 pub use config::{EpConfig, LayerReport, SlotLayout, StepOutput};
 use planning::{Comm, Reports};
 
@@ -76,7 +74,7 @@ impl EpRuntime {
         config: EpConfig,
         fabric: Box<dyn Fabric>,
     ) -> Result<Self> {
-        check_schedule(&config)?;
+        check_config(&config, false)?;
         let local = fabric.local_ranks();
         check_group(&config, &*fabric)?;
         let layout = home_layout(model.config(), &config)?;
@@ -154,7 +152,7 @@ impl EpRuntime {
         fabric: Box<dyn Fabric>,
         kv_tokens_per_rank: usize,
     ) -> Result<Self> {
-        check_schedule(&config)?;
+        check_config(&config, true)?;
         check_group(&config, &*fabric)?;
         let mc = &model.config;
         let layout = home_layout(mc, &config)?;

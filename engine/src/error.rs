@@ -28,9 +28,9 @@ pub enum EngineError {
     /// The data plane refused a transfer or permutation.
     #[error("data plane: {0}")]
     Kernel(#[from] KernelError),
-    /// The GPU data plane could not start or failed (no device, a kernel that does not load, a
-    /// device error during a layer).
-    #[error("GPU data plane: {0}")]
+    /// The device could not start or failed (no device, a kernel that does not load, a device
+    /// error during a layer).
+    #[error("GPU: {0}")]
     Gpu(String),
     /// Rank-to-rank movement failed (mismatched rank counts, a message of the wrong shape).
     #[error("fabric: {0}")]

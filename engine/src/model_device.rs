@@ -1,8 +1,9 @@
 //! Where a rank's model runs: the CPU (candle, f32; the reference) or a GPU (the whole model in
-//! bf16 on rackfill's CUDA kernels, `rackfill_models::gpu`), whatever runs the MoE data plane.
+//! bf16 on rackfill's CUDA kernels, `rackfill_models::gpu`, its MoE layers on the device's data
+//! plane, `rackfill_kernels::cuda::moe`).
 
-/// The device of every rank's embedding, attention, norms, dense MLPs, shared experts and LM
-/// head (the routed experts run on the MoE data plane, `DataPlane`).
+/// The device of every rank's model: embedding, attention, norms, dense MLPs, shared experts,
+/// LM head, and the routed experts with their MoE data plane.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ModelDevice {
     #[default]

@@ -542,6 +542,17 @@ fn three_micro_batches_are_refused() {
     assert!(err.contains("1 or 2 micro-batches, not 3"), "{err}");
 }
 
+/// Plans solved on the device need a device, and a quota balancer for its solver.
+#[test]
+fn plans_on_the_device_need_a_device() {
+    let config = EpConfig {
+        plan_on_device: true,
+        ..EpConfig::default()
+    };
+    let err = EpRuntime::new(builtin(), config).err().expect("refused");
+    assert!(err.to_string().contains("need the model on one"), "{err}");
+}
+
 /// One process per group of ranks: EP 4 split over three runtimes holding ranks {0}, {1, 2} and
 /// {3}, each on its own thread over one in-process fabric group, exactly as processes of one MPI
 /// job would run. Together they compute the dense logits, and every process reports the layers
@@ -891,7 +902,7 @@ fn device_run(
 
 /// The runtime on a device (the host emulator, and GPU 0 on a GPU host) against the device's
 /// dense path, within [`DEVICE_TOLERANCE`]: the built-in model at EP 1, 3 and 8 with every
-/// balancer; at EP 3 every schedule (replicas first, pipelined experts with per-slot waits, two
+/// balancer (quota plans solved on the device); at EP 3 every schedule (replicas first, pipelined experts with per-slot waits, two
 /// micro-batches on two lanes, both) with shared and per-layer slots; fixtures with shared
 /// experts and dense layers; and EP 4 split over three "processes" whose rows, outputs and
 /// replicas cross through the fabric. Every replica slot holds its expert's bf16 weights, every
@@ -913,10 +924,13 @@ fn the_device_runtime_matches_the_device_dense_path_in_every_configuration() {
         let mut cases: Vec<(EpConfig, Vec<std::ops::Range<usize>>)> = Vec::new();
         for ep_size in [1, 3, 8] {
             for balancer in Algo::ALL {
+                // The quota balancers' plans solved on the device (the other balancers and
+                // the cases below plan on the host and upload).
                 let config = EpConfig {
                     ep_size,
                     balancer,
                     schedule: Schedule::PIPELINED,
+                    plan_on_device: matches!(balancer, Algo::Quota | Algo::QuotaPaper),
                     ..EpConfig::default()
                 };
                 cases.push((config, std::iter::once(0..ep_size).collect()));

@@ -3,8 +3,9 @@
 // `plan_tiles` builds the load-aware two-stage relay trees and compiles the chunked copies into
 // the tile tasks `tile_stream` (replicate.cu) consumes, so nothing travels to the host between
 // the solver and the weight streaming. It reproduces rackfill_balancer::relay::plan_transfers
-// followed by rackfill_kernels::cuda::tiles::compile entry for entry (tests/cuda_emulated.rs
-// compares them on random plans).
+// followed by rackfill_kernels::cuda::tiles::compile entry for entry
+// (kernels/tests/device_kernels/tiles.rs compares them on random plans, on every executor: the
+// host emulator in CI, the GPU where there is one).
 //
 // One block, latency first: the plan's instance arrays and every scratch array live in one arena,
 // in shared memory whenever it fits (the host decides, TilePlanner::new), so the sequential steps

@@ -77,7 +77,7 @@ struct Timeline<'a> {
     busy_ms: f64,
     rng: StdRng,
     done: bool,
-    /// The spec's schedule, as an index into [`Schedule::ABLATION`] (what a step lasts).
+    /// The spec's schedule, as an index into [`Schedule::ALL`] (what a step lasts).
     schedule: usize,
 }
 
@@ -252,10 +252,10 @@ pub fn run_requests(
                 busy_ms: 0.0,
                 rng: StdRng::seed_from_u64(spec.seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                 done: false,
-                schedule: Schedule::ABLATION
+                schedule: Schedule::ALL
                     .iter()
                     .position(|s| *s == spec.schedule)
-                    .unwrap_or(Schedule::ABLATION.len() - 1),
+                    .unwrap_or(Schedule::ALL.len() - 1),
             });
         }
     }

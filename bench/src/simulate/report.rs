@@ -106,7 +106,7 @@ pub struct BalancerReport {
     pub replica_mb_busiest_mean: f64,
     /// Solve time per layer as charged (0 for `none`).
     pub solve_us_mean: f64,
-    /// Every schedule of the ablation: UltraEP's, + two-batch overlap, + pipelined experts.
+    /// Every schedule of the ablation: UltraEP's, pipelined experts, two-batch overlap, both.
     pub schedules: Vec<ScheduleReport>,
     #[serde(skip)]
     pub step_ms_series: Vec<f64>,

@@ -42,7 +42,7 @@ pub struct SimSpec {
     pub chunk_tokens: u64,
     pub seed: u64,
     /// How a step's phases overlap (`--schedule`); the report's headline figures are this
-    /// schedule's, the ablation covers every one of [`Schedule::ABLATION`].
+    /// schedule's, the ablation covers every one of [`Schedule::ALL`].
     pub schedule: Schedule,
     /// Where replicas live between steps (`--slot-memory`).
     pub slot_memory: SlotMemory,
@@ -95,9 +95,9 @@ impl SimSpec {
                 self.sim_layers
             ));
         }
-        if !Schedule::ABLATION.contains(&self.schedule) {
+        if !Schedule::ALL.contains(&self.schedule) {
             return bad(format!(
-                "schedule {} is not one the simulator costs (ultraep, two-batch, overlapped)",
+                "schedule {} is not one the simulator costs (ultraep, pipelined, two-batch, overlapped)",
                 self.schedule.name()
             ));
         }

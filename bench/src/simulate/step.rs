@@ -1,7 +1,7 @@
 //! Costing steps: every balancer plans every simulated layer on the step's routing (the real
 //! planners, validated), once on the whole step and once per micro-batch of its two-way split,
 //! and each plan is costed phase by phase; the step's time is the makespan of those phases under
-//! every schedule of [`Schedule::ABLATION`] (`rackfill_engine::rack_cost::step_schedule`), beside
+//! every schedule of [`Schedule::ALL`] (`rackfill_engine::rack_cost::step_schedule`), beside
 //! the force-balanced ideal under the same schedule.
 
 use super::cost::{Segment, Terms};
@@ -29,7 +29,7 @@ struct AlgoState {
     previous_slots: Vec<Vec<Option<Vec<Option<u32>>>>>,
 }
 
-/// One step under one schedule of [`Schedule::ABLATION`].
+/// One step under one schedule of [`Schedule::ALL`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ScheduledStep {
     /// Work of each term (every micro-batch's phases summed), ms.
@@ -44,8 +44,8 @@ pub struct ScheduledStep {
 /// What one algorithm cost in one step.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AlgoStep {
-    /// Per schedule of [`Schedule::ABLATION`].
-    pub schedules: [ScheduledStep; 3],
+    /// Per schedule of [`Schedule::ALL`].
+    pub schedules: [ScheduledStep; 4],
     /// Means over the simulated layers (and micro-batches) of the spec's schedule.
     pub imbalance_before: f64,
     pub imbalance_after: f64,
@@ -54,17 +54,17 @@ pub struct AlgoStep {
     pub solve_us: f64,
 }
 
-/// The ideal's step under every schedule of [`Schedule::ABLATION`].
+/// The ideal's step under every schedule of [`Schedule::ALL`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct IdealStep {
-    pub schedules: [ScheduledStep; 3],
+    pub schedules: [ScheduledStep; 4],
 }
 
 /// Steps a set of balancers through routing, costing each step (one planner per simulated layer,
 /// planner slot and balancer, the ideal beside them).
 pub struct StepCoster<'a> {
     spec: &'a SimSpec,
-    /// Cost every schedule of [`Schedule::ABLATION`] (the throughput report's ablation), or only
+    /// Cost every schedule of [`Schedule::ALL`] (the throughput report's ablation), or only
     /// the spec's (request mode: the other micro-batch count is never planned).
     ablation: bool,
     /// Load matrices every step brings (one planner per layer and algorithm).
@@ -163,7 +163,7 @@ impl<'a> StepCoster<'a> {
             phases
         });
         let mut ideal = IdealStep::default();
-        for (out, schedule) in ideal.schedules.iter_mut().zip(Schedule::ABLATION) {
+        for (out, schedule) in ideal.schedules.iter_mut().zip(Schedule::ALL) {
             let per_micro = &variants[schedule.micro_batches - 1];
             // Every MoE layer alike: one simulated layer standing for all of them.
             let moe = vec![per_micro.iter().map(|p| p[0]).collect()];
@@ -256,7 +256,7 @@ impl<'a> StepCoster<'a> {
                     costed.push(layers);
                 }
                 let mut result = AlgoStep::default();
-                for (out, schedule) in result.schedules.iter_mut().zip(Schedule::ABLATION) {
+                for (out, schedule) in result.schedules.iter_mut().zip(Schedule::ALL) {
                     let n = schedule.micro_batches - 1;
                     if !needed[n] {
                         continue;

@@ -69,13 +69,13 @@ pub fn run_throughput(
 }
 
 /// Running sums over the steps of a throughput simulation, per schedule of
-/// [`Schedule::ABLATION`].
+/// [`Schedule::ALL`].
 struct Totals {
     steps: usize,
-    ideal: [TimedTerms; 3],
+    ideal: [TimedTerms; 4],
     ideal_imbalance: f64,
     /// Per balancer, in the spec's order: its steps under each schedule and its other figures.
-    algos: Vec<[TimedTerms; 3]>,
+    algos: Vec<[TimedTerms; 4]>,
     stats: Vec<AlgoStep>,
 }
 
@@ -111,13 +111,13 @@ impl Totals {
         let spec = &run.spec;
         let n = self.steps as f64;
         let moe_layers = spec.shape.moe_layers() as f64;
-        let chosen = Schedule::ABLATION
+        let chosen = Schedule::ALL
             .iter()
             .position(|s| *s == spec.schedule)
             .expect("the spec's schedule is one of the ablation's (validated)");
         let ultraep = 0;
-        let per_schedule = |acc: &[TimedTerms; 3]| -> Vec<ScheduleReport> {
-            Schedule::ABLATION
+        let per_schedule = |acc: &[TimedTerms; 4]| -> Vec<ScheduleReport> {
+            Schedule::ALL
                 .iter()
                 .zip(acc)
                 .zip(&self.ideal)

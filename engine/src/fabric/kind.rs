@@ -14,7 +14,7 @@ pub enum FabricKind {
     Auto,
     /// MPI (the system OpenMPI) on the CPU: host buffers, every host.
     Mpi,
-    /// NCCL between the processes' GPUs (one GPU per process); needs the GPU data plane and
+    /// NCCL between the processes' GPUs (one GPU per process); needs the GPU build (feature `cuda`) and
     /// the NCCL runtime, and fails at start without them.
     Nccl,
 }

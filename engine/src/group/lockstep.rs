@@ -475,6 +475,8 @@ impl Lockstep {
             metrics::record_step(&summary.output, tokens, *took);
             record_routing(&mut leader.recorder, leader.step, &summary.output);
             leader.step += 1;
+            // The leader's own placement: every process of a group runs the same backend.
+            metrics::record_placement(self.runtime.data_path(), self.runtime.device_weight_bytes());
         }
         match failed {
             Some((rank, why)) => Err(EngineError::Fabric(format!(

@@ -19,8 +19,8 @@ use crate::error::{EngineError, Result};
 use crate::fabric::{Fabric, Message, ReplicaBuffers};
 
 /// The device plane for `layout`'s `local` ranks over `homes` (their home experts, already in
-/// device memory), `(hidden, inter)` the experts' dimensions. Quota balancers solve on the
-/// device; every other balancer plans on the host.
+/// device memory), `(hidden, inter)` the experts' dimensions. With `plan_on_device` the quota
+/// balancers solve on the device; every other plan comes from the host.
 pub(crate) fn open_device_plane(
     exec: Arc<dyn Executor>,
     (layout, local): (&Layout, Range<usize>),
@@ -29,6 +29,7 @@ pub(crate) fn open_device_plane(
     config: &PlaneConfig,
 ) -> Result<DeviceMoe> {
     let device_solver = match config.balancer {
+        _ if !config.plan_on_device => None,
         Algo::Quota => Some((config.u_min, TargetRule::BestFit)),
         Algo::QuotaPaper => Some((config.u_min, TargetRule::LargestSlack)),
         _ => None,

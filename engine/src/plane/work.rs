@@ -28,8 +28,9 @@ pub struct PhaseTimes {
 pub(crate) struct PlaneConfig {
     /// Relay trees replicas are streamed over.
     pub relay: RelayConfig,
-    /// The balancer: a plane that can solve its plans on its own device does so.
     pub balancer: Algo,
+    /// A device plane solves the quota balancers' plans on its device.
+    pub plan_on_device: bool,
     /// The balancer's smallest replica quota (a device solver needs it too).
     pub u_min: u64,
     /// Check what the plane built on a device against the host reference (slow; tests).

@@ -1,8 +1,8 @@
 //! The host emulator as an [`Executor`]: every CUDA source ([`nvrtc::SOURCES`]) compiled by the
 //! host's C++ compiler against `kernels/emulator/emu.h` into a shared library, loaded into this
 //! process. Device memory is host memory (shared anonymous mappings, so that the processes of a
-//! concurrent grid see it), a launch runs its blocks one after another (one std::thread per CUDA
-//! thread), or all at once as forked processes ([`EmulatorSettings::concurrent_blocks`]), and a
+//! concurrent grid see it), a launch runs its blocks one after another (each CUDA thread a fiber,
+//! switched at barriers and warp operations), or all at once as forked processes ([`EmulatorSettings::concurrent_blocks`]), and a
 //! GEMM is a plain f32-accumulating loop (in the library too) standing in for cuBLAS. Every call runs to completion
 //! before it returns, so streams are names and events timestamps.
 //!

@@ -1,7 +1,7 @@
 //! Running the kernels: one [`Executor`] interface with two implementations, the GPU
 //! ([`GpuExecutor`]: NVRTC-compiled kernels through the driver API, cuBLAS for GEMMs, streams and
 //! events) and the host emulator ([`Emulator`]: the same CUDA C sources compiled as C++ and run
-//! on the CPU, a reference GEMM in Rust). Code written against [`Executor`] (the GPU model in
+//! on the CPU, a reference GEMM in the same library). Code written against [`Executor`] (the GPU model in
 //! `rackfill-models`, the MoE data plane in [`super::moe`]) therefore runs unchanged, and is
 //! checked, on machines without a GPU. cudarc's types appear only beneath it.
 //!
