@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from shard_rss import tensor_shapes  # scripts/: the same Qwen3-MoE tensor list
+
 ROOT = Path(__file__).resolve().parent.parent
 
 HIDDEN, EXPERTS, MOE_INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 128, 768, 32, 4, 128, 151936
@@ -59,32 +61,7 @@ def config(layers):
 
 def tensors(layers):
     """(name, shape) of every tensor, as transformers names Qwen3-MoE's."""
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    out = [
-        ("model.embed_tokens.weight", [VOCAB, HIDDEN]),
-        ("model.norm.weight", [HIDDEN]),
-        ("lm_head.weight", [VOCAB, HIDDEN]),
-    ]
-    for layer in range(layers):
-        p = f"model.layers.{layer}"
-        out += [
-            (f"{p}.input_layernorm.weight", [HIDDEN]),
-            (f"{p}.post_attention_layernorm.weight", [HIDDEN]),
-            (f"{p}.self_attn.q_proj.weight", [q, HIDDEN]),
-            (f"{p}.self_attn.k_proj.weight", [kv, HIDDEN]),
-            (f"{p}.self_attn.v_proj.weight", [kv, HIDDEN]),
-            (f"{p}.self_attn.o_proj.weight", [HIDDEN, q]),
-            (f"{p}.self_attn.q_norm.weight", [HEAD_DIM]),
-            (f"{p}.self_attn.k_norm.weight", [HEAD_DIM]),
-            (f"{p}.mlp.gate.weight", [EXPERTS, HIDDEN]),
-        ]
-        for e in range(EXPERTS):
-            out += [
-                (f"{p}.mlp.experts.{e}.gate_proj.weight", [MOE_INTER, HIDDEN]),
-                (f"{p}.mlp.experts.{e}.up_proj.weight", [MOE_INTER, HIDDEN]),
-                (f"{p}.mlp.experts.{e}.down_proj.weight", [HIDDEN, MOE_INTER]),
-            ]
-    return out
+    return tensor_shapes(config(layers))
 
 
 def size(shape):

@@ -78,6 +78,8 @@ def tensor_shapes(cfg):
     d = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     shapes = [("model.embed_tokens.weight", [v, h]), ("model.norm.weight", [h])]
+    if not cfg.get("tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", [v, h]))
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         shapes += [

@@ -463,30 +463,20 @@ fn send(
         (ModelRef::Device(device), Lane::Device(lane)) => {
             let resident = device.resident(lane, layer);
             let lane: &mut rackfill_kernels::cuda::moe::MoeLane = lane;
-            if lane.has_solver() {
-                let mut solve = |load: &LoadMatrix| {
-                    device.solve(lane, layer, load)?.ok_or_else(|| {
-                        EngineError::Config(format!("layer {layer}: no device solver"))
-                    })
-                };
-                comm.plan_layer(
-                    layer,
-                    &flight.counts,
-                    PlaneSide {
-                        device_solve: Some(&mut solve),
-                        resident,
-                    },
-                )?
-            } else {
-                comm.plan_layer(
-                    layer,
-                    &flight.counts,
-                    PlaneSide {
-                        device_solve: None,
-                        resident,
-                    },
-                )?
-            }
+            let on_device = lane.has_solver();
+            let mut solve = |load: &LoadMatrix| {
+                device
+                    .solve(lane, layer, load)?
+                    .ok_or_else(|| EngineError::Config(format!("layer {layer}: no device solver")))
+            };
+            comm.plan_layer(
+                layer,
+                &flight.counts,
+                PlaneSide {
+                    device_solve: if on_device { Some(&mut solve) } else { None },
+                    resident,
+                },
+            )?
         }
         #[cfg(feature = "cuda")]
         _ => return Err(other_backend()),

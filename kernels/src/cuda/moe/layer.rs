@@ -132,6 +132,24 @@ impl LayerTiming {
 }
 
 impl MoeLane {
+    /// The layer's plan in device memory: the uploaded host plan, else the one the device
+    /// solver left.
+    fn device_plan<'a>(
+        &'a self,
+        uploaded: Option<&'a DevicePlan>,
+    ) -> Result<&'a DevicePlan, CudaError> {
+        match uploaded {
+            Some(plan) => Ok(plan),
+            None => Ok(self
+                .solver
+                .as_ref()
+                .ok_or(KernelError::ZeroDimension {
+                    what: "device solver",
+                })?
+                .device_plan()),
+        }
+    }
+
     fn steps(&self) -> Steps<'_> {
         Steps {
             exec: self.shared.exec.as_ref(),
@@ -305,16 +323,7 @@ impl MoeLane {
         }
         let begin = exec.record(self.main)?;
         let routes = Routes::new(plan, load)?;
-        let device_plan = match &uploaded {
-            Some(plan) => plan,
-            None => self
-                .solver
-                .as_ref()
-                .ok_or(KernelError::ZeroDimension {
-                    what: "device solver",
-                })?
-                .device_plan(),
-        };
+        let device_plan = self.device_plan(uploaded.as_ref())?;
         let steps = self.steps();
         let mut sent = Vec::with_capacity(shared.local.len());
         for (index, (pairs, occurrence)) in rows.rank_pairs().zip(&counted.occurrence).enumerate() {
@@ -453,16 +462,7 @@ impl MoeLane {
         let shared = &self.shared;
         let exec = shared.exec.as_ref();
         let begin = exec.record(self.main)?;
-        let device_plan = match &flight.uploaded {
-            Some(plan) => plan,
-            None => self
-                .solver
-                .as_ref()
-                .ok_or(KernelError::ZeroDimension {
-                    what: "device solver",
-                })?
-                .device_plan(),
-        };
+        let device_plan = self.device_plan(flight.uploaded.as_ref())?;
         let n_instances = (0..flight.plan.experts())
             .map(|e| flight.plan.instances(e).len())
             .sum();
