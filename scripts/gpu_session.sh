@@ -47,7 +47,7 @@ fi
 if has serve; then
   # A Qwen3-30B-A3B-shaped checkpoint (random bf16 weights, few layers), loaded straight to the
   # GPU (peak host memory measured), then served with the defaults (--device auto: the GPU, EP 8,
-  # quota, the pipelined schedule) and driven by bench serve: prompt tokens/s and device memory.
+  # quota, the ultraep schedule) and driven by bench serve: prompt tokens/s and device memory.
   layers=${RACKFILL_SESSION_LAYERS:-4}
   dir=/tmp/rackfill-session/qwen3-30b-a3b-shape-$layers-layers
   python3 scripts/load_memory.py --layers "$layers" --dir /tmp/rackfill-session --keep --gpu \

@@ -128,7 +128,8 @@ pub(super) fn plane_config(config: &EpConfig, device: bool) -> PlaneConfig {
 }
 
 /// Fails unless the schedule runs 1 or 2 micro-batches, and unless plans solved on the device
-/// have a device (`on_device`) and a quota balancer to solve them.
+/// have a device (`on_device`) and a quota balancer to solve them; warns when the CPU runs a
+/// schedule as a simpler one.
 pub(super) fn check_config(config: &EpConfig, on_device: bool) -> Result<()> {
     config.schedule.check().map_err(EngineError::Config)?;
     if config.plan_on_device && !on_device {
@@ -141,6 +142,14 @@ pub(super) fn check_config(config: &EpConfig, on_device: bool) -> Result<()> {
             "the device solves quota plans only; balancer {} plans on the host",
             config.balancer
         )));
+    }
+    let schedule = config.schedule;
+    if !on_device && schedule.pipelined_experts && schedule.micro_batches > 1 {
+        tracing::warn!(
+            "schedule {}: on the CPU the experts of two micro-batches are not pipelined; \
+             it runs as two-batch",
+            schedule.name()
+        );
     }
     Ok(())
 }

@@ -240,8 +240,9 @@ fn rank_needs(stream: &TileStream, ranks: usize) -> Vec<RankNeeds> {
     needs
 }
 
-/// The bytes of task structs as the kernel reads them.
-pub(crate) fn task_bytes(tasks: &[TileTask]) -> Vec<u8> {
+/// The bytes of task structs as the kernels read and write them (`replicate.cu`, 48 bytes a
+/// task): what a host-built stream uploads and a test launching the kernels by hand passes.
+pub fn task_bytes(tasks: &[TileTask]) -> Vec<u8> {
     tasks
         .iter()
         .flat_map(|t| {
@@ -264,8 +265,8 @@ pub(crate) fn task_bytes(tasks: &[TileTask]) -> Vec<u8> {
         .collect()
 }
 
-/// The bytes of destination structs as the kernel reads them.
-pub(crate) fn dst_bytes(dsts: &[TileDst]) -> Vec<u8> {
+/// The bytes of destination structs as the kernels read and write them (16 bytes each).
+pub fn dst_bytes(dsts: &[TileDst]) -> Vec<u8> {
     dsts.iter()
         .flat_map(|d| {
             d.offset
@@ -277,8 +278,8 @@ pub(crate) fn dst_bytes(dsts: &[TileDst]) -> Vec<u8> {
         .collect()
 }
 
-/// Task structs from the bytes the kernel wrote.
-pub(crate) fn tasks_from_bytes(bytes: &[u8]) -> Vec<TileTask> {
+/// Task structs from the bytes a kernel wrote (`plan_tiles`): the inverse of [`task_bytes`].
+pub fn tasks_from_bytes(bytes: &[u8]) -> Vec<TileTask> {
     bytes
         .chunks_exact(std::mem::size_of::<TileTask>())
         .map(|b| {
@@ -300,8 +301,8 @@ pub(crate) fn tasks_from_bytes(bytes: &[u8]) -> Vec<TileTask> {
         .collect()
 }
 
-/// Destination structs from the bytes the kernel wrote.
-pub(crate) fn dsts_from_bytes(bytes: &[u8]) -> Vec<TileDst> {
+/// Destination structs from the bytes a kernel wrote: the inverse of [`dst_bytes`].
+pub fn dsts_from_bytes(bytes: &[u8]) -> Vec<TileDst> {
     bytes
         .chunks_exact(std::mem::size_of::<TileDst>())
         .map(|b| TileDst {

@@ -17,10 +17,13 @@ use rackfill_balancer::{Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
 use rackfill_kernels::cuda::exec::{
     DeviceBuffer, Emulator, EmulatorSettings, Executor, ExecutorExt, KernelArg, Launch, Stream,
 };
-use rackfill_kernels::cuda::replicate::{DeviceTileStream, LandedBytes, RankBuffers};
+use rackfill_kernels::cuda::replicate::{
+    dst_bytes, dsts_from_bytes, task_bytes, tasks_from_bytes, DeviceTileStream, LandedBytes,
+    RankBuffers,
+};
 use rackfill_kernels::cuda::solver::DeviceQuotaSolver;
 use rackfill_kernels::cuda::tile_plan::{TileGeometry, TilePlanParams, TilePlanner};
-use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileDst, TileStream, TileTask, SRC_HOME};
+use rackfill_kernels::cuda::tiles::{self, BufferLayout, TileStream, SRC_HOME};
 use rackfill_kernels::cuda::{CudaError, DevicePlan, PlanArrays, TilePlanFault};
 use rackfill_kernels::{distribute_replicas_sequential, KernelError, TransferFault};
 use std::sync::Arc;
@@ -326,71 +329,6 @@ fn bad_schedules_and_layouts_are_refused() {
 // ---------------------------------------------------------------------------------------------
 // plan_tiles: the relay trees and tile tasks built on the device.
 
-/// The task structs' bytes, as `replicate.cu` lays them out.
-fn task_bytes(tasks: &[TileTask]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(48 * tasks.len());
-    for t in tasks {
-        out.extend(t.src_offset.to_le_bytes());
-        out.extend(t.tile_offset.to_le_bytes());
-        for w in [
-            t.src_rank,
-            t.src_kind,
-            t.len,
-            t.dst_begin,
-            t.n_dst,
-            t.wait_flag as u32,
-            t.wait_target,
-            t.reserved,
-        ] {
-            out.extend(w.to_le_bytes());
-        }
-    }
-    out
-}
-
-fn dst_bytes(dsts: &[TileDst]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 * dsts.len());
-    for d in dsts {
-        out.extend(d.offset.to_le_bytes());
-        out.extend(d.rank.to_le_bytes());
-        out.extend(d.ready_flag.to_le_bytes());
-    }
-    out
-}
-
-fn tasks_from(bytes: &[u8]) -> Vec<TileTask> {
-    bytes
-        .chunks_exact(48)
-        .map(|b| {
-            let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
-            let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-            TileTask {
-                src_offset: u64_at(0),
-                tile_offset: u64_at(8),
-                src_rank: u32_at(16),
-                src_kind: u32_at(20),
-                len: u32_at(24),
-                dst_begin: u32_at(28),
-                n_dst: u32_at(32),
-                wait_flag: u32_at(36) as i32,
-                wait_target: u32_at(40),
-                reserved: u32_at(44),
-            }
-        })
-        .collect()
-}
-
-fn dsts_from(bytes: &[u8]) -> Vec<TileDst> {
-    bytes
-        .chunks_exact(16)
-        .map(|b| TileDst {
-            offset: u64::from_le_bytes(b[0..8].try_into().unwrap()),
-            rank: u32::from_le_bytes(b[8..12].try_into().unwrap()),
-            ready_flag: i32::from_le_bytes(b[12..16].try_into().unwrap()),
-        })
-        .collect()
-}
-
 /// Bytes after a global arena that `plan_tiles` must never write.
 const CANARY: usize = 64;
 
@@ -449,8 +387,8 @@ fn launch_plan_tiles(
         assert_eq!(&header[1..], &[0, 0, 0], "a failed plan reports no tasks");
         return Err(TilePlanFault::from_status(header[0]));
     }
-    let tasks = tasks_from(&read_bytes(exec, &tasks, 48 * header[1] as usize));
-    let dsts = dsts_from(&read_bytes(exec, &dsts, 16 * header[2] as usize));
+    let tasks = tasks_from_bytes(&read_bytes(exec, &tasks, 48 * header[1] as usize));
+    let dsts = dsts_from_bytes(&read_bytes(exec, &dsts, 16 * header[2] as usize));
     Ok(TileStream {
         stored_bytes: tasks
             .iter()
