@@ -163,3 +163,61 @@ __device__ float block_sum_f32(float v, float* scratch) {
     __syncthreads();
     return total;
 }
+
+// Tensor-core building blocks (sm_80 and newer), one warp at a time; fragment layouts are the
+// PTX ISA's ("Matrix Fragments for mma.m16n8k16", "ldmatrix"). The host emulator (emu.h) runs
+// its own warp-level versions of the same five operations.
+//
+// - mma_bf16_16816: D (16x8 f32) += A (16x16 bf16, row-major) . B (16x8 bf16, column-major).
+//   Lane l (group g = l / 4, t = l % 4) holds A's rows g and g + 8, columns 2t, 2t + 1 and
+//   2t + 8, 2t + 9 (a[0]: row g, a[1]: row g + 8, a[2], a[3]: the same rows 8 columns on);
+//   B's rows 2t, 2t + 1 (b[0]) and 2t + 8, 2t + 9 (b[1]) of column g; D's rows g (d[0], d[1])
+//   and g + 8 (d[2], d[3]) at columns 2t, 2t + 1.
+// - ldmatrix_x4: four 8x8 bf16 matrices from shared memory, lanes 8i .. 8i + 7 giving the
+//   addresses of matrix i's rows (16 bytes each, 16-byte aligned); r[i] holds row l / 4,
+//   columns 2(l % 4), 2(l % 4) + 1 of matrix i: an A or B fragment. ldmatrix_x4_trans gives
+//   the transposed matrices (rows 2(l % 4), 2(l % 4) + 1 of column l / 4).
+// - cp_async_16: 16 bytes global -> shared without passing through registers, zeros when
+//   `full` is false; visible only after cp_async_wait<N> (all but the N newest groups landed).
+#ifndef RACKFILL_HOST_EMULATOR
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(full ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// Two floats as the packed bf16 pair of an A fragment register (low half: `lo`).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}

@@ -50,32 +50,6 @@ inline u64 global_ns() { return host_ns(); }
 #define TILE_STALL_NS 5000000000ull
 #endif
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-#if __CUDA_ARCH__ >= 800
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-    *(uint4*)smem = *(const uint4*)gmem;
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most `pending` committed groups are still in flight.
-__device__ __forceinline__ void cp_async_wait(bool keep_one) {
-#if __CUDA_ARCH__ >= 800
-    if (keep_one) {
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    } else {
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    }
-#endif
-}
-
 __device__ __forceinline__ const u8* task_source(const TileTask& t, const u64* home_base, const u64* slot_base) {
     const u64 base = t.src_kind == 0 ? home_base[t.src_rank] : slot_base[t.src_rank];
     return (const u8*)(base + t.src_offset);
@@ -86,7 +60,7 @@ __device__ __forceinline__ const u8* task_source(const TileTask& t, const u64* h
 __device__ void issue_load(const TileTask& t, const u64* home_base, const u64* slot_base, u8* stage) {
     const u8* src = task_source(t, home_base, slot_base);
     const u32 body = ((u64)src & 15ull) == 0 ? t.len & ~15u : 0;
-    for (u32 i = threadIdx.x; i < body / 16; i += blockDim.x) cp_async_16(stage + 16 * i, src + 16 * i);
+    for (u32 i = threadIdx.x; i < body / 16; i += blockDim.x) cp_async_16(stage + 16 * i, src + 16 * i, true);
     for (u32 i = body + threadIdx.x; i < t.len; i += blockDim.x) stage[i] = src[i];
     cp_async_commit();
 }
@@ -157,7 +131,8 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
             prefetched = s_ready != 0;
             if (prefetched) issue_load(tasks[nxt], home_base, slot_base, stage[buf ^ 1]);
         }
-        cp_async_wait(prefetched);
+        if (prefetched) cp_async_wait<1>();
+        else cp_async_wait<0>();
         __syncthreads();  // tile `cur` is in stage[buf] for every thread
 
         // Store the staged tile to every destination of its group.

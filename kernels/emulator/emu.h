@@ -6,8 +6,10 @@
 // host emulator (rackfill_kernels::cuda::exec::Emulator) on it: a grid's blocks one after another
 // in the process, or all at once as forked processes (run_block in each), each with its own
 // __shared__ variables, meeting only through global memory (shared mappings) and its atomics, as
-// on a GPU. What it cannot show: cp.async, the GPU's weaker memory ordering (x86's is stronger),
-// memory across GPUs, real warp scheduling.
+// on a GPU. Tensor-core operations (mma.sync, ldmatrix) are warp collectives over the PTX ISA's
+// fragment layouts; cp.async copies land at cp.async.wait_group. What it cannot show: the GPU's
+// weaker memory ordering (x86's is stronger), memory across GPUs, real warp scheduling, the
+// tensor cores' own rounding of a sum.
 // Kernel sources test this to take their host stand-ins for inline PTX.
 #define RACKFILL_HOST_EMULATOR 1
 
@@ -139,6 +141,7 @@ inline void warp_sync() {
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __align__(n) alignas(n)
 #define __restrict__ __restrict
 #define __shared__ static
 
@@ -225,6 +228,101 @@ inline unsigned __reduce_min_sync(unsigned, unsigned v) {
 }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
     return reduce_warp(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
+// A warp's operands for the tensor-core operations: each lane's A and B fragment registers
+// (mma) or the shared-memory row address it gives (ldmatrix).
+struct WarpFragments {
+    unsigned a[32][4];
+    unsigned b[32][2];
+    const unsigned char* row[32];
+};
+static std::vector<WarpFragments> g_fragments;
+inline float bf16_bits_to_f32(unsigned bits) {
+    const unsigned u = (bits & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 as the PTX ISA lays out its fragments: every lane
+// publishes its registers, then computes its four elements of D from the whole warp's A and B
+// (products of bf16 are exact in f32; the sum runs in k order, the accumulator added last).
+inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    WarpFragments& w = g_fragments[t_warp()];
+    ++t_warp_ops;
+    const unsigned lane = threadIdx.x & 31;
+    std::memcpy(w.a[lane], a, sizeof w.a[lane]);
+    std::memcpy(w.b[lane], b, sizeof w.b[lane]);
+    warp_barrier();
+    const unsigned group = lane >> 2, pair = lane & 3;
+    float out[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned row = group + (i >= 2 ? 8 : 0), col = 2 * pair + (i & 1);
+        float sum = 0.0f;
+        for (unsigned k = 0; k < 16; ++k) {
+            const unsigned half = 16 * (k & 1);
+            const unsigned a_bits = w.a[(row & 7) * 4 + (k & 7) / 2][(row >> 3) + 2 * (k >> 3)] >> half;
+            const unsigned b_bits = w.b[col * 4 + (k & 7) / 2][k >> 3] >> half;
+            sum += bf16_bits_to_f32(a_bits) * bf16_bits_to_f32(b_bits);
+        }
+        out[i] = d[i] + sum;
+    }
+    warp_barrier();
+    std::memcpy(d, out, sizeof out);
+}
+// ldmatrix.sync.m8n8.x4(.trans).shared.b16: lanes 8i .. 8i + 7 give matrix i's row addresses.
+inline void ldmatrix_x4_emulated(unsigned* r, const void* row, bool trans) {
+    WarpFragments& w = g_fragments[t_warp()];
+    ++t_warp_ops;
+    const unsigned lane = threadIdx.x & 31;
+    w.row[lane] = static_cast<const unsigned char*>(row);
+    warp_barrier();
+    for (unsigned m = 0; m < 4; ++m) {
+        unsigned short lo, hi;
+        if (!trans) {
+            const unsigned char* at = w.row[8 * m + lane / 4] + 4 * (lane & 3);
+            std::memcpy(&lo, at, 2);
+            std::memcpy(&hi, at + 2, 2);
+        } else {
+            const unsigned col = 2 * (lane / 4);
+            std::memcpy(&lo, w.row[8 * m + 2 * (lane & 3)] + col, 2);
+            std::memcpy(&hi, w.row[8 * m + 2 * (lane & 3) + 1] + col, 2);
+        }
+        r[m] = lo | ((unsigned)hi << 16);
+    }
+    warp_barrier();
+}
+inline void ldmatrix_x4(unsigned* r, const void* row) { ldmatrix_x4_emulated(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned* r, const void* row) { ldmatrix_x4_emulated(r, row, true); }
+// cp.async as the PTX ISA defines its visibility: a thread's copies are queued in groups and
+// land only when cp.async.wait_group lets their group complete, so a kernel that reads a tile
+// before waiting for it reads stale shared memory here too.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    bool full;
+};
+struct AsyncGroups {
+    std::vector<AsyncCopy> open;
+    std::vector<std::vector<AsyncCopy>> committed;
+};
+static std::vector<AsyncGroups> g_async;
+inline void cp_async_16(void* dst, const void* src, bool full) {
+    g_async[threadIdx.x].open.push_back(AsyncCopy{dst, src, full});
+}
+inline void cp_async_commit() {
+    AsyncGroups& g = g_async[threadIdx.x];
+    g.committed.push_back(std::move(g.open));
+    g.open.clear();
+}
+template <int N> inline void cp_async_wait() {
+    AsyncGroups& g = g_async[threadIdx.x];
+    while (g.committed.size() > (size_t)N) {
+        for (const AsyncCopy& c : g.committed.front()) {
+            if (c.full) std::memcpy(c.dst, c.src, 16);
+            else std::memset(c.dst, 0, 16);
+        }
+        g.committed.erase(g.committed.begin());
+    }
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
@@ -327,6 +425,8 @@ template <class F> void run_fibers(unsigned threads, F f) {
     fb.at_warp.assign((threads + 31) / 32, 0);
     fb.done = fb.at_block = 0;
     g_warps.assign((threads + 31) / 32, WarpX{});
+    g_fragments.assign((threads + 31) / 32, WarpFragments{});
+    g_async.assign(threads, AsyncGroups{});
     for (unsigned t = 0; t < threads; ++t) fiber_init(fb.ctx[t], fb.stacks[t], Fibers::STACK, fiber_main);
     while (fb.done < threads) {
         bool ran = false;
