@@ -377,9 +377,10 @@ fn bench_ep_runs_every_schedule_side_by_side() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `bench attention` on the host emulator (where a C++ compiler is): the fused kernel and the
-/// GEMM + softmax + GEMM baseline agree on every case, which the JSON report lists; `--device
-/// cpu`, uneven heads and a device this build lacks are one-line errors.
+/// `bench attention` on the host emulator (where a C++ compiler is): every flash tile shape
+/// asked for and the GEMM + softmax + GEMM baseline agree on every case, which the JSON report
+/// lists; `--device cpu`, uneven heads, an unknown tile shape and a device this build lacks are
+/// one-line errors.
 #[test]
 fn bench_attention_compares_the_kernel_with_its_baseline() {
     refused(&["bench", "attention", "--device", "cpu"], "GPU path");
@@ -416,6 +417,8 @@ fn bench_attention_compares_the_kernel_with_its_baseline() {
             "0,21",
             "--chunk",
             "9",
+            "--tiles",
+            "k64_v64,k32_v128",
             "--repeats",
             "1",
             "--json",
@@ -429,9 +432,26 @@ fn bench_attention_compares_the_kernel_with_its_baseline() {
                 (t["case"]["context"].as_u64(), t["case"]["chunk"].as_u64()),
                 (Some(context), Some(9))
             );
-            let rel = t["rel_l2"].as_f64().unwrap();
-            assert!(rel < 1e-2, "context {context}: fused vs baseline {rel}");
-            assert!(t["fused_ms"].as_f64().unwrap() > 0.0);
+            let flash = t["flash"].as_array().unwrap();
+            let tiles: Vec<&str> = flash.iter().map(|f| f["tiles"].as_str().unwrap()).collect();
+            assert_eq!(tiles, ["k64_v64", "k32_v128"], "the tile shapes asked for");
+            for f in flash {
+                let rel = f["rel_l2"].as_f64().unwrap();
+                assert!(rel < 1e-2, "context {context}: flash vs baseline {rel}");
+                assert!(f["ms"].as_f64().unwrap() > 0.0 && f["tflops"].as_f64().unwrap() > 0.0);
+            }
+            assert!(t["flops"].as_f64().unwrap() > 0.0);
         }
+        refused(
+            &[
+                "bench",
+                "attention",
+                "--device",
+                "emulator",
+                "--tiles",
+                "k7_v7",
+            ],
+            "unknown tile shape 'k7_v7'",
+        );
     }
 }

@@ -1,21 +1,13 @@
 // Attention on the GPU (whole-model path): new keys and values written into a paged KV cache
 // (fixed-size blocks, per-sequence block tables), and causal prefill / decode attention over a
-// chunk plus the cached context with an online softmax (no materialised score matrix).
+// chunk plus the cached context: flash attention on tensor cores (bf16 MMAs, f32 accumulate,
+// online softmax, no materialised score matrix).
 //
 // Layouts. The cache of one layer is `[num_blocks, block_size, kv_heads, dim]` bf16, addressed
 // by slot = block * block_size + offset; a sequence's blocks are a row of the flat
-// `[seqs, max_blocks]` block-table array (rackfill_kernels::paged builds both on the host).
+// `[seqs, max_blocks]` block-table array (rackfill_kernels::kv_blocks builds both on the host).
 // Queries are f32 rows (straight out of a GEMM), the attention output is bf16 (the o_proj
 // GEMM's input). Every sum runs in a fixed order: results are the same on every launch.
-
-// Launch geometry shared with the host (rackfill_kernels::paged::AttentionShape).
-#define ATTN_WARPS 4u
-#define QUERIES_PER_WARP 4u
-#define QUERIES_PER_BLOCK 16u  // ATTN_WARPS * QUERIES_PER_WARP
-#define KEYS_PER_TILE 16u      // half a warp: lane & 15 picks the key
-#define MAX_V_PER_LANE 16u     // output columns a lane owns per query: v_dim <= 512
-#define K_PAD 2u               // bf16 padding per shared K row, so the 16 lanes reading 16 keys
-                               // at one column hit 16 different banks
 
 // Writes the new tokens' keys (and values, unless `v` is null) into the paged cache, one row of
 // `rows` per new token: key row r is `k[r * k_row_stride + k_col ..][.. kv_heads * k_dim]` (so
@@ -52,17 +44,29 @@ __device__ __forceinline__ u64 token_slot(const u32* table, u32 t, u32 block_siz
     return (u64)table[t / block_size] * block_size + t % block_size;
 }
 
-// Copies keys t0 .. t0 + KEYS_PER_TILE of one KV head into a shared tile of row stride
-// `row_stride` (bf16), zeros past `keys` (so masked keys never feed NaN garbage into P.V).
-__device__ void load_tile(bf16* tile, u32 row_stride, const bf16* __restrict__ cache, u32 token_stride,
-                          u64 head_offset, u32 dim, const u32* table, u32 block_size, u32 t0, u32 keys) {
-    for (u32 e = threadIdx.x; e < KEYS_PER_TILE * dim; e += blockDim.x) {
-        const u32 j = e / dim;
-        const u32 d = e - j * dim;
+// Flash attention on tensor cores (FlashAttention-2's work split: each warp owns 16 query rows,
+// keys stream through shared memory in tiles, softmax online in registers).
+#define FLASH_THREADS 128  // four warps
+#define FLASH_ROWS 64u     // query vectors per block: 16 per warp, one m16 MMA row tile
+#define FLASH_PAD 8u       // bf16 per shared row beyond the data: rows stay 16-byte aligned, and
+                           // the 8 rows one ldmatrix reads start in 8 different bank groups
+
+// Starts copying `rows` shared rows of `width` bf16 (a multiple of 16, zero past `dim`) from
+// the paged cache: row j is token t0 + j (zeros past `keys`), columns col0 .. col0 + width of
+// head `head_offset`. 16-byte cp.async pieces (dim and strides are multiples of 8 bf16).
+__device__ __forceinline__ void load_rows_async(bf16* tile, u32 stride, u32 rows, u32 width,
+                                                const bf16* __restrict__ cache, u32 token_stride,
+                                                u64 head_offset, u32 col0, u32 dim, const u32* table,
+                                                u32 block_size, u32 t0, u32 keys) {
+    const u32 pieces = width / 8u;
+    for (u32 e = threadIdx.x; e < rows * pieces; e += blockDim.x) {
+        const u32 j = e / pieces;
+        const u32 c = (e - j * pieces) * 8u;
         const u32 t = t0 + j;
-        bf16 value = 0;
-        if (t < keys) value = cache[token_slot(table, t, block_size) * token_stride + head_offset + d];
-        tile[j * row_stride + d] = value;
+        const bool full = t < keys && col0 + c < dim;
+        const bf16* src = cache;
+        if (full) src = cache + token_slot(table, t, block_size) * token_stride + head_offset + col0 + c;
+        cp_async_16(tile + j * stride + c, src, full);
     }
 }
 
@@ -77,131 +81,246 @@ __device__ void load_tile(bf16* tile, u32 row_stride, const bf16* __restrict__ c
 // absorbed form: V is the first kv_lora_rank columns of the cached latent, v_cache = k_cache).
 // Query head h reads KV head h / (q_heads / kv_heads) (grouped-query attention). The scale is a
 // parameter: MLA's is set by the unabsorbed head width (and YaRN), not by qk_dim.
-// out: bf16 [rows, q_heads, v_dim]. Requires v_dim <= 512.
+// out: bf16 [rows, q_heads, v_dim]. qk_dim, v_dim and the strides are multiples of 8.
 //
-// Grid: (ceil(max q_len * group / QUERIES_PER_BLOCK), kv_heads, seqs), 128 threads, dynamic
-// shared memory KEYS_PER_TILE * ((qk_dim + K_PAD + v_dim) * 2) + QUERIES_PER_BLOCK *
-// KEYS_PER_TILE * 4 bytes (35 KB at DeepSeek's 576 / 512: under the default 48 KB).
+// Grid: (ceil(max q_len * group / FLASH_ROWS), kv_heads * ceil(v_dim / V_COLS), seqs), 128
+// threads; dynamic shared memory (FLASH_ROWS + 2 KEYS) * (qk + FLASH_PAD) * 2 + 2 KEYS *
+// (V_COLS + FLASH_PAD) * 2 bytes, qk = qk_dim rounded up to 16 (kv_blocks::FlashTiles).
 //
-// Why this grid: a block owns 16 *query vectors* (one query row of one head) of one KV head of
-// one sequence, taken in (row, head within the group) order. Every key and value tile it loads
-// into shared memory then serves all 16: the heads of a GQA group share one load (DeepSeek's
-// absorbed MLA has a single latent head shared by all heads, so decode still gets 16 heads per
-// block), and the vectors' rows are consecutive, so their causal limits are nearly equal and the
-// block stops at the last key its last row sees: almost no work on masked keys. Blocks past a
-// shorter sequence's chunk exit at once. Within a block each warp owns 4 vectors; a 16-key tile
-// is split over the lanes (lane & 15 the key, lane >> 4 the even or odd dims), so a score is an
-// in-register dot product plus one shuffle and the softmax statistics one warp reduction per
-// vector and tile; for P.V each lane owns the output columns lane, lane + 32, ... (coalesced
-// shared reads, accumulators in registers). The online softmax keeps a running maximum and sum
-// per vector and rescales the accumulators when the maximum grows: no score matrix is ever
-// stored, and shared memory does not grow with the context. Q is read from global memory (L1
-// holds a block's 16 vectors), which keeps DeepSeek-sized K and V tiles within 48 KB.
-// Not done: tensor cores, and a split-key decode kernel (with a small group, q_len 1 leaves most
-// of a block's warps idle and long contexts use few blocks).
-extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_row_stride,
-                                           const bf16* __restrict__ k_cache, u32 k_token_stride,
-                                           u32 k_head_stride, const bf16* __restrict__ v_cache,
-                                           u32 v_token_stride, u32 v_head_stride,
-                                           const u32* __restrict__ block_tables, u32 max_blocks,
-                                           u32 block_size, const u32* __restrict__ q_start,
-                                           const u32* __restrict__ q_len, const u32* __restrict__ ctx_len,
-                                           bf16* __restrict__ out, u32 q_heads, u32 kv_heads, u32 qk_dim,
-                                           u32 v_dim, float scale) {
+// Work split. A block owns 64 *query vectors* (one query row of one head) of one KV head of
+// one sequence, in (row, head within the group) order, and V_COLS output columns: the heads of
+// a GQA group share every key and value tile it loads (DeepSeek's absorbed MLA has one latent
+// head for all heads), and its rows are consecutive, so their causal limits are nearly equal
+// and the block stops at the last key its last row sees. Value heads wider than V_COLS (MLA's
+// 512) take several blocks, each recomputing the scores: the accumulators of 16 rows x V_COLS
+// columns live in registers.
+//
+// Per key tile (KEYS keys, double-buffered: tile i + 1 streams in by cp.async while tile i
+// computes), each warp: S = Q K^T for its 16 rows by m16n8k16 MMAs (Q and K fragments by
+// ldmatrix from shared memory; K rows are the B operand as stored), the causal mask, the online
+// softmax in the log2 domain (running max and sum per row, accumulators rescaled when the max
+// grows), then O += P V with P taken straight from the S accumulators as bf16 A fragments
+// (FlashAttention-2's register reuse) and V fragments by ldmatrix.trans. Row sums stay per
+// thread and are reduced across the 4 lanes of a row once, at the end. Every sum runs in a
+// fixed order and tile boundaries sit at fixed key positions, so a row's result does not depend
+// on the chunk or batch it came in.
+template <u32 KEYS, u32 V_COLS>
+__device__ void flash_attention(const float* __restrict__ q, u32 q_row_stride,
+                                const bf16* __restrict__ k_cache, u32 k_token_stride, u32 k_head_stride,
+                                const bf16* __restrict__ v_cache, u32 v_token_stride, u32 v_head_stride,
+                                const u32* __restrict__ block_tables, u32 max_blocks, u32 block_size,
+                                const u32* __restrict__ q_start, const u32* __restrict__ q_len,
+                                const u32* __restrict__ ctx_len, bf16* __restrict__ out, u32 q_heads,
+                                u32 kv_heads, u32 qk_dim, u32 v_dim, float scale) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 seq = blockIdx.z;
-    const u32 kv_head = blockIdx.y;
+    const u32 v_chunks = (v_dim + V_COLS - 1u) / V_COLS;
+    const u32 kv_head = blockIdx.y / v_chunks;
+    const u32 v_col0 = (blockIdx.y - kv_head * v_chunks) * V_COLS;
     const u32 group = q_heads / kv_heads;
     const u32 vectors = q_len[seq] * group;
-    const u32 first = blockIdx.x * QUERIES_PER_BLOCK;
+    const u32 first = blockIdx.x * FLASH_ROWS;
     if (first >= vectors) return;  // the whole block: past this sequence's chunk
     const u32 ctx = ctx_len[seq];
     const u32 row0 = q_start[seq];
     const u32* table = block_tables + (u64)seq * max_blocks;
     // Keys the block's last vector sees: the most any of its vectors sees.
-    const u32 last = min(first + QUERIES_PER_BLOCK, vectors) - 1u;
-    const u32 keys = ctx + last / group + 1u;
+    const u32 keys = ctx + (min(first + FLASH_ROWS, vectors) - 1u) / group + 1u;
 
-    const u32 k_row = qk_dim + K_PAD;
-    bf16* k_tile = (bf16*)smem;
-    bf16* v_tile = k_tile + KEYS_PER_TILE * k_row;
-    float* probs = (float*)(v_tile + KEYS_PER_TILE * v_dim);
+    const u32 qk = (qk_dim + 15u) & ~15u;
+    const u32 qk_stride = qk + FLASH_PAD;
+    const u32 v_stride = V_COLS + FLASH_PAD;
+    bf16* q_tile = (bf16*)smem;
+    bf16* k_tiles = q_tile + FLASH_ROWS * qk_stride;
+    bf16* v_tiles = k_tiles + 2u * KEYS * qk_stride;
 
     const u32 lane = lane_id();
-    const u32 key = lane & 15u;
-    const u32 half = lane >> 4;
-    const float neg_inf = __uint_as_float(0xff800000u);
+    const u32 warp = warp_id();
+    const u64 k_head = (u64)kv_head * k_head_stride;
+    const u64 v_head = (u64)kv_head * v_head_stride;
+    auto load_kv = [&](u32 tile, u32 stage) {
+        const u32 t0 = tile * KEYS;
+        load_rows_async(k_tiles + stage * KEYS * qk_stride, qk_stride, KEYS, qk, k_cache, k_token_stride,
+                        k_head, 0u, qk_dim, table, block_size, t0, keys);
+        load_rows_async(v_tiles + stage * KEYS * v_stride, v_stride, KEYS, V_COLS, v_cache, v_token_stride,
+                        v_head, v_col0, v_dim, table, block_size, t0, keys);
+        cp_async_commit();
+    };
+    const u32 tiles = (keys + KEYS - 1u) / KEYS;
+    load_kv(0u, 0u);
 
-    // This warp's vectors: keys each sees (0: no such vector), its query and its output row.
-    u32 limit[QUERIES_PER_WARP];
-    const float* query[QUERIES_PER_WARP];
-    u64 out_at[QUERIES_PER_WARP];
-    float run_max[QUERIES_PER_WARP];
-    float run_sum[QUERIES_PER_WARP];
-    float acc[QUERIES_PER_WARP][MAX_V_PER_LANE];
-#pragma unroll
-    for (u32 i = 0; i < QUERIES_PER_WARP; ++i) {
-        const u32 vec = first + warp_id() * QUERIES_PER_WARP + i;
-        const u32 row = vec / group;
-        const u32 head = kv_head * group + vec % group;
-        limit[i] = vec < vectors ? ctx + row + 1u : 0u;
-        query[i] = q + (u64)(row0 + row) * q_row_stride + (u64)head * qk_dim;
-        out_at[i] = ((u64)(row0 + row) * q_heads + head) * v_dim;
-        run_max[i] = neg_inf;
-        run_sum[i] = 0.0f;
-#pragma unroll
-        for (u32 c = 0; c < MAX_V_PER_LANE; ++c) acc[i][c] = 0.0f;
+    // The block's queries, rounded to bf16 (zeros past qk_dim and past the last vector).
+    for (u32 e = threadIdx.x; e < FLASH_ROWS * qk; e += blockDim.x) {
+        const u32 r = e / qk;
+        const u32 d = e - r * qk;
+        const u32 vec = first + r;
+        float value = 0.0f;
+        if (vec < vectors && d < qk_dim) {
+            const u32 head = kv_head * group + vec % group;
+            value = q[(u64)(row0 + vec / group) * q_row_stride + (u64)head * qk_dim + d];
+        }
+        q_tile[r * qk_stride + d] = f32_to_bf16(value);
     }
 
-    for (u32 t0 = 0; t0 < keys; t0 += KEYS_PER_TILE) {
-        __syncthreads();  // every warp is done with the previous tile
-        load_tile(k_tile, k_row, k_cache, k_token_stride, (u64)kv_head * k_head_stride, qk_dim, table,
-                  block_size, t0, keys);
-        load_tile(v_tile, v_dim, v_cache, v_token_stride, (u64)kv_head * v_head_stride, v_dim, table,
-                  block_size, t0, keys);
-        __syncthreads();
+    // This thread's two rows (lane / 4 and lane / 4 + 8 of the warp's 16) and the keys each
+    // sees; a row past the last vector sees key 0 only (finite statistics, never written).
+    const u32 vec_lo = first + warp * 16u + lane / 4u;
+    u32 limit[2];
 #pragma unroll
-        for (u32 i = 0; i < QUERIES_PER_WARP; ++i) {
-            // Warp-uniform: the vector sees no key of this tile (or does not exist).
-            if (t0 >= limit[i]) continue;
-            float s = 0.0f;
-            const bf16* k_j = k_tile + key * k_row;
-            for (u32 d = half; d < qk_dim; d += 2u) s += query[i][d] * bf16_to_f32(k_j[d]);
-            s += __shfl_xor_sync(FULL_MASK, s, 16);
-            const bool seen = t0 + key < limit[i];
-            s = seen ? s * scale : neg_inf;
-            // Finite: key t0 is seen. The first tile's correction is exp(-inf) = 0.
-            const float new_max = fmaxf(run_max[i], warp_max_f32(s));
-            const float p = seen ? expf(s - new_max) : 0.0f;
-            const float correction = expf(run_max[i] - new_max);
-            run_sum[i] = run_sum[i] * correction + warp_sum_f32(half == 0u ? p : 0.0f);
-            run_max[i] = new_max;
-            float* p_row = probs + (warp_id() * QUERIES_PER_WARP + i) * KEYS_PER_TILE;
-            if (half == 0u) p_row[key] = p;
-            __syncwarp();
-            const u32 seen_keys = min(KEYS_PER_TILE, limit[i] - t0);
+    for (u32 h = 0; h < 2u; ++h) {
+        const u32 vec = vec_lo + 8u * h;
+        limit[h] = vec < vectors ? ctx + vec / group + 1u : 1u;
+    }
+    // Warp-uniform: the keys the warp's first and last existing rows see.
+    const u32 warp_first = first + warp * 16u;
+    const bool warp_live = warp_first < vectors;
+    const u32 warp_min_keys = ctx + warp_first / group + 1u;
+    const u32 warp_max_keys = ctx + (min(warp_first + 16u, vectors) - 1u) / group + 1u;
+
+    const float neg_inf = __uint_as_float(0xff800000u);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    float row_max[2] = {neg_inf, neg_inf};
+    float row_sum[2] = {0.0f, 0.0f};
+    float acc[V_COLS / 8u][4];
 #pragma unroll
-            for (u32 c = 0; c < MAX_V_PER_LANE; ++c) {
-                const u32 col = lane + 32u * c;
-                if (col >= v_dim) break;
-                float a = acc[i][c] * correction;
-                for (u32 j = 0; j < seen_keys; ++j) a += p_row[j] * bf16_to_f32(v_tile[j * v_dim + col]);
-                acc[i][c] = a;
+    for (u32 n = 0; n < V_COLS / 8u; ++n)
+#pragma unroll
+        for (u32 i = 0; i < 4u; ++i) acc[n][i] = 0.0f;
+    // Value column pairs of 16 this block computes (the rest of V_COLS are past v_dim).
+    const u32 v_pairs = (min(V_COLS, v_dim - v_col0) + 15u) / 16u;
+
+    for (u32 tile = 0; tile < tiles; ++tile) {
+        const u32 stage = tile & 1u;
+        if (tile + 1u < tiles) {
+            load_kv(tile + 1u, stage ^ 1u);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // tile `tile` (and the queries) visible to every warp
+        const u32 t0 = tile * KEYS;
+        if (warp_live && t0 < warp_max_keys) {
+            const bf16* k_tile = k_tiles + stage * KEYS * qk_stride;
+            const bf16* v_tile = v_tiles + stage * KEYS * v_stride;
+            float s[KEYS / 8u][4];
+#pragma unroll
+            for (u32 n = 0; n < KEYS / 8u; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4u; ++i) s[n][i] = 0.0f;
+            // Lane l gives the address of row l % 16 (A: rows 0-7 then 8-15) at column
+            // 8 (l / 16) of the 16x16 piece; for K, key 8 (l / 16) + l % 8 at column 8 ((l / 8) % 2).
+            const bf16* q_row = q_tile + (warp * 16u + (lane & 15u)) * qk_stride + (lane >> 4) * 8u;
+            const bf16* k_row = k_tile + ((lane >> 4) * 8u + (lane & 7u)) * qk_stride + ((lane >> 3) & 1u) * 8u;
+            for (u32 d0 = 0; d0 < qk; d0 += 16u) {
+                u32 a[4];
+                ldmatrix_x4(a, q_row + d0);
+#pragma unroll
+                for (u32 n = 0; n < KEYS / 16u; ++n) {
+                    u32 b[4];
+                    ldmatrix_x4(b, k_row + n * 16u * qk_stride + d0);
+                    mma_bf16_16816(s[2u * n], a, b);
+                    mma_bf16_16816(s[2u * n + 1u], a, b + 2);
+                }
+            }
+            // Scale, mask, and the online softmax's statistics (a row's 4 lanes agree).
+            const bool masked = t0 + KEYS > warp_min_keys;
+            float tile_max[2] = {neg_inf, neg_inf};
+#pragma unroll
+            for (u32 n = 0; n < KEYS / 8u; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4u; ++i) {
+                    const u32 key = t0 + n * 8u + 2u * (lane & 3u) + (i & 1u);
+                    float v = s[n][i] * scale_log2;
+                    if (masked && key >= limit[i >> 1]) v = neg_inf;
+                    s[n][i] = v;
+                    tile_max[i >> 1] = fmaxf(tile_max[i >> 1], v);
+                }
+            float correction[2];
+#pragma unroll
+            for (u32 h = 0; h < 2u; ++h) {
+                float m = tile_max[h];
+                m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
+                const float new_max = fmaxf(row_max[h], m);  // finite: every row saw key 0
+                correction[h] = exp2f(row_max[h] - new_max);
+                row_max[h] = new_max;
+                row_sum[h] *= correction[h];
+            }
+#pragma unroll
+            for (u32 n = 0; n < KEYS / 8u; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4u; ++i) {
+                    const float p = exp2f(s[n][i] - row_max[i >> 1]);
+                    s[n][i] = p;
+                    row_sum[i >> 1] += p;
+                }
+#pragma unroll
+            for (u32 n = 0; n < V_COLS / 8u; ++n)
+#pragma unroll
+                for (u32 i = 0; i < 4u; ++i) acc[n][i] *= correction[i >> 1];
+            // O += P V: lane l gives key 8 ((l / 8) % 2) + l % 8 of the 16, columns 8 (l / 16).
+            const bf16* v_row = v_tile + (((lane >> 3) & 1u) * 8u + (lane & 7u)) * v_stride + (lane >> 4) * 8u;
+#pragma unroll
+            for (u32 kk = 0; kk < KEYS / 16u; ++kk) {
+                const u32 p[4] = {pack_bf16(s[2u * kk][0], s[2u * kk][1]), pack_bf16(s[2u * kk][2], s[2u * kk][3]),
+                                  pack_bf16(s[2u * kk + 1u][0], s[2u * kk + 1u][1]),
+                                  pack_bf16(s[2u * kk + 1u][2], s[2u * kk + 1u][3])};
+#pragma unroll
+                for (u32 n = 0; n < V_COLS / 16u; ++n) {
+                    if (n >= v_pairs) break;
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, v_row + kk * 16u * v_stride + n * 16u);
+                    mma_bf16_16816(acc[2u * n], p, b);
+                    mma_bf16_16816(acc[2u * n + 1u], p, b + 2);
+                }
             }
         }
+        __syncthreads();  // every warp is done with this stage before it is refilled
     }
 
+    if (!warp_live) return;
 #pragma unroll
-    for (u32 i = 0; i < QUERIES_PER_WARP; ++i) {
-        if (limit[i] == 0u) continue;
-        const float inv = 1.0f / run_sum[i];
+    for (u32 h = 0; h < 2u; ++h) {
+        float total = row_sum[h];
+        total += __shfl_xor_sync(FULL_MASK, total, 1);
+        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const u32 vec = vec_lo + 8u * h;
+        if (vec >= vectors) continue;
+        const float inv = 1.0f / total;
+        const u32 head = kv_head * group + vec % group;
+        bf16* dst = out + ((u64)(row0 + vec / group) * q_heads + head) * v_dim + v_col0;
 #pragma unroll
-        for (u32 c = 0; c < MAX_V_PER_LANE; ++c) {
-            const u32 col = lane + 32u * c;
-            if (col >= v_dim) break;
-            out[out_at[i] + col] = f32_to_bf16(acc[i][c] * inv);
+        for (u32 n = 0; n < V_COLS / 8u; ++n) {
+            const u32 col = n * 8u + 2u * (lane & 3u);
+            if (v_col0 + col >= v_dim) break;
+            *(u32*)(dst + col) = pack_bf16(acc[n][2u * h] * inv, acc[n][2u * h + 1u] * inv);
         }
     }
+}
+
+// The tile shapes `rackfill bench attention` sweeps; the host picks one per shape
+// (kv_blocks::FlashTiles): keys per shared tile, value columns per block.
+#define FLASH_ARGS                                                                                           \
+    const float *__restrict__ q, u32 q_row_stride, const bf16 *__restrict__ k_cache, u32 k_token_stride,     \
+        u32 k_head_stride, const bf16 *__restrict__ v_cache, u32 v_token_stride, u32 v_head_stride,          \
+        const u32 *__restrict__ block_tables, u32 max_blocks, u32 block_size, const u32 *__restrict__ q_start, \
+        const u32 *__restrict__ q_len, const u32 *__restrict__ ctx_len, bf16 *__restrict__ out, u32 q_heads,  \
+        u32 kv_heads, u32 qk_dim, u32 v_dim, float scale
+#define FLASH_PASS                                                                                          \
+    q, q_row_stride, k_cache, k_token_stride, k_head_stride, v_cache, v_token_stride, v_head_stride,        \
+        block_tables, max_blocks, block_size, q_start, q_len, ctx_len, out, q_heads, kv_heads, qk_dim, v_dim, \
+        scale
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k64_v64(FLASH_ARGS) {
+    flash_attention<64, 64>(FLASH_PASS);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k64_v128(FLASH_ARGS) {
+    flash_attention<64, 128>(FLASH_PASS);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k32_v128(FLASH_ARGS) {
+    flash_attention<32, 128>(FLASH_PASS);
+}
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k32_v256(FLASH_ARGS) {
+    flash_attention<32, 256>(FLASH_PASS);
 }
 
 // The unfused baseline `rackfill bench attention` measures paged_attention against: the scores

@@ -29,6 +29,17 @@ pub enum PagedError {
     UnevenGroups { q_heads: u32, kv_heads: u32 },
     #[error("block {block} is not an allocated block of this pool ({capacity} blocks)")]
     NotAllocated { block: u32, capacity: u32 },
+    #[error("{what} {value} is not a multiple of 8 (the attention kernels move 16-byte pieces)")]
+    Unaligned { what: &'static str, value: u32 },
+    #[error(
+        "no flash attention tile fits {qk_dim}/{v_dim}-wide heads in {limit} bytes of shared \
+         memory per block"
+    )]
+    SharedMemory {
+        qk_dim: u32,
+        v_dim: u32,
+        limit: usize,
+    },
 }
 
 /// The cache's blocks and which of them are free.
@@ -250,28 +261,81 @@ impl StepArrays {
     }
 }
 
-/// Threads per block of `paged_attention` (four warps; `kv_write` takes any block size).
+/// Threads per block of the flash attention kernels (four warps; `kv_write` takes any block
+/// size).
 pub const ATTENTION_THREADS: u32 = 128;
 
-/// Query vectors (one query row of one head) per `paged_attention` block: the kernel's
-/// `QUERIES_PER_BLOCK`.
-const QUERIES_PER_BLOCK: u32 = 16;
+/// Query vectors (one query row of one head) per flash attention block: the kernel's
+/// `FLASH_ROWS`, 16 per warp.
+const FLASH_ROWS: u32 = 64;
 
-/// Keys per shared-memory tile: the kernel's `KEYS_PER_TILE`.
-const KEYS_PER_TILE: u32 = 16;
+/// bf16 padding per shared row: the kernel's `FLASH_PAD`.
+const FLASH_PAD: u32 = 8;
 
-/// bf16 padding per shared key row: the kernel's `K_PAD`.
-const K_PAD: u32 = 2;
+/// The tile shape of one flash attention kernel (`flash_attention_k{keys}_v{v_cols}` in
+/// attention.cu): keys per shared-memory tile and value columns per block. Wider tiles reuse
+/// each query fragment over more keys; narrower value tiles keep the accumulators in
+/// registers for wide value heads (MLA's 512 columns take two `v256` blocks, each recomputing
+/// the scores) and leave shared memory for more blocks per SM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashTiles {
+    pub keys: u32,
+    pub v_cols: u32,
+}
 
-/// The widest value head `paged_attention` takes: a lane keeps 16 output columns per query in
-/// registers.
-pub const MAX_V_DIM: u32 = 512;
+impl FlashTiles {
+    /// Every compiled tile shape, in the order the default prefers them for a value head that
+    /// fits.
+    pub const ALL: [Self; 4] = [
+        Self {
+            keys: 64,
+            v_cols: 64,
+        },
+        Self {
+            keys: 64,
+            v_cols: 128,
+        },
+        Self {
+            keys: 32,
+            v_cols: 128,
+        },
+        Self {
+            keys: 32,
+            v_cols: 256,
+        },
+    ];
 
-/// Dynamic shared memory a block may use without the per-kernel opt-in.
-const DEFAULT_SHARED_BYTES: u32 = 48 * 1024;
+    /// The kernel's entry point.
+    pub fn kernel(&self) -> String {
+        format!("flash_attention_k{}_v{}", self.keys, self.v_cols)
+    }
 
-/// One layer's attention heads as `paged_attention` sees them. GQA: `qk_dim = v_dim =
-/// head_dim`. DeepSeek MLA, absorbed: `kv_heads` 1, `qk_dim = kv_lora_rank +
+    /// The default tiles for `shape` within `shared_limit` bytes of shared memory per block:
+    /// the first of [`Self::ALL`] whose value tile covers the head in one block (else the
+    /// widest), falling back to any that fits.
+    pub fn choose(shape: &AttentionShape, shared_limit: usize) -> Result<Self, PagedError> {
+        let fits = |t: &Self| shape.shared_bytes(*t) as usize <= shared_limit;
+        Self::ALL
+            .iter()
+            .find(|t| t.v_cols >= shape.v_dim && fits(t))
+            .or_else(|| Self::ALL.iter().rev().find(|t| fits(t)))
+            .copied()
+            .ok_or(PagedError::SharedMemory {
+                qk_dim: shape.qk_dim,
+                v_dim: shape.v_dim,
+                limit: shared_limit,
+            })
+    }
+}
+
+impl std::fmt::Display for FlashTiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "k{}_v{}", self.keys, self.v_cols)
+    }
+}
+
+/// One layer's attention heads as the flash attention kernels see them. GQA: `qk_dim = v_dim
+/// = head_dim`. DeepSeek MLA, absorbed: `kv_heads` 1, `qk_dim = kv_lora_rank +
 /// qk_rope_head_dim`, `v_dim = kv_lora_rank` (V read out of the latent cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -282,8 +346,8 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// Checks what the kernel assumes: query heads a multiple of the KV heads, `v_dim` at most
-    /// [`MAX_V_DIM`], the tiles within the default 48 KB of shared memory.
+    /// Checks what the kernels assume: positive dimensions, query heads a multiple of the KV
+    /// heads, head widths a multiple of 8 (rows move in 16-byte pieces).
     pub fn check(&self) -> Result<(), PagedError> {
         for (what, value) in [
             ("q_heads", self.q_heads),
@@ -301,43 +365,48 @@ impl AttentionShape {
                 kv_heads: self.kv_heads,
             });
         }
-        if self.v_dim > MAX_V_DIM {
-            return Err(PagedError::TooLarge {
-                what: "v_dim",
-                value: self.v_dim.into(),
-            });
-        }
-        let shared = self.shared_bytes_u64();
-        if shared > u64::from(DEFAULT_SHARED_BYTES) {
-            return Err(PagedError::TooLarge {
-                what: "the attention tiles' shared memory",
-                value: shared,
-            });
+        for (what, value) in [("qk_dim", self.qk_dim), ("v_dim", self.v_dim)] {
+            if !value.is_multiple_of(8) {
+                return Err(PagedError::Unaligned { what, value });
+            }
         }
         Ok(())
     }
 
-    /// `paged_attention`'s grid for `step`: (query-vector tiles of the longest chunk, KV
-    /// heads, sequences). A step of no sequence has nothing to launch.
-    pub fn grid(&self, step: &StepArrays) -> [u32; 3] {
+    /// The flash kernel's grid for `step` with `tiles`: (query-vector tiles of the longest
+    /// chunk, KV heads x value-column blocks, sequences). A step of no sequence has nothing to
+    /// launch.
+    pub fn grid(&self, tiles: FlashTiles, step: &StepArrays) -> [u32; 3] {
         let vectors = step.max_q_len() * (self.q_heads / self.kv_heads);
         [
-            vectors.div_ceil(QUERIES_PER_BLOCK).max(1),
-            self.kv_heads,
+            vectors.div_ceil(FLASH_ROWS).max(1),
+            self.kv_heads * self.v_dim.div_ceil(tiles.v_cols),
             step.q_len.len() as u32,
         ]
     }
 
-    /// `paged_attention`'s dynamic shared memory: the key and value tiles and the tile's
-    /// probabilities.
-    pub fn shared_bytes(&self) -> u32 {
-        self.shared_bytes_u64() as u32
+    /// The flash kernel's dynamic shared memory with `tiles`: the block's queries and two
+    /// stages of key and value tiles, rows padded (bf16).
+    pub fn shared_bytes(&self, tiles: FlashTiles) -> u32 {
+        let qk_row = self.qk_dim.div_ceil(16) * 16 + FLASH_PAD;
+        let v_row = tiles.v_cols + FLASH_PAD;
+        let elements = (FLASH_ROWS + 2 * tiles.keys) * qk_row + 2 * tiles.keys * v_row;
+        elements.saturating_mul(2)
     }
 
-    fn shared_bytes_u64(&self) -> u64 {
-        let keys = u64::from(KEYS_PER_TILE);
-        keys * (u64::from(self.qk_dim) + u64::from(K_PAD) + u64::from(self.v_dim)) * 2
-            + u64::from(QUERIES_PER_BLOCK) * keys * 4
+    /// Multiply-adds of causal attention over `step` (scores and values, masked keys not
+    /// counted), times two: the FLOPs figures of merit count.
+    pub fn causal_flops(&self, step: &StepArrays) -> f64 {
+        let pairs: f64 = step
+            .q_len
+            .iter()
+            .zip(&step.ctx_len)
+            .map(|(&n, &ctx)| {
+                let (n, ctx) = (f64::from(n), f64::from(ctx));
+                n * ctx + n * (n + 1.0) / 2.0
+            })
+            .sum();
+        2.0 * pairs * f64::from(self.q_heads) * f64::from(self.qk_dim + self.v_dim)
     }
 }
 

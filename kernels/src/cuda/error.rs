@@ -45,6 +45,8 @@ pub enum CudaError {
     #[error(transparent)]
     Kernel(#[from] KernelError),
     #[error(transparent)]
+    Attention(#[from] crate::kv_blocks::PagedError),
+    #[error(transparent)]
     Balance(#[from] BalanceError),
     #[error("the GPU plan breaks an invariant: {0}")]
     Plan(#[from] PlanViolation),

@@ -14,7 +14,8 @@
 //!   ready flags; [`tiles`] compiles any host relay schedule to the same tasks (the reference);
 //! - [`nccl`]: NCCL loaded at run time (probe, communicator, all-gather and grouped send/recv),
 //!   what the engine's NCCL fabric moves bytes between GPUs with;
-//! - [`bench`]: the GPU measurements of `rackfill kernels bench`;
+//! - [`bench`]: the GPU measurements of `rackfill kernels bench`; [`peak`]: the cards' dense
+//!   bf16 peaks the benchmarks' fractions divide by;
 //! - `device_plan`: a plan in the flat form the device reads ([`PlanArrays`], [`DevicePlan`]),
 //!   written by the solver and read by the permute and the relay planner; `error`: every error
 //!   type of the GPU path.
@@ -31,6 +32,7 @@ mod libs;
 pub mod moe;
 pub mod nccl;
 pub mod nvrtc;
+pub mod peak;
 mod probe;
 pub mod replicate;
 pub mod solver;

@@ -109,13 +109,21 @@ pub const MODEL: KernelSource = KernelSource {
     ],
 };
 
-/// Paged KV cache writes and causal attention over a chunk plus its cached context; the
+/// Paged KV cache writes and causal flash attention (tensor cores) over a chunk plus its cached
+/// context, one kernel per tile shape (`kv_blocks::FlashTiles`); the
 /// unfused softmax the attention benchmark's cuBLAS baseline uses.
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     file: "attention.cu",
     source: include_str!("../../cuda/attention.cu"),
-    entry_points: &["kv_write", "paged_attention", "causal_softmax_to_bf16"],
+    entry_points: &[
+        "kv_write",
+        "flash_attention_k64_v64",
+        "flash_attention_k64_v128",
+        "flash_attention_k32_v128",
+        "flash_attention_k32_v256",
+        "causal_softmax_to_bf16",
+    ],
 };
 
 /// Strided f32 row copies and gathers (whole-model path).

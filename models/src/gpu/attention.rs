@@ -116,7 +116,7 @@ pub(super) fn gqa(
     )?;
     let out = ops.exec.alloc_zeroed(rows * a.heads * d * 2)?;
     let scale = 1.0 / (d as f32).sqrt();
-    ops.paged_attention(&q, a.heads * d, &layout, &step.attention, scale, &out)?;
+    ops.paged_attention(&q, a.heads * d, &layout, &step.attention, scale, &out, None)?;
     add_output(ops, &out, rows, &a.o, x)
 }
 
@@ -247,6 +247,7 @@ pub(super) fn mla(
         &step.attention,
         a.scale,
         &out_latent,
+        None,
     )?;
     // Values: head h's value part of kv_b, `v x lora`, is the `n x k` matrix of the product.
     let out = exec.alloc_zeroed(rows * heads * vd * 4)?;

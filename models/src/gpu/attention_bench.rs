@@ -1,17 +1,19 @@
-//! `rackfill bench attention`: the fused paged attention kernel against the unfused baseline a
-//! framework without one runs (a cuBLAS GEMM for the scores, a softmax kernel, a second GEMM for
-//! the values), on one GQA layer's prefill chunk over its cached context, on any executor.
+//! `rackfill bench attention`: the flash attention kernels (every tile shape asked for) against
+//! the unfused baseline a framework without one runs (per KV head a cuBLAS GEMM for the scores,
+//! a softmax kernel, a second GEMM for the values), on one GQA layer's prefill chunk over its
+//! cached context, on any executor.
 //!
 //! Both read bf16 keys and values (the kernel from the paged cache, the baseline from dense
-//! `[tokens, kv_heads, d]` matrices: the easier layout) and the same queries; the outputs are
-//! compared, so a run is also a check of the kernel on that shape.
+//! `[tokens, kv_heads, d]` matrices: the easier layout) and the same queries; every kernel's
+//! output is compared with the baseline's, so a run is also a check of the kernels on that
+//! shape, and the baseline stays a checked fallback.
 
 use std::time::{Duration, Instant};
 
 use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, ExecutorExt, Gemm, KernelArg, Launch, MatrixRef, WeightLayout,
 };
-use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable, StepArrays};
+use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable, FlashTiles, StepArrays};
 use serde::Serialize;
 
 use super::model::BLOCK_TOKENS;
@@ -30,23 +32,47 @@ pub struct AttentionCase {
     pub chunk: usize,
 }
 
-/// What [`bench_attention`] measured (medians over the repeats).
+/// One flash kernel on one case (medians over the repeats).
+#[derive(Debug, Clone, Serialize)]
+pub struct FlashTiming {
+    /// The tile shape, `k{keys}_v{value columns}`.
+    pub tiles: String,
+    pub ms: f64,
+    /// Causal attention FLOPs ([`AttentionTiming::flops`]) per second, in TFLOP/s.
+    pub tflops: f64,
+    /// `baseline_ms / ms`.
+    pub speedup: f64,
+    /// Relative L2 difference of its output from the baseline's.
+    pub rel_l2: f64,
+}
+
+/// What [`bench_attention`] measured on one case.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttentionTiming {
     pub case: AttentionCase,
-    pub fused_ms: f64,
+    /// FLOPs of causal attention over the case (scores and values of the seen keys only, the
+    /// count FlashAttention's figures use).
+    pub flops: f64,
     pub baseline_ms: f64,
-    /// Relative L2 difference of the two outputs.
-    pub rel_l2: f64,
-    /// `baseline_ms / fused_ms`.
-    pub speedup: f64,
+    pub baseline_tflops: f64,
+    /// Every tile shape that fits the device's shared memory, in the order asked.
+    pub flash: Vec<FlashTiming>,
 }
 
-/// Times `paged_attention` and the GEMM + softmax + GEMM baseline on `case`, `repeats` times each
-/// (at least once), and compares their outputs.
+impl AttentionTiming {
+    /// The fastest flash kernel of the case.
+    pub fn best(&self) -> Option<&FlashTiming> {
+        self.flash.iter().min_by(|a, b| a.ms.total_cmp(&b.ms))
+    }
+}
+
+/// Times each flash kernel of `tiles` (those whose shared memory fits the device) and the GEMM
+/// + softmax + GEMM baseline on `case`, `repeats` times each (at least once), and compares
+/// every kernel's output with the baseline's.
 pub fn bench_attention(
     exec: &dyn Executor,
     case: AttentionCase,
+    tiles: &[FlashTiles],
     repeats: usize,
 ) -> Result<AttentionTiming> {
     let AttentionCase {
@@ -119,10 +145,18 @@ pub fn bench_attention(
         });
     }
     let step = step.expect("two steps prepared");
-    let fused = exec.alloc_zeroed(chunk * q_width * 2)?;
-    let fused_ms = median_ms(exec, repeats, || {
-        Ok(ops.paged_attention(&q, q_width, &layout, &step, scale, &fused)?)
-    })?;
+    let limit = exec.shared_limit(&FlashTiles::ALL[0].kernel())?;
+    let mut flash_runs = Vec::new();
+    for &t in tiles {
+        if shape.shared_bytes(t) as usize > limit {
+            continue;
+        }
+        let out = exec.alloc_zeroed(chunk * q_width * 2)?;
+        let ms = median_ms(exec, repeats, || {
+            Ok(ops.paged_attention(&q, q_width, &layout, &step, scale, &out, Some(t))?)
+        })?;
+        flash_runs.push((t, ms, out));
+    }
 
     // The baseline: bf16 operands, per KV head one batched GEMM over its group of query heads.
     let group = q_heads / kv_heads;
@@ -136,8 +170,9 @@ pub fn bench_attention(
         to_bf16(&k, tokens, kv_width)?,
         to_bf16(&v, tokens, kv_width)?,
     );
-    let scores = exec.alloc_zeroed(q_heads * chunk * tokens * 4)?;
-    let probs = exec.alloc_zeroed(q_heads * chunk * tokens * 2)?;
+    // One KV head's group at a time: the score and probability buffers of `group` heads.
+    let scores = exec.alloc_zeroed(group * chunk * tokens * 4)?;
+    let probs = exec.alloc_zeroed(group * chunk * tokens * 2)?;
     let baseline = exec.alloc_zeroed(chunk * q_width * 4)?;
     let baseline_ms = median_ms(exec, repeats, || {
         for j in 0..kv_heads {
@@ -150,51 +185,39 @@ pub fn bench_attention(
                 a: matrix(q16.at(heads * d * 2), DType::Bf16, q_width, d),
                 b: matrix(k16.at(j * d * 2), DType::Bf16, kv_width, 0),
                 b_layout: WeightLayout::OutByIn,
-                c: matrix(
-                    scores.at(heads * chunk * tokens * 4),
-                    DType::F32,
-                    tokens,
-                    chunk * tokens,
-                ),
+                c: matrix(scores.ptr(), DType::F32, tokens, chunk * tokens),
                 alpha: 1.0,
                 beta: 0.0,
             };
             // SAFETY: `group` query heads of `chunk x d` (row stride q_width) against the KV
             // head's `tokens x d` keys, into `group` score matrices of `chunk x tokens`.
             unsafe { exec.gemm(&score) }?;
-        }
-        let rows = q_heads * chunk;
-        let args = [
-            KernelArg::Ptr(scores.ptr()),
-            KernelArg::U32(u32s(rows)?),
-            KernelArg::U32(u32s(chunk)?),
-            KernelArg::U32(u32s(tokens)?),
-            KernelArg::U32(u32s(context)?),
-            KernelArg::F32(scale),
-            KernelArg::Ptr(probs.ptr()),
-        ];
-        // SAFETY: `causal_softmax_to_bf16(scores[rows, keys], rows, q_len, keys, ctx, scale,
-        // out[rows, keys])`, the score matrices back to back, each `chunk` rows.
-        unsafe {
-            exec.launch(
-                "causal_softmax_to_bf16",
-                Launch::blocks(u32s(rows.min(65_535))?, 256),
-                &args,
-            )
-        }?;
-        for j in 0..kv_heads {
-            let heads = j * group;
+            let rows = group * chunk;
+            let args = [
+                KernelArg::Ptr(scores.ptr()),
+                KernelArg::U32(u32s(rows)?),
+                KernelArg::U32(u32s(chunk)?),
+                KernelArg::U32(u32s(tokens)?),
+                KernelArg::U32(u32s(context)?),
+                KernelArg::F32(scale),
+                KernelArg::Ptr(probs.ptr()),
+            ];
+            // SAFETY: `causal_softmax_to_bf16(scores[rows, keys], rows, q_len, keys, ctx,
+            // scale, out[rows, keys])`, the group's score matrices back to back, each `chunk`
+            // rows.
+            unsafe {
+                exec.launch(
+                    "causal_softmax_to_bf16",
+                    Launch::blocks(u32s(rows.min(65_535))?, 256),
+                    &args,
+                )
+            }?;
             let apply = Gemm {
                 m: chunk,
                 n: d,
                 k: tokens,
                 batch: group,
-                a: matrix(
-                    probs.at(heads * chunk * tokens * 2),
-                    DType::Bf16,
-                    tokens,
-                    chunk * tokens,
-                ),
+                a: matrix(probs.ptr(), DType::Bf16, tokens, chunk * tokens),
                 b: matrix(v16.at(j * d * 2), DType::Bf16, kv_width, 0),
                 b_layout: WeightLayout::InByOut,
                 c: matrix(baseline.at(heads * d * 4), DType::F32, q_width, d),
@@ -208,21 +231,36 @@ pub fn bench_attention(
         Ok(())
     })?;
 
-    let (a, b) = (exec.download_bf16(&fused)?, exec.download_f32(&baseline)?);
-    let (diff, norm) = a.iter().zip(&b).fold((0f64, 0f64), |(d2, n2), (&x, &y)| {
-        let e = f64::from(x - y);
-        (d2 + e * e, n2 + f64::from(y) * f64::from(y))
-    });
-    let rel_l2 = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+    let flops = shape.causal_flops(&step.arrays);
+    let tflops = |ms: f64| flops / (ms.max(1e-9) * 1e-3) / 1e12;
+    let reference = exec.download_f32(&baseline)?;
+    let mut flash = Vec::with_capacity(flash_runs.len());
+    for (t, ms, out) in flash_runs {
+        flash.push(FlashTiming {
+            tiles: t.to_string(),
+            ms,
+            tflops: tflops(ms),
+            speedup: baseline_ms / ms.max(1e-9),
+            rel_l2: rel_l2(&exec.download_bf16(&out)?, &reference),
+        });
+    }
     Ok(AttentionTiming {
         case,
-        fused_ms,
+        flops,
         baseline_ms,
-        rel_l2,
-        speedup: baseline_ms / fused_ms.max(1e-9),
+        baseline_tflops: tflops(baseline_ms),
+        flash,
     })
 }
 
+/// Relative L2 difference of `a` from `b`.
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (diff, norm) = a.iter().zip(b).fold((0f64, 0f64), |(d2, n2), (&x, &y)| {
+        let e = f64::from(x - y);
+        (d2 + e * e, n2 + f64::from(y) * f64::from(y))
+    });
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
 /// Runs `work` once to warm up, then `repeats` times, synchronised; the median in ms.
 fn median_ms(
     exec: &dyn Executor,

@@ -24,7 +24,7 @@ mod model;
 mod ops;
 mod weights;
 
-pub use attention_bench::{bench_attention, AttentionCase, AttentionTiming};
+pub use attention_bench::{bench_attention, AttentionCase, AttentionTiming, FlashTiming};
 pub use forward::GpuBatch;
 pub use load::ExpertPlacement;
 pub use model::{GpuInput, GpuModel, GpuSequence, GpuStep, BLOCK_TOKENS};

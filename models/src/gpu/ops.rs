@@ -7,7 +7,7 @@ use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg as A, Launch, MatrixRef, WeightLayout,
 };
 use rackfill_kernels::cuda::CudaError;
-use rackfill_kernels::kv_blocks::{AttentionShape, StepArrays, ATTENTION_THREADS};
+use rackfill_kernels::kv_blocks::{AttentionShape, FlashTiles, StepArrays, ATTENTION_THREADS};
 
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;
@@ -430,8 +430,10 @@ impl Ops<'_> {
         )
     }
 
-    /// Causal attention of the step's queries (f32, row stride `q_stride`) over the layer's
-    /// paged cache, into bf16 `out` `[rows, q_heads, v_dim]`.
+    /// Causal flash attention of the step's queries (f32, row stride `q_stride`) over the
+    /// layer's paged cache, into bf16 `out` `[rows, q_heads, v_dim]`, with `tiles` or the
+    /// default tile shape for the heads ([`FlashTiles::choose`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
         q: &DeviceBuffer,
@@ -440,16 +442,24 @@ impl Ops<'_> {
         step: &AttentionStep,
         scale: f32,
         out: &DeviceBuffer,
+        tiles: Option<FlashTiles>,
     ) -> R {
         let shape = cache.shape;
+        let tiles = match tiles {
+            Some(tiles) => tiles,
+            None => {
+                let limit = self.exec.shared_limit(&FlashTiles::ALL[0].kernel())?;
+                FlashTiles::choose(&shape, limit)?
+            }
+        };
         let launch = Launch {
-            grid: shape.grid(&step.arrays),
+            grid: shape.grid(tiles, &step.arrays),
             block: ATTENTION_THREADS,
-            shared_bytes: shape.shared_bytes(),
+            shared_bytes: shape.shared_bytes(tiles),
         };
         let k_token = shape.kv_heads * shape.qk_dim;
         self.launch(
-            "paged_attention",
+            &tiles.kernel(),
             launch,
             &[
                 p(q),

@@ -1,5 +1,5 @@
 //! The harness of `gpu_attention.rs`: a layer's paged KV cache on an executor, stepped through
-//! `kv_write` and `paged_attention` exactly as the whole-model path will launch them, sequences
+//! `kv_write` and flash attention exactly as the whole-model path will launch them, sequences
 //! of fused qkv rows, the CPU reference, and the tolerance check.
 
 use std::sync::Arc;
@@ -9,14 +9,14 @@ use rackfill_kernels::cuda::exec::{
     round_bf16, DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch,
 };
 use rackfill_kernels::kv_blocks::{
-    AttentionShape, BlockPool, BlockTable, PagedError, StepArrays, ATTENTION_THREADS,
+    AttentionShape, BlockPool, BlockTable, FlashTiles, PagedError, StepArrays, ATTENTION_THREADS,
 };
 use rackfill_models::layers::attention::causal_attention;
 
 /// Largest relative L2 error of a step's outputs against the reference.
 const MAX_REL_L2: f32 = 1e-2;
 /// Largest error of one output element (values lie in [-1, 1]).
-const MAX_ABS: f32 = 4e-3;
+const MAX_ABS: f32 = 6e-3;
 
 /// Deterministic values in `[-spread, spread)`.
 pub fn values(len: usize, seed: u64, spread: f32) -> Vec<f32> {
@@ -229,6 +229,8 @@ pub struct Layer {
     pub pool: BlockPool,
     k_cache: DeviceBuffer,
     v_cache: Option<DeviceBuffer>,
+    /// The flash kernel's tile shape; `None`: the default for the heads.
+    pub tiles: Option<FlashTiles>,
 }
 
 impl Layer {
@@ -246,6 +248,7 @@ impl Layer {
             pool: BlockPool::new(blocks, block_size).expect("pool"),
             k_cache,
             v_cache,
+            tiles: None,
         }
     }
 
@@ -308,10 +311,15 @@ impl Layer {
             // caches (the pool's blocks), and the fused rows hold `rows * width` floats.
             unsafe { exec.launch("kv_write", launch, &args) }.expect("kv_write");
         }
+        let tiles = match self.tiles {
+            Some(tiles) => tiles,
+            None => FlashTiles::choose(&s, exec.shared_limit("flash_attention_k64_v64").unwrap())
+                .expect("a tile shape fits"),
+        };
         let launch = Launch {
-            grid: s.grid(&step),
+            grid: s.grid(tiles, &step),
             block: ATTENTION_THREADS,
-            shared_bytes: s.shared_bytes(),
+            shared_bytes: s.shared_bytes(tiles),
         };
         let args = [
             KernelArg::from(&fused),
@@ -335,9 +343,9 @@ impl Layer {
             u(s.v_dim),
             KernelArg::F32(h.scale),
         ];
-        // SAFETY: the arguments follow paged_attention's signature; the step arrays describe
+        // SAFETY: the arguments follow the flash kernels' signature; the step arrays describe
         // sequences whose blocks lie in the caches, `out` holds every row's heads.
-        unsafe { exec.launch("paged_attention", launch, &args) }.expect("paged_attention");
+        unsafe { exec.launch(&tiles.kernel(), launch, &args) }.expect("flash attention");
         let out = exec.download_bf16(&out).expect("download");
         let per_row = h.out_width();
         Ok(step
