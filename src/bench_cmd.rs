@@ -12,11 +12,9 @@ use crate::report_file::{create_report_file, write_json};
 use anyhow::{bail, Context as _};
 use rackfill_balancer::Algo;
 use rackfill_bench::ep::{check_step, random_prompts, run_ep, EpCase};
-use rackfill_bench::forward::{
-    check_lengths, run_forward, synthetic_bench_checkpoint, synthetic_bench_model,
-};
-use rackfill_engine::{EpConfig, ModelDevice, Rack};
-use rackfill_models::{Checkpoint, ModelBundle, ModelConfig};
+use rackfill_bench::forward::synthetic_bench_model;
+use rackfill_engine::{EpConfig, Rack};
+use rackfill_models::ModelBundle;
 use std::path::PathBuf;
 
 /// Benchmarks.
@@ -28,8 +26,9 @@ pub enum BenchCommand {
     /// solve time.
     Balance(BalanceArgs),
     /// Prefill tokens/s of the dense single-device forward (the bench shape with seeded random
-    /// weights, or a checkpoint given with --model).
-    Forward(ForwardArgs),
+    /// weights, a real model's shape with --model-shape, or a checkpoint given with --model),
+    /// with model FLOP utilisation and time per phase on a GPU.
+    Forward(crate::forward_bench_cmd::ForwardArgs),
     /// The EP runtime against the dense path: prefill tokens/s (the EP machinery's overhead on
     /// one host), imbalance before and after, and the cost model's simulated MoE makespan with
     /// each balancer versus no balancing.
@@ -132,41 +131,11 @@ fn ep_bench_balancers() -> [Algo; 2] {
     [EpConfig::default().balancer, Algo::None]
 }
 
-/// `rackfill bench forward`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ForwardArgs {
-    /// Checkpoint directory or HF id [default: the issue's bench shape, random weights in memory]
-    #[arg(long)]
-    pub model: Option<String>,
-
-    /// Prompt lengths in tokens, comma-separated, each at most the model's context
-    /// (max_position_embeddings: 8192 for the bench shape).
-    #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "512,2048,4096")]
-    pub tokens: Vec<usize>,
-
-    /// Timed runs per length (after one warm-up), at most 1000; the median is reported.
-    #[arg(long, default_value_t = 3, value_parser = crate::flags::parse_repeats)]
-    pub repeats: usize,
-
-    /// Seed for the random weights and prompts.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-
-    /// Where the forward runs: `cpu` (candle, f32), `cuda` / `cuda:N` (the whole model on the
-    /// GPU in bf16, every expert local) or `emulator` (that path on the host emulator).
-    #[arg(long, default_value = "cpu", value_parser = crate::flags::parse_device)]
-    pub device: ModelDevice,
-
-    /// Also write the report as JSON to FILE.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-}
-
 /// Runs a bench subcommand.
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Balance(args) => crate::balance_cmd::run(args),
-        BenchCommand::Forward(args) => forward(args),
+        BenchCommand::Forward(args) => crate::forward_bench_cmd::run(args),
         BenchCommand::Ep(args) => ep(args),
         BenchCommand::HttpOverhead(args) => crate::overhead_cmd::run(args),
         BenchCommand::Serve(args) => crate::serve_bench_cmd::run(args),
@@ -256,106 +225,4 @@ fn read_prompt_texts(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
         bail!("{}: prompts must be non-empty strings", path.display());
     }
     Ok(texts)
-}
-
-/// [`run_forward`] with the whole model on `device`'s GPU path (bf16, every expert local): a GPU,
-/// or the host emulator, loaded from the checkpoint straight to the device.
-#[cfg(feature = "cuda")]
-fn run_forward_on_gpu(
-    (config, checkpoint): (&ModelConfig, &Checkpoint),
-    name: &str,
-    args: &ForwardArgs,
-    device: ModelDevice,
-) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
-    use rackfill_models::gpu::{ExpertPlacement, GpuInput, GpuModel};
-    use rackfill_models::LogitsFor;
-    let exec = crate::gpu_exec::open_executor(device)?;
-    let device = exec.describe();
-    let longest = args.tokens.iter().copied().max().unwrap_or(1);
-    let (gpu, _) = GpuModel::load(exec, config, checkpoint, longest, ExpertPlacement::Here)?;
-    let vocab = config.vocab_size;
-    let results = rackfill_bench::forward::time_prefills(
-        &args.tokens,
-        args.repeats,
-        args.seed,
-        vocab,
-        |prompt| {
-            let mut sequence = gpu.new_sequence();
-            gpu.forward(&mut [GpuInput {
-                tokens: prompt,
-                sequence: &mut sequence,
-                logits: LogitsFor::LastPosition,
-            }])?;
-            Ok(())
-        },
-    )?;
-    Ok(rackfill_bench::forward::ForwardReport {
-        implementation: "rackfill",
-        device,
-        model: name.to_string(),
-        threads: 1,
-        results,
-    })
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_forward_on_gpu(
-    _: (&ModelConfig, &Checkpoint),
-    _: &str,
-    args: &ForwardArgs,
-    _: ModelDevice,
-) -> anyhow::Result<rackfill_bench::forward::ForwardReport> {
-    anyhow::bail!(
-        "--device {} needs the GPU path of the default build (this binary was built with \
-         --no-default-features)",
-        args.device
-    )
-}
-
-fn forward(args: ForwardArgs) -> anyhow::Result<()> {
-    let json_file = create_report_file(args.json.as_deref())?;
-    // The checkpoint, memory-mapped: the CPU path builds its f32 model from it, the GPU path
-    // uploads it to the device (no model in host memory).
-    let (config, checkpoint, name) = match &args.model {
-        Some(spec) => {
-            let dir = rackfill_models::source::resolve(spec)?;
-            (
-                ModelConfig::load(&dir)?,
-                Checkpoint::open(&dir)?,
-                spec.clone(),
-            )
-        }
-        None => {
-            let (config, checkpoint) = synthetic_bench_checkpoint(args.seed)?;
-            (config, checkpoint, "bench-shape".to_string())
-        }
-    };
-    check_lengths(&config, &args.tokens)?;
-    note!(
-        "bench forward: {name}, prompts {:?} tokens, {} repeats",
-        args.tokens,
-        args.repeats
-    );
-    let report = match args.device {
-        ModelDevice::Cpu => {
-            let model = rackfill_models::MoeModel::from_checkpoint(config, &checkpoint)?;
-            run_forward(&model, &name, &args.tokens, args.repeats, args.seed)?
-        }
-        device => run_forward_on_gpu((&config, &checkpoint), &name, &args, device)?,
-    };
-    outln!("| tokens | tokens/s | seconds (each run) |");
-    outln!("|-------:|---------:|:-------------------|");
-    for r in &report.results {
-        let runs: Vec<String> = r.seconds.iter().map(|s| format!("{s:.3}")).collect();
-        outln!(
-            "| {} | {:.0} | {} |",
-            r.tokens,
-            r.tokens_per_s,
-            runs.join(", ")
-        );
-    }
-    if let (Some(file), Some(path)) = (json_file, &args.json) {
-        write_json(file, path, &report)?;
-    }
-    Ok(())
 }

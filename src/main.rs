@@ -30,6 +30,7 @@ mod attention_bench_cmd;
 mod balance_cmd;
 mod bench_cmd;
 mod flags;
+mod forward_bench_cmd;
 #[cfg(feature = "cuda")]
 mod gpu_exec;
 mod kernels_cmd;

@@ -455,3 +455,67 @@ fn bench_attention_compares_the_kernel_with_its_baseline() {
         );
     }
 }
+
+/// `bench forward --model-shape` on the host emulator (where a C++ compiler is): Qwen3-30B-A3B's
+/// first layer at its real width, weights generated on the device, one prefill timed; the report
+/// names the shape, counts model FLOPs and splits a profiled prefill into the five phases. A
+/// shape it does not know, `--layers` without a shape and a shape beside `--model` are one-line
+/// errors.
+#[test]
+fn bench_forward_runs_a_real_model_shape_with_phases() {
+    refused(
+        &["bench", "forward", "--model-shape", "llama-70b"],
+        "unknown model shape 'llama-70b' (one of qwen3-30b-a3b, deepseek-v3)",
+    );
+    refused(&["bench", "forward", "--layers", "2"], "--model-shape");
+    refused(
+        &[
+            "bench",
+            "forward",
+            "--model",
+            "rackfill-tiny-moe",
+            "--model-shape",
+            "deepseek-v3",
+        ],
+        "cannot be used with",
+    );
+    #[cfg(feature = "cuda")]
+    if rackfill_kernels::cuda::exec::Emulator::shared().is_some() {
+        let dir = common::TempDir::new("bench-forward-shape");
+        let report = dir.file("forward.json");
+        let args = [
+            "bench",
+            "forward",
+            "--device",
+            "emulator",
+            "--model-shape",
+            "qwen3-30b-a3b",
+            "--layers",
+            "1",
+            "--tokens",
+            "12",
+            "--repeats",
+            "1",
+            "--peak-tflops",
+            "1000",
+            "--json",
+            report.to_str().unwrap(),
+        ];
+        let report = json_report(&args, &report);
+        assert_eq!(report["model"], "qwen3-30b-a3b (1 layers)");
+        assert_eq!(report["peak_tflops"], 1000.0);
+        let result = &report["results"][0];
+        assert_eq!(result["tokens"], 12);
+        assert!(result["model_tflops"].as_f64().unwrap() > 0.0);
+        assert!(result["mfu"].as_f64().unwrap() > 0.0);
+        let phases = result["phases_ms"].as_object().unwrap();
+        for phase in [
+            "attention",
+            "dense GEMMs",
+            "norms and elementwise",
+            "routing and balancing",
+        ] {
+            assert!(phases[phase].as_f64().unwrap() > 0.0, "{phase}: {phases:?}");
+        }
+    }
+}

@@ -15,6 +15,10 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 use serde::Serialize;
 
+mod model_shapes;
+
+pub use model_shapes::{prefill_flops, tensor_shapes, ModelShape};
+
 /// Errors of the forward bench.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardBenchError {
@@ -53,41 +57,6 @@ pub fn bench_shape_config() -> serde_json::Value {
     })
 }
 
-/// Every tensor name and shape a Qwen3-MoE checkpoint of this config holds.
-fn qwen3_tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, v) = (config.hidden_size, config.vocab_size);
-    let (q, kv, d) = (
-        config.num_heads * config.head_dim,
-        config.num_kv_heads * config.head_dim,
-        config.head_dim,
-    );
-    let (e, i) = (config.moe.num_experts, config.moe.intermediate_size);
-    let mut shapes = vec![
-        ("model.embed_tokens.weight".to_string(), vec![v, h]),
-        ("model.norm.weight".to_string(), vec![h]),
-        ("lm_head.weight".to_string(), vec![v, h]),
-    ];
-    for layer in 0..config.num_layers {
-        let p = format!("model.layers.{layer}");
-        let mut add = |name: String, shape: Vec<usize>| shapes.push((format!("{p}.{name}"), shape));
-        add("input_layernorm.weight".into(), vec![h]);
-        add("post_attention_layernorm.weight".into(), vec![h]);
-        add("self_attn.q_proj.weight".into(), vec![q, h]);
-        add("self_attn.k_proj.weight".into(), vec![kv, h]);
-        add("self_attn.v_proj.weight".into(), vec![kv, h]);
-        add("self_attn.o_proj.weight".into(), vec![h, q]);
-        add("self_attn.q_norm.weight".into(), vec![d]);
-        add("self_attn.k_norm.weight".into(), vec![d]);
-        add("mlp.gate.weight".into(), vec![e, h]);
-        for expert in 0..e {
-            add(format!("mlp.experts.{expert}.gate_proj.weight"), vec![i, h]);
-            add(format!("mlp.experts.{expert}.up_proj.weight"), vec![i, h]);
-            add(format!("mlp.experts.{expert}.down_proj.weight"), vec![h, i]);
-        }
-    }
-    shapes
-}
-
 /// The bench-shape model with seeded random weights (norms 1, everything else N(0, 0.02), the
 /// initialisation transformers uses), built as an in-memory safetensors checkpoint so it goes
 /// through the real loader.
@@ -107,7 +76,7 @@ pub fn synthetic_bench_checkpoint(
     let normal =
         Normal::new(0.0f32, 0.02).map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
     let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
-    for (name, shape) in qwen3_tensor_shapes(&config) {
+    for (name, shape) in tensor_shapes(&config) {
         let count: usize = shape.iter().product();
         let bytes = if name.ends_with("norm.weight") {
             half::bf16::from_f32(1.0).to_le_bytes().repeat(count)
@@ -139,6 +108,15 @@ pub struct ForwardResult {
     /// Median over repeats.
     pub tokens_per_s: f64,
     pub seconds: Vec<f64>,
+    /// Model FLOPs of the prefill ([`prefill_flops`]) per second of the median run, TFLOP/s
+    /// ([`ForwardReport::add_flops`]).
+    pub model_tflops: f64,
+    /// Model FLOP utilisation: `model_tflops` over the device's dense bf16 peak, where known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+    /// Device time per phase of one profiled prefill, ms (the GPU path).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub phases_ms: BTreeMap<String, f64>,
 }
 
 /// The whole bench's output (the JSON `--json` writes).
@@ -150,7 +128,29 @@ pub struct ForwardReport {
     pub device: String,
     pub model: String,
     pub threads: usize,
+    /// The dense bf16 peak MFU divides by, TFLOP/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_tflops: Option<f64>,
     pub results: Vec<ForwardResult>,
+}
+
+impl ForwardReport {
+    /// Fills each result's model TFLOP/s for `config` and, given the device's dense bf16
+    /// `peak` (TFLOP/s), its model FLOP utilisation.
+    pub fn add_flops(&mut self, config: &ModelConfig, peak: Option<f64>) {
+        self.peak_tflops = peak;
+        for r in &mut self.results {
+            let flops = prefill_flops(config, r.tokens, 0);
+            r.model_tflops = flops * r.tokens_per_s / r.tokens as f64 / 1e12;
+            r.mfu = peak.map(|p| r.model_tflops / p);
+        }
+    }
+}
+
+/// A seeded random prompt of `len` tokens over `vocab`.
+pub fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.gen_range(0..vocab as u32)).collect()
 }
 
 /// Checks every prompt length before the first is timed: positive and within the model's context
@@ -193,6 +193,7 @@ pub fn run_forward(
         device: "cpu".into(),
         model: model_name.to_string(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        peak_tflops: None,
         results,
     })
 }
@@ -229,6 +230,9 @@ pub fn time_prefills(
             tokens: length,
             tokens_per_s: length as f64 / median,
             seconds,
+            model_tflops: 0.0,
+            mfu: None,
+            phases_ms: BTreeMap::new(),
         });
     }
     Ok(results)

@@ -81,3 +81,24 @@ extern "C" __global__ void dequant_fp8_e4m3(const u8* __restrict__ src, const fl
         store_element(dst, dst_dtype, i, __fmul_rn(e4m3_to_f32(src[i]), scale));
     }
 }
+
+// A synthetic checkpoint's tensor (rackfill_models::Synthetic) generated in place: element i is
+// `constant` when `uniform` is 0, else uniform in [-bound, bound) from a splitmix64 hash of
+// (seed, first + i), rounded to bf16 (what the host's `Synthetic::value` gives bit for bit),
+// stored as `dst_dtype` (f32 or bf16). No bytes cross the bus: a real-size model for benchmarks.
+extern "C" __global__ void fill_synthetic(void* __restrict__ dst, u32 dst_dtype, u64 n, u64 seed, u64 first,
+                                          float bound, float constant, u32 uniform) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = constant;
+        if (uniform != 0u) {
+            u64 z = seed + (first + i + 1ull) * 0x9e3779b97f4a7c15ull;
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            z ^= z >> 31;
+            const float unit = __fmul_rn((float)(z >> 40), 1.0f / 16777216.0f);
+            v = __fmul_rn(__fadd_rn(__fmul_rn(2.0f, unit), -1.0f), bound);
+        }
+        store_element(dst, dst_dtype, i, bf16_to_f32(f32_to_bf16(v)));
+    }
+}

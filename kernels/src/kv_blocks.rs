@@ -540,43 +540,74 @@ mod tests {
             v_dim: 512,
         };
         deepseek.check().unwrap();
-        assert_eq!(deepseek.shared_bytes(), 16 * (578 + 512) * 2 + 16 * 16 * 4);
+        let wide = FlashTiles {
+            keys: 32,
+            v_cols: 256,
+        };
+        // Queries and two stages of 32 keys, rows of 576 + 8; two stages of 256 + 8 values.
+        assert_eq!(
+            deepseek.shared_bytes(wide),
+            2 * ((64 + 64) * 584 + 64 * 264)
+        );
         let mut pool = BlockPool::new(16, 16).unwrap();
         let (mut a, mut b) = (BlockTable::new(), BlockTable::new());
         let step = StepArrays::prepare(&mut pool, &mut [(&mut a, 3), (&mut b, 1)]).unwrap();
-        assert_eq!(deepseek.grid(&step), [24, 1, 2]);
+        // 3 rows x 128 heads = 384 vectors: 6 blocks of 64; 512 values: 2 blocks of 256.
+        assert_eq!(deepseek.grid(wide, &step), [6, 2, 2]);
         let gqa = AttentionShape {
             q_heads: 4,
             kv_heads: 2,
             qk_dim: 128,
             v_dim: 128,
         };
-        assert_eq!(gqa.grid(&step), [1, 2, 2]);
+        assert_eq!(gqa.grid(FlashTiles::ALL[1], &step), [1, 2, 2]);
         for bad in [
             AttentionShape { q_heads: 5, ..gqa },
             AttentionShape { kv_heads: 0, ..gqa },
-            AttentionShape { v_dim: 513, ..gqa },
-            AttentionShape {
-                qk_dim: 1024,
-                ..deepseek
-            },
+            AttentionShape { v_dim: 132, ..gqa },
+            AttentionShape { qk_dim: 20, ..gqa },
         ] {
             assert!(bad.check().is_err(), "{bad:?}");
         }
     }
 
     #[test]
+    fn the_default_tiles_cover_the_value_head_within_shared_memory() {
+        let shape = |qk_dim, v_dim| AttentionShape {
+            q_heads: 8,
+            kv_heads: 1,
+            qk_dim,
+            v_dim,
+        };
+        let choose = |s: AttentionShape, limit| FlashTiles::choose(&s, limit).unwrap().to_string();
+        let h100 = 227 * 1024;
+        assert_eq!(choose(shape(64, 64), h100), "k64_v64");
+        assert_eq!(choose(shape(128, 128), h100), "k64_v128");
+        assert_eq!(choose(shape(576, 512), h100), "k32_v256");
+        // Less shared memory: DeepSeek's latent falls back to narrower value tiles.
+        assert_eq!(choose(shape(576, 512), 170 * 1024), "k32_v128");
+        assert!(matches!(
+            FlashTiles::choose(&shape(576, 512), 48 * 1024),
+            Err(PagedError::SharedMemory { .. })
+        ));
+    }
+
+    #[test]
     fn the_launch_constants_are_the_kernels() {
         let source = include_str!("../cuda/attention.cu");
-        for (name, value) in [
-            ("QUERIES_PER_BLOCK", QUERIES_PER_BLOCK),
-            ("KEYS_PER_TILE", KEYS_PER_TILE),
-            ("K_PAD", K_PAD),
-            ("MAX_V_PER_LANE", MAX_V_DIM / 32),
-            ("ATTN_WARPS", ATTENTION_THREADS / 32),
-        ] {
+        for (name, value) in [("FLASH_ROWS", FLASH_ROWS), ("FLASH_PAD", FLASH_PAD)] {
             let define = format!("#define {name} {value}u");
             assert!(source.contains(&define), "attention.cu lacks `{define}`");
+        }
+        assert!(source.contains(&format!("#define FLASH_THREADS {ATTENTION_THREADS}")));
+        for tiles in FlashTiles::ALL {
+            let entry = format!(
+                "{}(FLASH_ARGS) {{\n    flash_attention<{}, {}>",
+                tiles.kernel(),
+                tiles.keys,
+                tiles.v_cols
+            );
+            assert!(source.contains(&entry), "attention.cu lacks `{entry}`");
         }
     }
 }

@@ -47,6 +47,50 @@ pub struct RawTensor<'a> {
     pub bytes: &'a [u8],
     /// The block scales (`{name}_scale_inv`) of an `F8_E4M3` tensor; `None` for the others.
     pub scales: Option<BlockScales<'a>>,
+    /// A tensor of a [`Checkpoint::synthetic`] checkpoint: no bytes, values generated where
+    /// they are used.
+    pub synthetic: Option<Synthetic>,
+}
+
+/// The values of a tensor of a synthetic checkpoint, generated where they are used (on the
+/// host by [`RawTensor::to_f32`], on the device by the GPU loader's `fill_synthetic` kernel,
+/// the same bf16 values on both): a model of any size without a file or host memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Synthetic {
+    /// Every element this value (norm weights 1, biases 0).
+    Constant(f32),
+    /// Element `i` uniform in `[-bound, bound)` from a hash of `(seed, first + i)`, rounded to
+    /// bf16.
+    Uniform { seed: u64, bound: f32, first: u64 },
+}
+
+impl Synthetic {
+    /// Element `i` (bf16-exact).
+    pub fn value(&self, i: u64) -> f32 {
+        match *self {
+            Self::Constant(v) => half::bf16::from_f32(v).to_f32(),
+            Self::Uniform { seed, bound, first } => {
+                let mut z = seed.wrapping_add((first + i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                z ^= z >> 31;
+                let unit = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+                half::bf16::from_f32((2.0 * unit - 1.0) * bound).to_f32()
+            }
+        }
+    }
+
+    /// The values of elements `offset..` (a slice along a tensor's first dimension).
+    fn skip(self, offset: u64) -> Self {
+        match self {
+            Self::Uniform { seed, bound, first } => Self::Uniform {
+                seed,
+                bound,
+                first: first + offset,
+            },
+            constant => constant,
+        }
+    }
 }
 
 impl RawTensor<'_> {
@@ -68,6 +112,11 @@ impl RawTensor<'_> {
     /// The values as f32: exact for f32, bf16 and f16; an FP8 value times its block's scale
     /// (one f32 multiplication, as the device's dequantization computes it).
     pub fn to_f32(&self) -> Vec<f32> {
+        if let Some(values) = self.synthetic {
+            return (0..self.elements() as u64)
+                .map(|i| values.value(i))
+                .collect();
+        }
         let bytes = self.bytes;
         match (self.dtype, self.scales) {
             (Dtype::F32, _) => bytes
@@ -154,6 +203,8 @@ struct Entry {
     start: usize,
     end: usize,
     used: AtomicBool,
+    /// Set in a synthetic checkpoint (no bytes).
+    synthetic: Option<Synthetic>,
 }
 
 /// All tensors of a checkpoint, addressable by name.
@@ -223,6 +274,51 @@ impl Checkpoint {
         }])
     }
 
+    /// A bf16 checkpoint of the tensors `tensors` names with no stored values: each reads as
+    /// [`Synthetic`] values, seeded by `seed` and its name: norm weights 1, biases 0, every
+    /// other tensor uniform with standard deviation 0.02 (transformers' initialisation scale).
+    /// What `rackfill bench forward --model-shape` runs a real-size model from without a file.
+    pub fn synthetic(origin: &str, tensors: Vec<(String, Vec<usize>)>, seed: u64) -> Self {
+        let entries = tensors
+            .into_iter()
+            .map(|(name, shape)| {
+                let values = if name.ends_with("norm.weight") {
+                    Synthetic::Constant(1.0)
+                } else if name.ends_with("bias") {
+                    Synthetic::Constant(0.0)
+                } else {
+                    // FNV-1a of the name: every tensor its own stream.
+                    let named = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+                    });
+                    Synthetic::Uniform {
+                        seed: seed ^ named,
+                        bound: 0.02 * 3f32.sqrt(),
+                        first: 0,
+                    }
+                };
+                let entry = Entry {
+                    shard: 0,
+                    dtype: Dtype::BF16,
+                    shape,
+                    start: 0,
+                    end: 0,
+                    used: AtomicBool::new(false),
+                    synthetic: Some(values),
+                };
+                (name, entry)
+            })
+            .collect();
+        Self {
+            shards: vec![Shard {
+                path: PathBuf::from(origin),
+                bytes: ShardBytes::Owned(Vec::new()),
+            }],
+            entries,
+            fp8_block: Mutex::new(None),
+        }
+    }
+
     fn index(shards: Vec<Shard>) -> Result<Self> {
         let mut entries = HashMap::new();
         for (shard_index, shard) in shards.iter().enumerate() {
@@ -240,6 +336,7 @@ impl Checkpoint {
                     start,
                     end: start + view.data().len(),
                     used: AtomicBool::new(false),
+                    synthetic: None,
                 };
                 entries.insert(name, entry);
             }
@@ -257,6 +354,17 @@ impl Checkpoint {
     pub fn set_quantization(&self, quantization: Option<&Quantization>) {
         *self.fp8_block.lock().unwrap_or_else(|e| e.into_inner()) =
             quantization.map(Quantization::fp8_block);
+    }
+
+    /// Every tensor's name and stored shape, sorted by name.
+    pub fn tensor_shapes(&self) -> Vec<(&str, &[usize])> {
+        let mut shapes: Vec<(&str, &[usize])> = self
+            .entries
+            .iter()
+            .map(|(name, e)| (name.as_str(), e.shape.as_slice()))
+            .collect();
+        shapes.sort_unstable();
+        shapes
     }
 
     /// Whether the checkpoint holds a tensor of this name.
@@ -294,6 +402,7 @@ impl Checkpoint {
             shape: &entry.shape,
             bytes: data,
             scales,
+            synthetic: entry.synthetic,
         })
     }
 
@@ -315,6 +424,7 @@ impl Checkpoint {
             let stride = bytes.len() / outer;
             &bytes[index * stride..(index + 1) * stride]
         }
+        let inner_elements: usize = inner.iter().product();
         Ok(RawTensor {
             dtype: raw.dtype,
             shape: inner,
@@ -323,6 +433,9 @@ impl Checkpoint {
                 bytes: slice(s.bytes, outer, index),
                 block: s.block,
             }),
+            synthetic: raw
+                .synthetic
+                .map(|values| values.skip((index * inner_elements) as u64)),
         })
     }
 

@@ -19,7 +19,7 @@ pub mod tokenizer;
 
 pub use bundle::{CheckpointModel, ModelBundle, ModelOrigin, BUILTIN_MODEL_NAME};
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use checkpoint::Checkpoint;
+pub use checkpoint::{Checkpoint, Synthetic};
 pub use config::{Family, ModelConfig};
 pub use error::{ModelError, Result};
 pub use expert_selection::ExpertSelection;

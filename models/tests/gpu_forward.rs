@@ -188,15 +188,26 @@ fn step(
 
 fn check_model(name: &str, exec: Arc<dyn Executor>) {
     let dir = fixture(name);
-    let model = MoeModel::load(&dir).unwrap();
-    let vocab = model.config().vocab_size;
     // The device model from the same checkpoint, straight from its files.
     let (config, checkpoint) = (
         ModelConfig::load(&dir).unwrap(),
         Checkpoint::open(&dir).unwrap(),
     );
+    check_checkpoint(name, &config, &checkpoint, exec);
+}
+
+/// The CPU model and the device model of `config` from `checkpoint`, stepped side by side.
+fn check_checkpoint(
+    name: &str,
+    config: &ModelConfig,
+    checkpoint: &Checkpoint,
+    exec: Arc<dyn Executor>,
+) {
+    let model = MoeModel::from_checkpoint(config.clone(), checkpoint).unwrap();
+    let vocab = model.config().vocab_size;
+    let (config, checkpoint) = (config, checkpoint);
     let (gpu, homes) =
-        GpuModel::load(exec, &config, &checkpoint, 256, ExpertPlacement::Here).unwrap();
+        GpuModel::load(exec, config, checkpoint, 256, ExpertPlacement::Here).unwrap();
     assert!(homes.is_none());
     let free = gpu.free_blocks();
     let (a, b) = (prompt(17, 1, vocab), prompt(6, 2, vocab));
@@ -295,3 +306,24 @@ family!(
     deepseek_v3_with_linear_rope_on_the_gpu_path_matches_the_cpu,
     "deepseek_v3_linear_eps"
 );
+
+#[test]
+fn a_synthetic_checkpoint_reads_the_same_on_the_host_and_the_device() {
+    // The fixture's tensor names and shapes with no stored values: the device generates each
+    // tensor in place (`fill_synthetic`), the CPU model from the same seeds on the host; the
+    // two models must agree as two loads of one file do.
+    for name in ["qwen3_moe", "deepseek_v3"] {
+        let dir = fixture(name);
+        let config = ModelConfig::load(&dir).unwrap();
+        let shapes = Checkpoint::open(&dir)
+            .unwrap()
+            .tensor_shapes()
+            .into_iter()
+            .map(|(name, shape)| (name.to_string(), shape.to_vec()))
+            .collect();
+        let synthetic = Checkpoint::synthetic("synthetic", shapes, 5);
+        for exec in available() {
+            check_checkpoint(&format!("synthetic {name}"), &config, &synthetic, exec);
+        }
+    }
+}

@@ -135,12 +135,13 @@ pub const GLUE: KernelSource = KernelSource {
 };
 
 /// A checkpoint's tensors converted on the device at load: f32, f16 and bf16 to bf16 or f32,
-/// block-quantized FP8 (e4m3) dequantized by its block scales.
+/// block-quantized FP8 (e4m3) dequantized by its block scales; a synthetic checkpoint's tensors
+/// generated in place.
 pub const CONVERT: KernelSource = KernelSource {
     name: "convert",
     file: "convert.cu",
     source: include_str!("../../cuda/convert.cu"),
-    entry_points: &["convert_elements", "dequant_fp8_e4m3"],
+    entry_points: &["convert_elements", "dequant_fp8_e4m3", "fill_synthetic"],
 };
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.

@@ -66,8 +66,8 @@ impl AttentionTiming {
     }
 }
 
-/// Times each flash kernel of `tiles` (those whose shared memory fits the device) and the GEMM
-/// + softmax + GEMM baseline on `case`, `repeats` times each (at least once), and compares
+/// Times each flash kernel of `tiles` (those whose shared memory fits the device) and the
+/// baseline (GEMM, softmax, GEMM) on `case`, `repeats` times each (at least once), and compares
 /// every kernel's output with the baseline's.
 pub fn bench_attention(
     exec: &dyn Executor,

@@ -189,7 +189,7 @@ impl Loader<'_> {
     /// Writes `raw`'s values as `to` into `dst` from byte `offset`: byte for byte from the map
     /// when it is stored as `to`, else its stored bytes into a staging buffer and converted
     /// there (f32 and f16 rounded to bf16, bf16 widened to f32, FP8 dequantized by its block
-    /// scales).
+    /// scales); a synthetic tensor's values generated in place.
     fn fill(
         &self,
         raw: &RawTensor<'_>,
@@ -203,6 +203,10 @@ impl Loader<'_> {
                 "{n} values at byte {offset} of a {}-byte device buffer",
                 dst.bytes()
             )));
+        }
+        if let Some(values) = raw.synthetic {
+            self.ops.fill_synthetic(values, n, dst.at(offset), to)?;
+            return Ok(());
         }
         let from = match (raw.dtype, to) {
             (Dtype::BF16, DType::Bf16) | (Dtype::F32, DType::F32) => {

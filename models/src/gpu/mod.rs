@@ -13,7 +13,8 @@
 //! experts' sum into the block's output ([`GpuModel::add_routed`]).
 //!
 //! Precision: weights, GEMM inputs and the KV cache are bf16; GEMMs accumulate in f32 and write
-//! f32; the residual stream, norms' arithmetic, RoPE, attention scores and softmax, the routers
+//! f32; attention runs on tensor cores (bf16 queries, keys, values and probabilities, f32 scores,
+//! softmax statistics and accumulators); the residual stream, norms' arithmetic, RoPE, the routers
 //! (weights kept in f32, so selection does not flip on a rounding) and the logits are f32.
 
 mod attention;
@@ -22,6 +23,7 @@ mod forward;
 mod load;
 mod model;
 mod ops;
+pub mod phases;
 mod weights;
 
 pub use attention_bench::{bench_attention, AttentionCase, AttentionTiming, FlashTiming};

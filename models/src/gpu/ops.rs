@@ -7,6 +7,8 @@ use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, Gemm, KernelArg as A, Launch, MatrixRef, WeightLayout,
 };
 use rackfill_kernels::cuda::CudaError;
+
+use crate::checkpoint::Synthetic;
 use rackfill_kernels::kv_blocks::{AttentionShape, FlashTiles, StepArrays, ATTENTION_THREADS};
 
 /// Threads per block of the row-wise kernels.
@@ -532,6 +534,32 @@ impl Ops<'_> {
                 A::U64(n as u64),
                 A::Ptr(dst),
                 A::U32(dtype_code(to)),
+            ],
+        )
+    }
+
+    /// `n` elements of a synthetic checkpoint's tensor generated into `to` at `dst` (the bf16
+    /// values [`Synthetic::value`] gives on the host).
+    pub fn fill_synthetic(&self, values: Synthetic, n: usize, dst: u64, to: DType) -> R {
+        if n == 0 {
+            return Ok(());
+        }
+        let (seed, first, bound, constant, uniform) = match values {
+            Synthetic::Constant(v) => (0, 0, 0.0, v, 0),
+            Synthetic::Uniform { seed, bound, first } => (seed, first, bound, 0.0, 1),
+        };
+        self.launch(
+            "fill_synthetic",
+            elementwise(n),
+            &[
+                A::Ptr(dst),
+                A::U32(dtype_code(to)),
+                A::U64(n as u64),
+                A::U64(seed),
+                A::U64(first),
+                A::F32(bound),
+                A::F32(constant),
+                A::U32(uniform),
             ],
         )
     }

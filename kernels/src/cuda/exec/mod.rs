@@ -9,13 +9,15 @@
 //! [`KernelArg`]s exactly as `cuLaunchKernel` takes parameters, and GEMMs are described by
 //! addresses and strides ([`Gemm`]). That is why [`Executor::launch`] and [`Executor::gemm`] are
 //! `unsafe`: the caller vouches that the arguments match the kernel and the buffers are large
-//! enough, as with any CUDA launch.
+//! enough, as with any CUDA launch. [`Profiled`] wraps either and files the device time of what
+//! it queues under phases.
 
 mod available;
 mod emulated;
 mod executor;
 mod gpu;
 mod host_memory;
+mod profiled;
 
 pub use available::{available, REQUIRE_GPU_ENV};
 pub use emulated::{Emulator, EmulatorSettings, EmulatorUnavailable};
@@ -24,3 +26,4 @@ pub use executor::{
     KernelArg, KernelParams, Launch, MatrixRef, ParamBytes, Stream, WeightLayout,
 };
 pub use gpu::GpuExecutor;
+pub use profiled::{Classifier, Profiled, COPY, GEMM};
