@@ -12,15 +12,22 @@ logits only, as rackfill does), and, with --rackfill BIN, runs
 
     BIN bench forward --model DIR --tokens ... --repeats ... --json OUT
 
-on the same checkpoint right after, alternating the two per round so machine noise hits both.
+on the same checkpoint in the same round (rackfill first), round after round, so machine noise hits both.
 Prints a table with the ratio and writes everything to --json.
 
     python3 scripts/bench_forward_hf.py --rackfill target/release/rackfill [--rounds 2]
+
+With --model-shape qwen3-30b-a3b or deepseek-v3 (and --layers N), both build the real model's
+shape with random weights where they run, no checkpoint on disk: rackfill runs first
+(`bench forward --model-shape`), and its report's config.json is what transformers builds its
+model from (`from_config`, bf16, on the GPU), so the two run the same shape. Only one model is
+on the GPU at a time.
 
 Needs torch, transformers, safetensors (not needed by CI).
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -63,16 +70,27 @@ def make_checkpoint(path, seed):
     model.to(torch.bfloat16).save_pretrained(path)
 
 
-def time_hf(path, lengths, repeats, threads, seed, device):
+def hf_model(path, config, dtype, device, seed):
+    """The checkpoint at `path`, or a model of `config` (a config.json dict) with random weights."""
+    if config is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+
+
+def time_hf(path, lengths, repeats, threads, seed, device, config=None):
     torch.set_num_threads(threads)
     # On a GPU: bf16 weights and activations (what rackfill's --device cuda runs), else f32.
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = hf_model(path, config, dtype, device, seed)
     model.eval()
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     results = []
     for n in lengths:
-        ids = torch.randint(0, BENCH_SHAPE["vocab_size"], (1, n), generator=g).to(device)
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
 
         def once():
             if device != "cpu":
@@ -87,13 +105,22 @@ def time_hf(path, lengths, repeats, threads, seed, device):
         once()
         seconds = [once() for _ in range(repeats)]
         results.append({"tokens": n, "tokens_per_s": n / statistics.median(seconds), "seconds": seconds})
-    return {"impl": "transformers", "device": device, "model": path, "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "results": results}
+    del model
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return {"impl": "transformers", "device": device, "model": path if config is None else config["model_type"],
+            "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
+            "results": results}
 
 
-def time_rackfill(binary, path, lengths, repeats, seed, device):
+def time_rackfill(binary, path, lengths, repeats, seed, device, shape=None):
+    """`shape`: (name, layers or None) for --model-shape, else the checkpoint at `path`."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [binary, "bench", "forward", "--model", path, "--tokens", ",".join(map(str, lengths)),
+        model = ["--model", path] if shape is None else ["--model-shape", shape[0]]
+        if shape is not None and shape[1]:
+            model += ["--layers", str(shape[1])]
+        cmd = [binary, "bench", "forward", *model, "--tokens", ",".join(map(str, lengths)),
                "--repeats", str(repeats), "--seed", str(seed), "--json", out.name,
                "--device", device]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -127,17 +154,27 @@ def main():
     ap.add_argument("--rackfill", help="path of the rackfill binary to run side by side")
     ap.add_argument("--device", default="cpu",
                     help="cpu (f32, both) or cuda / cuda:N (bf16, both, on that GPU)")
+    ap.add_argument("--model-shape", help="qwen3-30b-a3b or deepseek-v3: a real model's shape, random "
+                    "weights on the device, no checkpoint (needs --rackfill)")
+    ap.add_argument("--layers", type=int, help="with --model-shape: its first N decoder layers")
     ap.add_argument("--json", help="write all measurements here")
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
+    shape = (args.model_shape, args.layers) if args.model_shape else None
+    if shape and not args.rackfill:
+        ap.error("--model-shape needs --rackfill (rackfill's report gives the config)")
 
-    make_checkpoint(args.dir, args.seed)
+    if not shape:
+        make_checkpoint(args.dir, args.seed)
     rounds = []
     for r in range(args.rounds):
-        entry = {"transformers": time_hf(args.dir, lengths, args.repeats, args.threads, args.seed, args.device)}
+        entry = {}
         if args.rackfill:
             entry["rackfill"] = time_rackfill(args.rackfill, args.dir, lengths, args.repeats, args.seed,
-                                              args.device)
+                                              args.device, shape)
+        config = entry["rackfill"].get("config") if shape else None
+        entry["transformers"] = time_hf(args.dir, lengths, args.repeats, args.threads, args.seed, args.device,
+                                        config)
         rounds.append(entry)
         print(f"round {r}:")
         print(f"  {'tokens':>7} {'transformers tok/s':>19} {'rackfill tok/s':>15} {'ratio':>6}")
@@ -153,7 +190,7 @@ def main():
         print_summary(rounds, lengths)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": BENCH_SHAPE, "rounds": rounds}, f, indent=1)
+            json.dump({"shape": args.model_shape or BENCH_SHAPE, "rounds": rounds}, f, indent=1)
             f.write("\n")
 
 

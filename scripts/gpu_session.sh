@@ -4,11 +4,17 @@
 # figures docs record. Writes to ${OUT:-target/gpu-session}: device.txt, tests.log,
 # kernels-bench.txt; serve-*.txt and serve-bench.json (a generated Qwen3-30B-A3B-shaped
 # checkpoint served with the defaults: device memory and prompt tokens/s); load-memory.txt;
-# bench-forward-cuda.txt (and bench-forward-hf-cuda.txt where torch runs), bench-attention.txt;
-# sanitizer-*.txt. Exits non-zero if any test binary, the serve check or a sanitizer run failed.
+# bench-forward-*.txt/json (the bench shape, Qwen3-30B-A3B's and DeepSeek-V3's first layers at
+# real size, and transformers beside rackfill where torch runs), bench-attention.txt/json (every
+# flash tile shape, 512 to 16k tokens, against cuBLAS + softmax + cuBLAS); sanitizer-*.txt; and
+# DATE-CARD.md, the run's summary (scripts/gpu_report.py), also written to docs/gpu-runs/.
+# Exits non-zero if any test binary, a benchmark, the serve check or a sanitizer run failed.
 #
 # RACKFILL_SESSION_STEPS picks the steps, in order (default: every one):
 #   tests kernels serve forward attention sanitizer
+# The speed set of issue 33 alone, within 8 minutes: RACKFILL_SESSION_STEPS="attention forward".
+# RACKFILL_SESSION_QWEN_LAYERS (default 48, the whole model: 61 GB on the device) and
+# RACKFILL_SESSION_DEEPSEEK_LAYERS (default 4: 3 dense layers and one MoE layer, 30 GB).
 # Time bounds, for short leases: RACKFILL_SESSION_TEST_S (each test binary, default 300 s; a
 # timeout counts as a failure), RACKFILL_SESSION_SANITIZER_S (each sanitizer tool, default
 # 240 s), RACKFILL_SESSION_SANITIZERS (default memcheck racecheck synccheck); the serve check's
@@ -76,25 +82,45 @@ if has serve; then
   tail -5 "$out/serve-log.txt"
 fi
 
+if has attention; then
+  # Every flash tile shape against cuBLAS + softmax + cuBLAS on Qwen3-30B-A3B's attention (32
+  # query heads, 4 KV heads, head_dim 128), causal chunks of 512 to 16k tokens, and a 2k chunk
+  # over 8k cached tokens; then DeepSeek-V3's absorbed latent through the whole-model bench.
+  "$bundle/rackfill" bench attention --device cuda --chunk 512,1024,2048,4096,8192,16384 --repeats 10 \
+    --json "$out/bench-attention.json" 2>&1 | tee "$out/bench-attention.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-attention")
+  "$bundle/rackfill" bench attention --device cuda --context 8192 --chunk 2048 --repeats 10 \
+    --json "$out/bench-attention-context.json" 2>&1 | tee "$out/bench-attention-context.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-attention-context")
+fi
+
 if has forward; then
-  # The whole model on the GPU (bf16): prefill tokens/s of the bench shape, and beside it
-  # transformers in bf16 on the same GPU and checkpoint where torch with CUDA is installed.
+  # The whole model on the GPU (bf16): the bench shape, then Qwen3-30B-A3B (all 48 layers by
+  # default) and DeepSeek-V3's first layers at real size with weights generated on the device:
+  # tokens/s, model FLOP utilisation, time per phase. transformers in bf16 beside rackfill on the
+  # same shapes where torch with CUDA is installed.
   "$bundle/rackfill" bench forward --device cuda --tokens 512,2048,4096 --repeats 5 \
     --json "$out/bench-forward-cuda.json" 2>&1 | tee "$out/bench-forward-cuda.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-forward")
+  qwen_layers=${RACKFILL_SESSION_QWEN_LAYERS:-48}
+  deepseek_layers=${RACKFILL_SESSION_DEEPSEEK_LAYERS:-4}
+  "$bundle/rackfill" bench forward --device cuda --model-shape qwen3-30b-a3b --layers "$qwen_layers" \
+    --tokens 2048,4096,8192,16384 --repeats 3 --json "$out/bench-forward-qwen3.json" 2>&1 \
+    | tee "$out/bench-forward-qwen3.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-forward-qwen3")
+  "$bundle/rackfill" bench forward --device cuda --model-shape deepseek-v3 --layers "$deepseek_layers" \
+    --tokens 2048,8192 --repeats 3 --json "$out/bench-forward-deepseek.json" 2>&1 \
+    | tee "$out/bench-forward-deepseek.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-forward-deepseek")
   if python3 -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
     python3 scripts/bench_forward_hf.py --device cuda --rackfill "$bundle/rackfill" --repeats 5 \
       --json "$out/bench-forward-hf-cuda.json" 2>&1 | tee "$out/bench-forward-hf-cuda.txt"
+    python3 scripts/bench_forward_hf.py --device cuda --rackfill "$bundle/rackfill" --repeats 2 \
+      --model-shape qwen3-30b-a3b --layers "$qwen_layers" --tokens 2048,8192 \
+      --json "$out/bench-forward-hf-qwen3.json" 2>&1 | tee "$out/bench-forward-hf-qwen3.txt"
   else
     echo "torch with CUDA or transformers missing: no transformers comparison" | tee -a "$out/bench-forward-cuda.txt"
   fi
-fi
-
-if has attention; then
-  # The fused paged attention kernel against cuBLAS + softmax + cuBLAS on Qwen3-30B-A3B's
-  # attention shape (32 query heads, 4 KV heads, head_dim 128), 2048-token chunks over 0, 2048
-  # and 6144 cached tokens.
-  "$bundle/rackfill" bench attention --device cuda --context 0,2048,6144 --chunk 2048 --repeats 20 \
-    --json "$out/bench-attention.json" 2>&1 | tee "$out/bench-attention.txt"
 fi
 
 if has sanitizer; then
@@ -118,6 +144,11 @@ if has sanitizer; then
     echo "compute-sanitizer not found or RACKFILL_SESSION_SANITIZER_S=0: the sanitizer runs are skipped" | tee -a "$out/tests.log"
   fi
 fi
+
+# The run's summary: figures with the card's name, beside the raw files.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+python3 scripts/gpu_report.py "$out" --card "${card:-unknown GPU}" --failed "${failed[*]:-}" \
+  --docs docs/gpu-runs 2>&1 | tail -2
 
 if [ "${#failed[@]}" -ne 0 ]; then
   echo "failed: ${failed[*]}" | tee -a "$out/tests.log"

@@ -219,6 +219,7 @@ fn run_forward_on_gpu(
         model: name.to_string(),
         threads: 1,
         peak_tflops: None,
+        config: None,
         results,
     })
 }

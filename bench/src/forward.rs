@@ -131,6 +131,10 @@ pub struct ForwardReport {
     /// The dense bf16 peak MFU divides by, TFLOP/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_tflops: Option<f64>,
+    /// The `config.json` of a `--model-shape` model (what `scripts/bench_forward_hf.py` builds
+    /// transformers' model of the same shape from).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
     pub results: Vec<ForwardResult>,
 }
 
@@ -194,6 +198,7 @@ pub fn run_forward(
         model: model_name.to_string(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         peak_tflops: None,
+        config: None,
         results,
     })
 }
