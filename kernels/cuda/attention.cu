@@ -310,16 +310,20 @@ __device__ void flash_attention(const float* __restrict__ q, u32 q_row_stride,
     q, q_row_stride, k_cache, k_token_stride, k_head_stride, v_cache, v_token_stride, v_head_stride,        \
         block_tables, max_blocks, block_size, q_start, q_len, ctx_len, out, q_heads, kv_heads, qk_dim, v_dim, \
         scale
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k64_v64(FLASH_ARGS) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+flash_attention_k64_v64(FLASH_ARGS) {
     flash_attention<64, 64>(FLASH_PASS);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k64_v128(FLASH_ARGS) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+flash_attention_k64_v128(FLASH_ARGS) {
     flash_attention<64, 128>(FLASH_PASS);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k32_v128(FLASH_ARGS) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+flash_attention_k32_v128(FLASH_ARGS) {
     flash_attention<32, 128>(FLASH_PASS);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_attention_k32_v256(FLASH_ARGS) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS)
+flash_attention_k32_v256(FLASH_ARGS) {
     flash_attention<32, 256>(FLASH_PASS);
 }
 
