@@ -79,9 +79,9 @@ impl ExpertGemms {
         rows: &ExpertRows,
         groups: &[ExpertGroup],
     ) -> bool {
-        let aligned = |p: u64| p % 16 == 0;
-        hidden % 8 == 0
-            && inter % 8 == 0
+        let aligned = |p: u64| p.is_multiple_of(16);
+        hidden.is_multiple_of(8)
+            && inter.is_multiple_of(8)
             && hidden.div_ceil(DOWN_COLS) <= 65_535
             && inter.div_ceil(GATE_UP_COLS) <= 65_535
             && [rows.x, rows.act, rows.out].into_iter().all(aligned)

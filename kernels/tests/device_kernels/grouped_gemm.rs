@@ -102,7 +102,7 @@ fn check(dev: &Device, (h, i): (usize, usize), counts: &[usize], gemms: ExpertGe
         })
         .collect();
     let run = GroupedExperts::new(exec, Stream::MAIN, (h, i), gemms, io, list).unwrap();
-    let grouped = gemms == ExpertGemms::Grouped && h % 8 == 0 && i % 8 == 0;
+    let grouped = gemms == ExpertGemms::Grouped && h.is_multiple_of(8) && i.is_multiple_of(8);
     assert_eq!(run.grouped(), grouped, "{what}");
     let split = counts.len() / 2;
     run.run(0..split).unwrap();
