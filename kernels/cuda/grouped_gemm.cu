@@ -40,12 +40,18 @@ struct ExpertTile {
     u32 rows;     // rows of the tile, 1 ..= TILE_ROWS
 };
 
+// Which weight rows a B tile holds: row j < 64 is weight row first[0] + j, row j >= 64 weight
+// row first[1] + j - 64; rows at or past count[half] in their half are zero.
+struct BRows {
+    u32 first[2];
+    u32 count[2];
+};
+
 // Queues the copies of one K step into a stage: the tile's rows of a ([*, k_dim], from row0)
-// and the B tile's weight rows. B row j < 64 is weight row b_row[0] + j, row j >= 64 weight row
-// b_row[1] + j - 64; rows at or past b_rows[half] in their half, a's rows past `rows` and columns
-// past k_dim are zero-filled.
-__device__ __forceinline__ void load_step(const bf16* a, u32 row0, u32 rows, const bf16* w, const u32* b_row,
-                                          const u32* b_rows, u32 k_dim, u32 k0, bf16* sa, bf16* sb) {
+// and the B tile's weight rows; a's rows past `rows`, B's rows past their count and columns past
+// k_dim are zero-filled.
+__device__ __forceinline__ void load_step(const bf16* a, u32 row0, u32 rows, const bf16* w, BRows b, u32 k_dim,
+                                          u32 k0, bf16* sa, bf16* sb) {
     for (u32 c = threadIdx.x; c < TILE_ROWS * (K_STEP / 8u); c += GEMM_THREADS) {
         const u32 r = c / (K_STEP / 8u), k = k0 + (c % (K_STEP / 8u)) * 8u;
         const bool full = r < rows && k < k_dim;
@@ -55,8 +61,8 @@ __device__ __forceinline__ void load_step(const bf16* a, u32 row0, u32 rows, con
     for (u32 c = threadIdx.x; c < TILE_COLS * (K_STEP / 8u); c += GEMM_THREADS) {
         const u32 j = c / (K_STEP / 8u), k = k0 + (c % (K_STEP / 8u)) * 8u;
         const u32 half = j / (TILE_COLS / 2u), in_half = j % (TILE_COLS / 2u);
-        const bool full = in_half < b_rows[half] && k < k_dim;
-        const bf16* src = full ? w + (u64)(b_row[half] + in_half) * k_dim + k : w;
+        const bool full = in_half < (half ? b.count[1] : b.count[0]) && k < k_dim;
+        const bf16* src = full ? w + (u64)((half ? b.first[1] : b.first[0]) + in_half) * k_dim + k : w;
         cp_async_16(sb + j * SMEM_ROW + (k - k0), src, full);
     }
     cp_async_commit();
@@ -72,18 +78,18 @@ __device__ __forceinline__ u32 pair_row(u32 p) {
 // acc[m][n][4] += the tile's 64 x 128 product over k_dim: warp (wm, wn) = (warp & 1, warp >> 1)
 // owns rows wm * 32 .. + 32 (two m16 tiles) and the 8 n-tiles of pair_row. `smem` holds two
 // stages of A then two of B.
-__device__ void tile_product(const bf16* a, u32 row0, u32 rows, const bf16* w, const u32* b_row, const u32* b_rows,
-                             u32 k_dim, bf16* smem, float (*acc)[8][4]) {
+__device__ __forceinline__ void tile_product(const bf16* a, u32 row0, u32 rows, const bf16* w, BRows b, u32 k_dim,
+                                             bf16* smem, float (*acc)[8][4]) {
     bf16* sa = smem;
     bf16* sb = smem + 2u * A_STAGE;
     const u32 lane = lane_id(), wm = warp_id() & 1u;
     const u32 steps = (k_dim + K_STEP - 1u) / K_STEP;
-    load_step(a, row0, rows, w, b_row, b_rows, k_dim, 0, sa, sb);
+    load_step(a, row0, rows, w, b, k_dim, 0, sa, sb);
     for (u32 s = 0; s < steps; ++s) {
         const u32 stage = s & 1u;
         if (s + 1u < steps) {
             const u32 next = stage ^ 1u;
-            load_step(a, row0, rows, w, b_row, b_rows, k_dim, (s + 1u) * K_STEP, sa + next * A_STAGE,
+            load_step(a, row0, rows, w, b, k_dim, (s + 1u) * K_STEP, sa + next * A_STAGE,
                       sb + next * B_STAGE);
             cp_async_wait<1>();
         } else {
@@ -92,12 +98,15 @@ __device__ void tile_product(const bf16* a, u32 row0, u32 rows, const bf16* w, c
         __syncthreads();
         const bf16* ta = sa + stage * A_STAGE;
         const bf16* tb = sb + stage * B_STAGE;
+#pragma unroll
         for (u32 kk = 0; kk < K_STEP; kk += 16u) {
             u32 af[2][4], bf[8][2];
             // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), lane l gives row l % 16, k 8 (l / 16).
+#pragma unroll
             for (u32 m = 0; m < 2u; ++m)
                 ldmatrix_x4(af[m], ta + (wm * 32u + m * 16u + (lane & 15u)) * SMEM_ROW + kk + (lane >> 4) * 8u);
             // B: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+#pragma unroll
             for (u32 p = 0; p < 4u; ++p) {
                 u32 r[4];
                 ldmatrix_x4(r, tb + (pair_row(p) + (lane & 7u) + (lane >> 4) * 8u) * SMEM_ROW + kk +
@@ -107,7 +116,9 @@ __device__ void tile_product(const bf16* a, u32 row0, u32 rows, const bf16* w, c
                 bf[2u * p + 1u][0] = r[2];
                 bf[2u * p + 1u][1] = r[3];
             }
+#pragma unroll
             for (u32 m = 0; m < 2u; ++m)
+#pragma unroll
                 for (u32 n = 0; n < 8u; ++n) mma_bf16_16816(acc[m][n], af[m], bf[n]);
         }
         __syncthreads();  // the next step's copies overwrite this stage
@@ -117,22 +128,24 @@ __device__ void tile_product(const bf16* a, u32 row0, u32 rows, const bf16* w, c
 // x bf16 [*, hidden], act bf16 [*, inter]; grid (tiles, ceil(inter / 64)), GEMM_THREADS threads,
 // 2 * (A_STAGE + B_STAGE) bf16 of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-    grouped_gate_up_silu(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ x, u32 hidden, u32 inter,
-                         bf16* __restrict__ act) {
+grouped_gate_up_silu(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ x, u32 hidden, u32 inter,
+                     bf16* __restrict__ act) {
     extern __shared__ __align__(16) u8 smem[];
     const ExpertTile t = tiles[blockIdx.x];
     const u32 n0 = blockIdx.y * (TILE_COLS / 2u);
     const u32 cols = min(inter - n0, TILE_COLS / 2u);
-    const u32 b_row[2] = {n0, inter + n0};
-    const u32 b_rows[2] = {cols, cols};
+    const BRows b = {{n0, inter + n0}, {cols, cols}};
     float acc[2][8][4] = {};
-    tile_product(x, t.row0, t.rows, (const bf16*)t.gate_up, b_row, b_rows, hidden, (bf16*)smem, acc);
+    tile_product(x, t.row0, t.rows, (const bf16*)t.gate_up, b, hidden, (bf16*)smem, acc);
     const u32 lane = lane_id(), wm = warp_id() & 1u;
+#pragma unroll
     for (u32 m = 0; m < 2u; ++m)
+#pragma unroll
         for (u32 half = 0; half < 2u; ++half) {
             const u32 r = wm * 32u + m * 16u + (lane >> 2) + half * 8u;
             if (r >= t.rows) continue;
             bf16* row = act + (u64)(t.row0 + r) * inter;
+#pragma unroll
             for (u32 n = 0; n < 4u; ++n) {
                 const u32 c = pair_row(n >> 1) + (n & 1u) * 8u + (lane & 3u) * 2u;  // < 64: gate half
                 if (c >= cols) continue;  // cols is a multiple of 8: c + 1 is in range too
@@ -146,23 +159,25 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 
 // act bf16 [*, inter], out f32 [*, hidden]; grid (tiles, ceil(hidden / 128)), as above.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-    grouped_down(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ act, u32 hidden, u32 inter,
-                 float* __restrict__ out) {
+grouped_down(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ act, u32 hidden, u32 inter,
+             float* __restrict__ out) {
     extern __shared__ __align__(16) u8 smem[];
     const ExpertTile t = tiles[blockIdx.x];
     const u32 n0 = blockIdx.y * TILE_COLS;
     const u32 cols = min(hidden - n0, TILE_COLS);
     const u32 half_cols = TILE_COLS / 2u;
-    const u32 b_row[2] = {n0, n0 + half_cols};
-    const u32 b_rows[2] = {min(cols, half_cols), cols > half_cols ? cols - half_cols : 0u};
+    const BRows b = {{n0, n0 + half_cols}, {min(cols, half_cols), cols > half_cols ? cols - half_cols : 0u}};
     float acc[2][8][4] = {};
-    tile_product(act, t.row0, t.rows, (const bf16*)t.down, b_row, b_rows, inter, (bf16*)smem, acc);
+    tile_product(act, t.row0, t.rows, (const bf16*)t.down, b, inter, (bf16*)smem, acc);
     const u32 lane = lane_id(), wm = warp_id() & 1u;
+#pragma unroll
     for (u32 m = 0; m < 2u; ++m)
+#pragma unroll
         for (u32 half = 0; half < 2u; ++half) {
             const u32 r = wm * 32u + m * 16u + (lane >> 2) + half * 8u;
             if (r >= t.rows) continue;
             float* row = out + (u64)(t.row0 + r) * hidden + n0;
+#pragma unroll
             for (u32 n = 0; n < 8u; ++n) {
                 const u32 c = pair_row(n >> 1) + (n & 1u) * 8u + (lane & 3u) * 2u;
                 if (c >= cols) continue;
