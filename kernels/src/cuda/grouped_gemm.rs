@@ -9,8 +9,8 @@
 //! into row tiles of [`TILE_ROWS`] and uploads them once as a table: a block reads its tile from
 //! `blockIdx.x` and its column tile from `blockIdx.y`, no block searches for work or idles, and a
 //! group without rows has no tile. Groups are laid out in run order, so any run of consecutive
-//! groups (the EP plane launches main instances first, then each replica after its slot wait)
-//! is a contiguous range of the one table.
+//! groups (the EP plane launches every instance whose weights are in place, then each replica
+//! still streaming after its slot wait) is a contiguous range of the one table.
 
 use std::ops::Range;
 
