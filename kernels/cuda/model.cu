@@ -32,27 +32,6 @@ __device__ __forceinline__ float libm_expf(float x) { return (float)exp((double)
 // same IEEE sum).
 __device__ __forceinline__ float libm_sigmoidf(float l) { return 1.0f / (1.0f + libm_expf(-l)); }
 
-// The branch-free e^x of models/src/layers/fastmath.rs (Cephes expf), operation by operation
-// with the same f32 constants, so silu matches the CPU's bit for bit.
-__device__ __forceinline__ float fastmath_expf(float x) {
-    const float round = 12582912.0f;  // 1.5 * 2^23
-    x = x < -87.33655f ? -87.33655f : x;
-    x = x > 88.72283f ? 88.72283f : x;
-    const float n = __fadd_rn(__fadd_rn(__fmul_rn(x, 1.44269504088896340736f), round), -round);
-    float r = __fadd_rn(x, -__fmul_rn(n, 0.69314575f));
-    r = __fadd_rn(r, -__fmul_rn(n, 1.4286068e-6f));
-    float p = 1.9875691e-4f;
-    p = __fadd_rn(__fmul_rn(p, r), 1.3981999e-3f);
-    p = __fadd_rn(__fmul_rn(p, r), 8.333452e-3f);
-    p = __fadd_rn(__fmul_rn(p, r), 4.1665796e-2f);
-    p = __fadd_rn(__fmul_rn(p, r), 1.6666665e-1f);
-    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
-    const float er = __fadd_rn(__fadd_rn(__fmul_rn(p, __fmul_rn(r, r)), r), 1.0f);
-    i32 e = (i32)n + 127;
-    e = e < 0 ? 0 : e;
-    return __fmul_rn(er, __uint_as_float((u32)e << 23));
-}
-
 // Block-wide f32 maximum (fmaxf: NaN-ignoring like Rust's f32::max); `scratch` holds one float
 // per warp; every thread must call it and gets the result.
 __device__ float router_block_max_f32(float v, float* scratch) {
@@ -227,8 +206,7 @@ extern "C" __global__ void silu_mul_to_bf16(const float* __restrict__ gate_up, u
         const float* up = gate + inter;
         bf16* to = out + (u64)r * inter;
         for (u32 j = threadIdx.x; j < inter; j += blockDim.x) {
-            const float g = gate[j];
-            to[j] = f32_to_bf16(__fmul_rn(g / __fadd_rn(1.0f, fastmath_expf(-g)), up[j]));
+            to[j] = silu_mul_to_bf16_value(gate[j], up[j]);
         }
     }
 }

@@ -9,6 +9,8 @@
 //! - [`solver`]: the quota solver (UltraEP §5.3), one cooperative thread block that reproduces
 //!   [`rackfill_balancer::quota::QuotaPlanner`]'s plan bit for bit, outputs left on the device
 //!   for the token permute and the relay planner;
+//! - [`grouped_gemm`]: the routed experts' MLPs over rows grouped by instance, every group of
+//!   a layer in one tensor-core launch of each half (the data plane and the whole-model path);
 //! - [`tile_plan`] + [`replicate`]: replica weight distribution (§6): the relay trees and tile
 //!   tasks built on the device from the plan, streamed by a persistent kernel with per-chunk
 //!   ready flags; [`tiles`] compiles any host relay schedule to the same tasks (the reference);
@@ -28,6 +30,7 @@ pub mod bench;
 mod device_plan;
 mod error;
 pub mod exec;
+pub mod grouped_gemm;
 mod libs;
 pub mod moe;
 pub mod nccl;

@@ -86,12 +86,27 @@ pub const PERMUTE: KernelSource = KernelSource {
     ],
 };
 
+/// `kernels/cuda/<file>` after `fastmath.cuh` (the gated activation's arithmetic), each with
+/// its own `#line`, for the sources that share it.
+macro_rules! with_fastmath {
+    ($file:literal) => {
+        concat!(
+            "#line 1 \"fastmath.cuh\"\n",
+            include_str!("../../cuda/fastmath.cuh"),
+            "#line 1 \"",
+            $file,
+            "\"\n",
+            include_str!(concat!("../../cuda/", $file)),
+        )
+    };
+}
+
 /// The dense parts of a decoder layer (whole-model path): embedding, norms, RoPE, adds,
 /// conversions, gathers, the bf16 gated activation, the routers.
 pub const MODEL: KernelSource = KernelSource {
     name: "model",
     file: "model.cu",
-    source: include_str!("../../cuda/model.cu"),
+    source: with_fastmath!("model.cu"),
     entry_points: &[
         "embed_rows",
         "f32_to_bf16_rows",
@@ -144,8 +159,17 @@ pub const CONVERT: KernelSource = KernelSource {
     entry_points: &["convert_elements", "dequant_fp8_e4m3", "fill_synthetic"],
 };
 
+/// The routed experts' grouped GEMMs on tensor cores: every instance of a layer in one launch
+/// of each half of the expert MLP, SiLU-mul fused into the gate-up epilogue.
+pub const GROUPED_GEMM: KernelSource = KernelSource {
+    name: "grouped_gemm",
+    file: "grouped_gemm.cu",
+    source: with_fastmath!("grouped_gemm.cu"),
+    entry_points: &["grouped_gate_up_silu", "grouped_down"],
+};
+
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 8] = [
+pub const SOURCES: [KernelSource; 9] = [
     QUOTA_SOLVER,
     REPLICATE,
     TILE_PLAN,
@@ -154,6 +178,7 @@ pub const SOURCES: [KernelSource; 8] = [
     ATTENTION,
     GLUE,
     CONVERT,
+    GROUPED_GEMM,
 ];
 
 /// Architectures `rackfill kernels check` compiles for by default: Hopper and Blackwell.

@@ -9,6 +9,9 @@
 //!   through [`DeviceQuotaSolver`] with the device's own configuration;
 //! - `permute`: the source permute, grouping by instance, return gather and weighted combine
 //!   are bitwise equal to [`rackfill_kernels::permute`], bad experts and misrouted rows counted;
+//! - `grouped_gemm`: the grouped expert GEMMs (tensor cores: `mma.sync`, `ldmatrix`,
+//!   `cp.async`) against a CPU f32 reference over ragged groups, memory outside the group rows
+//!   untouched, and the per-group cuBLAS path on the same cases;
 //! - `tiles`: the host tile compiler replays the CPU executor; `plan_tiles` builds its stream
 //!   entry for entry and refuses failed solves, short capacities and malformed plans;
 //!   `tile_stream` fills every slot like the CPU executor (host-compiled streams and right after
@@ -18,7 +21,8 @@
 //! What only the emulator shows is asked of it through [`EmulatorSettings`]: the shuffle-tree
 //! pick path and its warp-operation count, grids of concurrent blocks (forked processes) whose
 //! fences are held back so that blocks really wait on relay counters (the back-offs are
-//! counted), and short stall limits. It cannot show `cp.async`, the GPU's weaker memory
+//! counted), and short stall limits. Its `cp.async` copies land only at their wait, so a tile
+//! read too early reads stale shared memory there too. It cannot show the GPU's weaker memory
 //! ordering or memory across GPUs; the same tests on a GPU do. Needs a C++20 compiler (`$CXX`,
 //! else `c++`) for the emulator; without one and without a GPU it prints why and passes.
 //!
@@ -31,6 +35,7 @@
 
 #[path = "../cuda_common/mod.rs"]
 mod cuda_common;
+mod grouped_gemm;
 mod permute;
 mod solver;
 mod tiles;

@@ -4,9 +4,8 @@
 //! router, every routed expert and the shared experts), then [`GpuModel::finish`] (the final
 //! norm and LM head on the rows that need logits only).
 
-use rackfill_kernels::cuda::exec::{
-    DType, DeviceBuffer, ExecutorExt, Gemm, MatrixRef, Stream, WeightLayout,
-};
+use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, ExecutorExt, Stream};
+use rackfill_kernels::cuda::grouped_gemm::{ExpertGemms, ExpertGroup, ExpertRows, GroupedExperts};
 use rackfill_kernels::cuda::moe::RoutedRows;
 
 use rackfill_kernels::kv_blocks::{BlockTable, StepArrays};
@@ -379,9 +378,10 @@ fn mlp_into(
     Ok(())
 }
 
-/// Runs every expert on its rows (grouped so each expert is one GEMM pair) and adds each row's
-/// weighted expert outputs into `routed.output`. The router's choices come to the host once
-/// (`rows x k` ids) to size the per-expert GEMMs; the rows and weights stay on the device.
+/// Runs every expert on its rows (grouped by expert, all experts in one grouped launch of each
+/// half of the MLP) and adds each row's weighted expert outputs into `routed.output`. The
+/// router's choices come to the host once (`rows x k` ids) to size the groups; the rows and
+/// weights stay on the device.
 fn routed_experts(
     ops: Ops<'_>,
     moe: &GpuMoe,
@@ -431,70 +431,28 @@ fn routed_experts(
     let grouped = exec.alloc_zeroed(pairs * h * 2)?;
     ops.gather_to_bf16(normed, h, &exec.upload_u32(&source_rows)?, pairs, &grouped)?;
     let i = moe.experts.first().map_or(0, GpuMlp::intermediate);
-    let gate_up = exec.alloc_zeroed(pairs * 2 * i * 4)?;
-    for (e, expert) in moe.experts.iter().enumerate() {
-        let (start, n) = (offsets[e], counts[e]);
-        if n > 0 {
-            let g = rows_gemm(
-                &grouped,
-                start,
-                h,
-                DType::Bf16,
-                &expert.gate_up,
-                &gate_up,
-                n,
-            );
-            ops.gemm(&g)?;
-        }
-    }
-    let act = exec.alloc_zeroed(pairs * i * 2)?;
-    ops.silu_mul(&gate_up, pairs, i, &act)?;
-    let out = exec.alloc_zeroed(pairs * h * 4)?;
-    for (e, expert) in moe.experts.iter().enumerate() {
-        let (start, n) = (offsets[e], counts[e]);
-        if n > 0 {
-            ops.gemm(&rows_gemm(
-                &act,
-                start,
-                i,
-                DType::Bf16,
-                &expert.down,
-                &out,
-                n,
-            ))?;
-        }
-    }
+    let (act, out) = (
+        exec.alloc_zeroed(pairs * i * 2)?,
+        exec.alloc_zeroed(pairs * h * 4)?,
+    );
+    let rows_io = ExpertRows {
+        x: grouped.ptr(),
+        act: act.ptr(),
+        out: out.ptr(),
+    };
+    let groups = moe
+        .experts
+        .iter()
+        .enumerate()
+        .map(|(e, expert)| ExpertGroup {
+            start: offsets[e],
+            rows: counts[e],
+            gate_up: expert.gate_up.buffer.ptr(),
+            down: expert.down.buffer.ptr(),
+        })
+        .collect();
+    let gemms = ExpertGemms::Grouped;
+    GroupedExperts::new(exec, Stream::MAIN, (h, i), gemms, rows_io, groups)?.run_all()?;
     ops.combine(&out, &exec.upload_u32(&pair_row)?, weights, rows, k, h, y)?;
     Ok(())
-}
-
-/// The GEMM of rows `start..start + n` of `a` (`[*, k]`) by weight `w` (`[out, k]`) into the
-/// same rows of `c` (f32 `[*, out]`).
-fn rows_gemm(
-    a: &DeviceBuffer,
-    start: usize,
-    k: usize,
-    dtype: DType,
-    w: &super::ops::DeviceWeight,
-    c: &DeviceBuffer,
-    n: usize,
-) -> Gemm {
-    let dense = |ptr: u64, dtype, ld| MatrixRef {
-        ptr,
-        dtype,
-        ld,
-        batch_stride: 0,
-    };
-    Gemm {
-        m: n,
-        n: w.out_dim,
-        k,
-        batch: 1,
-        a: dense(a.at(start * k * dtype.size()), dtype, k),
-        b: dense(w.buffer.ptr(), w.dtype, w.in_dim),
-        b_layout: WeightLayout::OutByIn,
-        c: dense(c.at(start * w.out_dim * 4), DType::F32, w.out_dim),
-        alpha: 1.0,
-        beta: 0.0,
-    }
 }

@@ -455,9 +455,10 @@ impl MoeLane {
         Ok(received)
     }
 
-    /// Stage 2: every local destination's expert GEMMs: main instances first, then each replica
-    /// instance, behind a wait for its own slot's landed bytes (with pipelined experts;
-    /// otherwise the dispatch already waited for the whole replication).
+    /// Stage 2: every local destination's expert GEMMs: in one grouped launch every instance
+    /// whose weights are in place, then each replica still streaming, behind a wait for its own
+    /// slot's landed bytes (with pipelined experts; otherwise the dispatch already waited for
+    /// the whole replication).
     pub fn experts(&self, flight: &mut LayerInFlight) -> Result<(), CudaError> {
         let shared = &self.shared;
         let exec = shared.exec.as_ref();
@@ -467,7 +468,7 @@ impl MoeLane {
             .map(|e| flight.plan.instances(e).len())
             .sum();
         let steps = self.steps();
-        let waits = shared.config.pipelined_experts;
+        let pipelined = shared.config.pipelined_experts;
         let mut computed = Vec::with_capacity(shared.local.len());
         for (index, dst) in shared.local.clone().enumerate() {
             let Some(recv) = flight.received[index].as_ref() else {
@@ -488,14 +489,19 @@ impl MoeLane {
                 slots.push(slot);
                 start += rows;
             }
-            // Main instances first: they need nothing that is still streaming.
-            let mut order: Vec<usize> = (0..works.len()).collect();
-            order.sort_by_key(|&g| slots[g].is_some());
             let streamed = &flight.replication.streamed[index];
             let counter = self.replication_counter(&flight.replication);
-            let mut before = |g: usize| -> Result<(), CudaError> {
+            // A replica waits for its own slot when its bytes are still streaming.
+            let waits: Vec<bool> = slots
+                .iter()
+                .map(|slot| pipelined && counter.is_some() && slot.is_some_and(|s| streamed[s]))
+                .collect();
+            // Groups that need nothing still streaming first, all in one launch.
+            let mut order: Vec<usize> = (0..works.len()).collect();
+            order.sort_by_key(|&g| waits[g]);
+            let mut wait = |g: usize| -> Result<(), CudaError> {
                 match (slots[g], counter) {
-                    (Some(slot), Some(counter)) if waits && streamed[slot] => self.landed.wait(
+                    (Some(slot), Some(counter)) => self.landed.wait(
                         exec,
                         self.main,
                         (index, slot),
@@ -509,9 +515,9 @@ impl MoeLane {
                 device_plan,
                 (dst, n_instances),
                 recv,
-                &works,
-                &order,
-                &mut before,
+                (&works, &order),
+                &waits,
+                &mut wait,
             )?));
         }
         flight.computed = computed;

@@ -12,10 +12,12 @@
 //!    with per-chunk ready flags; with per-layer slots only replicas not already resident stream;
 //! 4. dispatch: instance lookup by cumulative quota, rows scattered into each source's send
 //!    layout, segments copied into each destination's receive buffer;
-//! 5. experts: rows grouped by instance, per instance a gate-up GEMM, `silu(gate) * up` and a
-//!    down GEMM (main experts from the home weights, replicas from their slot); with pipelined
-//!    experts the main instances' GEMMs run while replicas still stream, and each replica's wait
-//!    only for its own slot's landed bytes;
+//! 5. experts: rows grouped by instance, every instance's gate-up GEMM with `silu(gate) * up`
+//!    fused, then its down GEMM, all instances in one grouped launch of each
+//!    ([`super::grouped_gemm`]; main experts from the home weights, replicas from their slot);
+//!    with pipelined experts the instances whose weights are in place run while replicas still
+//!    stream, and each streaming replica waits only for its own slot's landed bytes, then runs
+//!    in a launch of its own;
 //! 6. combine: outputs back into each source's send layout, their router-weighted sum in top-k
 //!    order added into the block's output.
 //!

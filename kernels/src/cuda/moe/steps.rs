@@ -1,10 +1,9 @@
 //! The MoE data plane's steps, each a few kernel launches, copies or GEMMs queued on one stream
-//! of an [`Executor`]: pair ranking, the source permute, grouping and the expert GEMMs, and the
-//! combine.
+//! of an [`Executor`]: pair ranking, the source permute, grouping and the grouped expert GEMMs
+//! ([`super::super::grouped_gemm`]), and the combine.
 
-use super::super::exec::{
-    DType, DeviceBuffer, Executor, Gemm, KernelArg, Launch, MatrixRef, Stream, WeightLayout,
-};
+use super::super::exec::{DeviceBuffer, Executor, KernelArg, Launch, Stream};
+use super::super::grouped_gemm::{ExpertGemms, ExpertGroup, ExpertRows, GroupedExperts};
 use super::super::{to_u32, CudaError, DevicePlan};
 
 /// Threads per block of the row kernels.
@@ -68,6 +67,19 @@ pub(super) struct GroupWork {
     pub start: usize,
     pub rows: usize,
     pub weights: u64,
+}
+
+impl GroupWork {
+    /// The group for the grouped GEMMs: its expert's gate-up weight, then the down weight
+    /// right after it.
+    fn expert_group(&self, hidden: usize, inter: usize) -> ExpertGroup {
+        ExpertGroup {
+            start: self.start,
+            rows: self.rows,
+            gate_up: self.weights,
+            down: self.weights + (2 * inter * hidden * 2) as u64,
+        }
+    }
 }
 
 /// The executor, the stream the steps queue on, and the layer's dimensions.
@@ -202,17 +214,18 @@ impl Steps<'_> {
     }
 
     /// Rank `rank`'s received rows grouped by instance (`n_instances` global instances of the
-    /// plan), then per group the gate-up GEMM, the activation and the down GEMM with its
-    /// weights; `before[g]` runs before group `g`'s GEMMs are queued (a replica's slot wait).
-    /// Groups run in `order`. Returns the f32 outputs `[len, H]` in received order.
+    /// plan), then every group's expert MLP by the grouped GEMMs, groups in `order`: one launch
+    /// for the groups up to the first that `waits`, and from each waiting group on, `wait(g)`
+    /// (a replica's slot wait) queued first, one launch more. Returns the f32 outputs `[len, H]`
+    /// in received order.
     pub fn experts(
         &self,
         plan: &DevicePlan,
         (rank, n_instances): (usize, usize),
         recv: &Received,
-        groups: &[GroupWork],
-        order: &[usize],
-        before: &mut dyn FnMut(usize) -> Result<(), CudaError>,
+        (groups, order): (&[GroupWork], &[usize]),
+        waits: &[bool],
+        wait: &mut dyn FnMut(usize) -> Result<(), CudaError>,
     ) -> Result<DeviceBuffer, CudaError> {
         let (h, i, m) = (self.hidden, self.inter, recv.len);
         let key = self.alloc(m * 4)?;
@@ -252,55 +265,33 @@ impl Steps<'_> {
         // rows; the metadata arrays are null, which the kernel skips.
         unsafe { self.launch("scatter_rows_bf16", row_blocks(m), &args) }?;
 
-        let gate_up = self.alloc(m * 2 * i * 4)?;
-        let act = self.alloc(m * i * 2)?;
-        let out = self.alloc(m * h * 4)?;
-        for &g in order {
-            before(g)?;
-            let GroupWork {
-                start,
-                rows,
-                weights,
-            } = groups[g];
-            let linear = |a: (u64, DType, usize), b: u64, c: (u64, usize), k: usize| Gemm {
-                m: rows,
-                n: c.1,
-                k,
-                batch: 1,
-                a: dense(a.0, a.1, a.2),
-                b: dense(b, DType::Bf16, k),
-                b_layout: WeightLayout::OutByIn,
-                c: dense(c.0, DType::F32, c.1),
-                alpha: 1.0,
-                beta: 0.0,
-            };
-            let up = linear(
-                (grouped.at(start * h * 2), DType::Bf16, h),
-                weights,
-                (gate_up.at(start * 2 * i * 4), 2 * i),
-                h,
-            );
-            // SAFETY: rows `start..start + rows` of the grouped rows and the gate-up output;
-            // `weights` addresses the group's expert, `[2I, H]` bf16 first.
-            unsafe { self.exec.gemm_on(self.stream, &up) }?;
-            let args = [
-                KernelArg::Ptr(gate_up.at(start * 2 * i * 4)),
-                u32_arg(rows)?,
-                u32_arg(i)?,
-                KernelArg::Ptr(act.at(start * i * 2)),
-            ];
-            // SAFETY: `silu_mul_to_bf16(gate_up[rows, 2I], rows, inter, out[rows, I])` on the
-            // group's rows.
-            unsafe { self.launch("silu_mul_to_bf16", row_blocks(rows), &args) }?;
-            let down = linear(
-                (act.at(start * i * 2), DType::Bf16, i),
-                weights + (2 * i * h * 2) as u64,
-                (out.at(start * h * 4), h),
-                i,
-            );
-            // SAFETY: as above; the down projection `[H, I]` follows the gate-up in the expert.
-            unsafe { self.exec.gemm_on(self.stream, &down) }?;
+        let (act, out) = (self.alloc(m * i * 2)?, self.alloc(m * h * 4)?);
+        let rows = ExpertRows {
+            x: grouped.ptr(),
+            act: act.ptr(),
+            out: out.ptr(),
+        };
+        let ordered = order
+            .iter()
+            .map(|&g| groups[g].expert_group(h, i))
+            .collect();
+        let gemms = GroupedExperts::new(
+            self.exec,
+            self.stream,
+            (h, i),
+            ExpertGemms::Grouped,
+            rows,
+            ordered,
+        )?;
+        let mut run = 0;
+        for (at, &g) in order.iter().enumerate() {
+            if waits[g] {
+                gemms.run(run..at)?;
+                wait(g)?;
+                run = at;
+            }
         }
+        gemms.run(run..order.len())?;
         let received = self.alloc(m * h * 4)?;
         let args = [
             ptr(&out),
@@ -335,15 +326,6 @@ impl Steps<'_> {
         // SAFETY: `combine_topk_rows(expert_out[n, H], pair_row[n], weights[n], tokens, k,
         // hidden, out[tokens, H])`, adding into the source's output rows.
         unsafe { self.launch("combine_topk_rows", row_blocks(source.tokens), &args) }
-    }
-}
-
-fn dense(ptr: u64, dtype: DType, ld: usize) -> MatrixRef {
-    MatrixRef {
-        ptr,
-        dtype,
-        ld,
-        batch_stride: 0,
     }
 }
 
