@@ -1,7 +1,7 @@
 //! `rackfill bench forward`: prefill tokens/s of the dense single-device forward, on the CPU
 //! (candle, f32) or the whole model on a GPU (bf16), of the bench shape, a real model's
 //! shape with synthetic weights generated where the model runs (`--model-shape`: Qwen3-30B-A3B,
-//! DeepSeek-V3, optionally its first `--layers`), or a checkpoint (`--model`). Each length also
+//! DeepSeek-V3 or a config.json, optionally its first `--layers`), or a checkpoint (`--model`). Each length also
 //! gets its model FLOPs per second and, on a GPU, model FLOP utilisation against the card's
 //! dense bf16 peak and the device time per phase of one more, profiled, prefill.
 
@@ -23,7 +23,8 @@ pub struct ForwardArgs {
     pub model: Option<String>,
 
     /// A real model's shape with seeded random weights generated where the model runs (no
-    /// file, no host copy): qwen3-30b-a3b or deepseek-v3.
+    /// file, no host copy): qwen3-30b-a3b, deepseek-v3, or the path of a Qwen3-MoE or
+    /// DeepSeek-V3 config.json (or its directory).
     #[arg(long, value_parser = ModelShape::parse)]
     pub model_shape: Option<ModelShape>,
 
@@ -64,7 +65,7 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
     let json_file = create_report_file(args.json.as_deref())?;
     // The checkpoint, memory-mapped or synthetic: the CPU path builds its f32 model from it,
     // the GPU path uploads (or generates) it on the device (no model in host memory).
-    let (config, checkpoint, name) = match (&args.model, args.model_shape) {
+    let (config, checkpoint, name) = match (&args.model, &args.model_shape) {
         (Some(spec), _) => {
             let dir = rackfill_models::source::resolve(spec)?;
             (
@@ -104,6 +105,10 @@ pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
         &config,
         args.peak_tflops.or_else(|| device_peak(&report.device)),
     );
+    report.config = match &args.model_shape {
+        Some(shape) => Some(shape.config_json(args.layers)?),
+        None => None,
+    };
     print_report(&report);
     if let (Some(file), Some(path)) = (json_file, &args.json) {
         write_json(file, path, &report)?;

@@ -15,9 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 use serde::Serialize;
 
-mod model_shapes;
-
-pub use model_shapes::{prefill_flops, tensor_shapes, ModelShape};
+pub use crate::model_shapes::{prefill_flops, tensor_shapes, ModelShape};
 
 /// Errors of the forward bench.
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +24,8 @@ pub enum ForwardBenchError {
     Model(#[from] rackfill_models::ModelError),
     #[error("cannot build the synthetic checkpoint: {0}")]
     Synthetic(String),
+    #[error(transparent)]
+    Shape(#[from] crate::model_shapes::ShapeError),
     #[error("prompt length must be positive")]
     EmptyPrompt,
     #[error("prompt length {tokens} exceeds the model's context of {context} tokens")]

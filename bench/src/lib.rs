@@ -4,7 +4,8 @@
 //!   variation, stationary / drifting / switching hot sets, exact top-k token sampling);
 //! - [`balance`]: replays load sequences through every balancer and reports imbalance, optimality
 //!   gap, replicas, fan-out, in-flight ratio and solve time per balancer (`rackfill bench balance`);
-//! - [`forward`]: prefill tokens/s of the dense model path (`rackfill bench forward`);
+//! - [`forward`]: prefill tokens/s of the dense model path (`rackfill bench forward`), on real
+//!   model shapes from [`model_shapes`] (configs, tensor lists, model FLOPs);
 //! - [`replay`]: replays multi-layer routing traces (recorded, and read with
 //!   [`rackfill_engine::routing_trace`], or from [`synthetic::multilayer`]) through every
 //!   balancer, step by step (`rackfill bench balance --trace` / `--synthetic-trace`);
@@ -18,6 +19,7 @@ pub mod balance;
 pub mod ep;
 pub mod forward;
 mod markdown;
+pub mod model_shapes;
 pub mod plot;
 pub mod replay;
 mod replay_report;

@@ -235,8 +235,22 @@ struct WarpFragments {
     unsigned a[32][4];
     unsigned b[32][2];
     const unsigned char* row[32];
+    // A . B of an mma, computed once by the first lane to run after the barrier.
+    bool product_ready;
+    float product[16][8];
 };
+// Two per warp, used in turn: a lane's next collective writes the other one, so a lane that
+// runs ahead cannot overwrite operands a slower lane is still reading (it would have to pass
+// the next collective's barrier first, which waits for that lane), and each collective needs
+// one barrier instead of two.
 static std::vector<WarpFragments> g_fragments;
+static std::vector<unsigned char> g_fragment_turn;  // per thread: which of its warp's two is next
+inline WarpFragments& next_fragments() {
+    unsigned char& turn = g_fragment_turn[threadIdx.x];
+    WarpFragments& w = g_fragments[2 * t_warp() + turn];
+    turn ^= 1;
+    return w;
+}
 inline float bf16_bits_to_f32(unsigned bits) {
     const unsigned u = (bits & 0xffffu) << 16;
     float f;
@@ -244,34 +258,43 @@ inline float bf16_bits_to_f32(unsigned bits) {
     return f;
 }
 // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 as the PTX ISA lays out its fragments: every lane
-// publishes its registers, then computes its four elements of D from the whole warp's A and B
-// (products of bf16 are exact in f32; the sum runs in k order, the accumulator added last).
+// publishes its registers; after the warp's barrier the first lane to run forms the 16x8
+// product A . B from the whole warp's fragments (products of bf16 are exact in f32; each sum runs
+// in k order), and every lane adds its four elements of it to its accumulators.
 inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-    WarpFragments& w = g_fragments[t_warp()];
+    WarpFragments& w = next_fragments();
     ++t_warp_ops;
     const unsigned lane = threadIdx.x & 31;
     std::memcpy(w.a[lane], a, sizeof w.a[lane]);
     std::memcpy(w.b[lane], b, sizeof w.b[lane]);
+    w.product_ready = false;
     warp_barrier();
-    const unsigned group = lane >> 2, pair = lane & 3;
-    float out[4];
-    for (unsigned i = 0; i < 4; ++i) {
-        const unsigned row = group + (i >= 2 ? 8 : 0), col = 2 * pair + (i & 1);
-        float sum = 0.0f;
-        for (unsigned k = 0; k < 16; ++k) {
-            const unsigned half = 16 * (k & 1);
-            const unsigned a_bits = w.a[(row & 7) * 4 + (k & 7) / 2][(row >> 3) + 2 * (k >> 3)] >> half;
-            const unsigned b_bits = w.b[col * 4 + (k & 7) / 2][k >> 3] >> half;
-            sum += bf16_bits_to_f32(a_bits) * bf16_bits_to_f32(b_bits);
+    if (!w.product_ready) {
+        float am[16][16], bm[16][8];
+        for (unsigned l = 0; l < 32; ++l) {
+            const unsigned group = l >> 2, pair = l & 3;
+            for (unsigned r = 0; r < 4; ++r)
+                for (unsigned h = 0; h < 2; ++h) {
+                    const unsigned row = group + 8 * (r & 1), col = 2 * pair + h + 8 * (r >> 1);
+                    am[row][col] = bf16_bits_to_f32(w.a[l][r] >> (16 * h));
+                }
+            for (unsigned r = 0; r < 2; ++r)
+                for (unsigned h = 0; h < 2; ++h) bm[2 * pair + h + 8 * r][group] = bf16_bits_to_f32(w.b[l][r] >> (16 * h));
         }
-        out[i] = d[i] + sum;
+        for (unsigned row = 0; row < 16; ++row)
+            for (unsigned col = 0; col < 8; ++col) {
+                float sum = 0.0f;
+                for (unsigned k = 0; k < 16; ++k) sum += am[row][k] * bm[k][col];
+                w.product[row][col] = sum;
+            }
+        w.product_ready = true;
     }
-    warp_barrier();
-    std::memcpy(d, out, sizeof out);
+    const unsigned group = lane >> 2, pair = lane & 3;
+    for (unsigned i = 0; i < 4; ++i) d[i] += w.product[group + (i >= 2 ? 8 : 0)][2 * pair + (i & 1)];
 }
 // ldmatrix.sync.m8n8.x4(.trans).shared.b16: lanes 8i .. 8i + 7 give matrix i's row addresses.
 inline void ldmatrix_x4_emulated(unsigned* r, const void* row, bool trans) {
-    WarpFragments& w = g_fragments[t_warp()];
+    WarpFragments& w = next_fragments();
     ++t_warp_ops;
     const unsigned lane = threadIdx.x & 31;
     w.row[lane] = static_cast<const unsigned char*>(row);
@@ -289,7 +312,6 @@ inline void ldmatrix_x4_emulated(unsigned* r, const void* row, bool trans) {
         }
         r[m] = lo | ((unsigned)hi << 16);
     }
-    warp_barrier();
 }
 inline void ldmatrix_x4(unsigned* r, const void* row) { ldmatrix_x4_emulated(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned* r, const void* row) { ldmatrix_x4_emulated(r, row, true); }
@@ -425,7 +447,8 @@ template <class F> void run_fibers(unsigned threads, F f) {
     fb.at_warp.assign((threads + 31) / 32, 0);
     fb.done = fb.at_block = 0;
     g_warps.assign((threads + 31) / 32, WarpX{});
-    g_fragments.assign((threads + 31) / 32, WarpFragments{});
+    g_fragments.assign(2 * ((threads + 31) / 32), WarpFragments{});
+    g_fragment_turn.assign(threads, 0);
     g_async.assign(threads, AsyncGroups{});
     for (unsigned t = 0; t < threads; ++t) fiber_init(fb.ctx[t], fb.stacks[t], Fibers::STACK, fiber_main);
     while (fb.done < threads) {

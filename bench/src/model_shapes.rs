@@ -1,23 +1,34 @@
 //! Real model shapes for `rackfill bench forward --model-shape`: the published configs of
-//! Qwen3-30B-A3B and DeepSeek-V3 (optionally cut to their first `layers`), every tensor name and
-//! shape a checkpoint of such a config holds (what [`Checkpoint::synthetic`] serves, so a 61 GB
-//! model runs without a file), and the model FLOPs of a prefill, the numerator of model FLOP
-//! utilisation.
+//! Qwen3-30B-A3B and DeepSeek-V3, or any Qwen3-MoE or DeepSeek-V3 `config.json` (optionally cut
+//! to their first `layers`), every tensor name and shape a checkpoint of such a config holds
+//! (what [`Checkpoint::synthetic`] serves, so a 61 GB model runs without a file), and the model
+//! FLOPs of a prefill, the numerator of model FLOP utilisation.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use rackfill_models::config::Family;
 use rackfill_models::{Checkpoint, ModelConfig};
 
-use super::ForwardBenchError;
+/// Why a model shape cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ShapeError {
+    #[error(transparent)]
+    Model(#[from] rackfill_models::ModelError),
+    #[error("{0}")]
+    Config(String),
+}
 
 /// A model `--model-shape` names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelShape {
     /// Qwen3-30B-A3B: 48 layers, hidden 2048, 32/4 heads of 128, 128 experts top-8 of 768.
     Qwen3_30bA3b,
     /// DeepSeek-V3 (671B): 61 layers (3 dense), hidden 7168, MLA with 128 heads, 256 experts
     /// top-8 of 2048 and one shared expert, sigmoid group-limited routing.
     DeepseekV3,
+    /// The model a `config.json` (or a directory holding one) describes: a Qwen3-MoE or a
+    /// DeepSeek-V3 of any size, without its weights.
+    Config(PathBuf),
 }
 
 impl ModelShape {
@@ -27,30 +38,52 @@ impl ModelShape {
         ("deepseek-v3", Self::DeepseekV3),
     ];
 
-    /// The shape `name` names (one line listing the known ones otherwise).
+    /// The shape `name` names, or the `config.json` at the path `name` (one line listing the
+    /// known names otherwise).
     pub fn parse(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|&(_, shape)| shape)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
-                format!("unknown model shape '{name}' (one of {})", known.join(", "))
-            })
+        if let Some((_, shape)) = Self::ALL.iter().find(|(n, _)| *n == name) {
+            return Ok(shape.clone());
+        }
+        let path = Path::new(name);
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
+        if file.is_file() {
+            return Ok(Self::Config(file));
+        }
+        let known: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
+        Err(format!(
+            "unknown model shape '{name}' (one of {}, or a config.json)",
+            known.join(", ")
+        ))
     }
 
-    /// The name `--model-shape` takes.
-    pub fn name(self) -> &'static str {
-        Self::ALL
-            .iter()
-            .find(|(_, s)| *s == self)
-            .map_or("?", |(n, _)| n)
+    /// The name `--model-shape` takes (the path, for a config file).
+    pub fn name(&self) -> String {
+        match self {
+            Self::Config(path) => path.display().to_string(),
+            shape => Self::ALL
+                .iter()
+                .find(|(_, s)| s == shape)
+                .map_or("?", |(n, _)| n)
+                .to_string(),
+        }
     }
 
     /// The model's `config.json` (bf16, no multi-token-prediction layer), with its first
     /// `layers` decoder layers when given.
-    pub fn config_json(self, layers: Option<usize>) -> serde_json::Value {
+    pub fn config_json(&self, layers: Option<usize>) -> Result<serde_json::Value, ShapeError> {
         let mut config = match self {
+            Self::Config(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    ShapeError::Config(format!("cannot read {}: {e}", path.display()))
+                })?;
+                serde_json::from_str(&text).map_err(|e| {
+                    ShapeError::Config(format!("{} is not JSON: {e}", path.display()))
+                })?
+            }
             Self::Qwen3_30bA3b => serde_json::json!({
                 "architectures": ["Qwen3MoeForCausalLM"],
                 "model_type": "qwen3_moe",
@@ -124,24 +157,30 @@ impl ModelShape {
         if let Some(layers) = layers {
             config["num_hidden_layers"] = layers.into();
         }
-        config
+        Ok(config)
     }
 
     /// The config and a synthetic checkpoint (no stored values, see [`Checkpoint::synthetic`])
     /// of this shape with `layers` decoder layers (all when `None`), weights seeded by `seed`.
     pub fn synthetic(
-        self,
+        &self,
         layers: Option<usize>,
         seed: u64,
-    ) -> Result<(ModelConfig, Checkpoint), ForwardBenchError> {
+    ) -> Result<(ModelConfig, Checkpoint), ShapeError> {
         if layers == Some(0) {
-            return Err(ForwardBenchError::Synthetic(
-                "--layers must be positive".into(),
-            ));
+            return Err(ShapeError::Config("--layers must be positive".into()));
         }
-        let json = self.config_json(layers).to_string();
-        let config = ModelConfig::from_json_str(&json, Path::new(self.name()))?;
-        let checkpoint = Checkpoint::synthetic(self.name(), tensor_shapes(&config), seed);
+        let name = self.name();
+        let json = self.config_json(layers)?.to_string();
+        let config = ModelConfig::from_json_str(&json, Path::new(&name))?;
+        if !matches!(config.family, Family::Qwen3Moe | Family::DeepseekV3) {
+            return Err(ShapeError::Config(format!(
+                "{name}: synthetic weights know Qwen3-MoE's and DeepSeek-V3's tensor names, not \
+                 {:?}'s",
+                config.family
+            )));
+        }
+        let checkpoint = Checkpoint::synthetic(&name, tensor_shapes(&config), seed);
         Ok((config, checkpoint))
     }
 }
@@ -275,7 +314,7 @@ pub fn prefill_flops(config: &ModelConfig, tokens: usize, context: usize) -> f64
 mod tests {
     use super::*;
 
-    fn fixture(name: &str) -> std::path::PathBuf {
+    fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../models/tests/fixtures")
             .join(name)
@@ -301,8 +340,8 @@ mod tests {
     #[test]
     fn the_real_shapes_parse_and_count_their_published_sizes() {
         let params = |shape: ModelShape| -> f64 {
-            let json = shape.config_json(None).to_string();
-            let config = ModelConfig::from_json_str(&json, Path::new(shape.name())).unwrap();
+            let json = shape.config_json(None).unwrap().to_string();
+            let config = ModelConfig::from_json_str(&json, Path::new(&shape.name())).unwrap();
             tensor_shapes(&config)
                 .iter()
                 .map(|(_, s)| s.iter().product::<usize>() as f64)
@@ -321,7 +360,10 @@ mod tests {
 
     #[test]
     fn prefill_flops_are_twice_the_active_parameters_plus_attention() {
-        let json = ModelShape::Qwen3_30bA3b.config_json(None).to_string();
+        let json = ModelShape::Qwen3_30bA3b
+            .config_json(None)
+            .unwrap()
+            .to_string();
         let config = ModelConfig::from_json_str(&json, Path::new("qwen3")).unwrap();
         // 3.3B active parameters per token without embeddings (Qwen's "A3B").
         let per_token = (prefill_flops(&config, 1000, 0) - prefill_flops(&config, 0, 0)) / 1000.0;
