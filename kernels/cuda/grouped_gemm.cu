@@ -132,6 +132,7 @@ grouped_gate_up_silu(const ExpertTile* __restrict__ tiles, const bf16* __restric
                      bf16* __restrict__ act) {
     extern __shared__ __align__(16) u8 smem[];
     const ExpertTile t = tiles[blockIdx.x];
+    if (t.rows == 0u) return;  // past the last tile of a table built on the device
     const u32 n0 = blockIdx.y * (TILE_COLS / 2u);
     const u32 cols = min(inter - n0, TILE_COLS / 2u);
     const BRows b = {{n0, inter + n0}, {cols, cols}};
@@ -163,6 +164,7 @@ grouped_down(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ act,
              float* __restrict__ out) {
     extern __shared__ __align__(16) u8 smem[];
     const ExpertTile t = tiles[blockIdx.x];
+    if (t.rows == 0u) return;  // past the last tile of a table built on the device
     const u32 n0 = blockIdx.y * TILE_COLS;
     const u32 cols = min(hidden - n0, TILE_COLS);
     const u32 half_cols = TILE_COLS / 2u;
@@ -185,4 +187,36 @@ grouped_down(const ExpertTile* __restrict__ tiles, const bf16* __restrict__ act,
                 row[c + 1u] = acc[m][n][2u * half + 1u];
             }
         }
+}
+
+// The tile table of groups whose rows were grouped on the device (the whole-model path ranks
+// its pairs by expert there, so the host never sees the counts): expert e owns grouped rows
+// offsets[e] .. offsets[e + 1] and the weights weights[2e] (gate-up) and weights[2e + 1]
+// (down). Writes its ceil(count / TILE_ROWS) tiles in expert order from tiles[0]; the caller's
+// table holds ceil(rows / TILE_ROWS) + n_experts entries, zeroed, and launches over all of them:
+// the blocks past the last tile read a zero-row tile and return at once.
+// One block; dynamic shared memory n_experts u32 (each expert's first tile).
+extern "C" __global__ void expert_tiles(const u32* __restrict__ offsets, const u64* __restrict__ weights,
+                                        u32 n_experts, ExpertTile* __restrict__ tiles) {
+    extern __shared__ u32 shm[];
+    if (threadIdx.x == 0) {
+        u32 run = 0;
+        for (u32 e = 0; e < n_experts; ++e) {
+            shm[e] = run;
+            run += (offsets[e + 1] - offsets[e] + TILE_ROWS - 1u) / TILE_ROWS;
+        }
+    }
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        const u32 end = offsets[e + 1];
+        u32 at = shm[e];
+        for (u32 r = offsets[e]; r < end; r += TILE_ROWS, ++at) {
+            ExpertTile t;
+            t.gate_up = weights[2u * e];
+            t.down = weights[2u * e + 1u];
+            t.row0 = r;
+            t.rows = min(end - r, TILE_ROWS);
+            tiles[at] = t;
+        }
+    }
 }

@@ -202,35 +202,14 @@ impl<'a> GroupedExperts<'a> {
         match &self.path {
             Path::Grouped { table, first } => {
                 let (begin, end) = (first[range.start], first[range.end]);
-                if begin == end {
-                    return Ok(());
-                }
-                let tiles = KernelArg::Ptr(table.at(begin * GroupTile::BYTES));
-                let (hidden, inter) = (KernelArg::U32(h as u32), KernelArg::U32(i as u32));
-                let (x, act, out) = (self.rows.x, self.rows.act, self.rows.out);
-                let launch = |cols: usize| Launch {
-                    grid: [(end - begin) as u32, cols as u32, 1],
-                    block: THREADS,
-                    shared_bytes: SHARED_BYTES,
-                };
-                let gate_up = launch(i.div_ceil(GATE_UP_COLS));
-                let args = [tiles, KernelArg::Ptr(x), hidden, inter, KernelArg::Ptr(act)];
-                // SAFETY: `grouped_gate_up_silu(tiles, x[*, H], hidden, inter, act[*, I])` over
-                // table entries `begin..end`, each a row tile inside a group of the caller's
-                // rows with its expert's weights; the grid is (tiles, I / 64 rounded up), the
-                // shared memory the kernel's two stages.
-                unsafe { self.launch("grouped_gate_up_silu", gate_up, &args) }?;
-                let down = launch(h.div_ceil(DOWN_COLS));
-                let args = [
-                    tiles,
-                    KernelArg::Ptr(act),
-                    hidden,
-                    inter,
-                    KernelArg::Ptr(out),
-                ];
-                // SAFETY: `grouped_down(tiles, act[*, I], hidden, inter, out[*, H])` over the
-                // same tiles, reading the activations just written; grid (tiles, H / 128).
-                unsafe { self.launch("grouped_down", down, &args) }
+                let tiles = table.at(begin * GroupTile::BYTES);
+                launch_tiles(
+                    self.exec,
+                    self.stream,
+                    (tiles, end - begin),
+                    (h, i),
+                    &self.rows,
+                )
             }
             Path::PerGroup { gate_up } => {
                 for g in &self.groups[range] {
@@ -290,6 +269,56 @@ impl<'a> GroupedExperts<'a> {
         // SAFETY: the group's rows of act and out, its `[H, I]` weight.
         unsafe { self.exec.gemm_on(self.stream, &down) }
     }
+}
+
+/// Queues both grouped kernels over `tiles` entries of a tile table at device address `table`
+/// (each a row tile of a group of `rows` with its expert's weights; entries of zero rows are
+/// skipped by their blocks), on `stream`.
+pub(crate) fn launch_tiles(
+    exec: &dyn Executor,
+    stream: Stream,
+    (table, tiles): (u64, usize),
+    (h, i): (usize, usize),
+    rows: &ExpertRows,
+) -> Result<(), CudaError> {
+    if tiles == 0 {
+        return Ok(());
+    }
+    let (hidden, inter) = (KernelArg::U32(h as u32), KernelArg::U32(i as u32));
+    let launch = |cols: usize| Launch {
+        grid: [tiles as u32, cols as u32, 1],
+        block: THREADS,
+        shared_bytes: SHARED_BYTES,
+    };
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(rows.x),
+        hidden,
+        inter,
+        KernelArg::Ptr(rows.act),
+    ];
+    // SAFETY: `grouped_gate_up_silu(tiles, x[*, H], hidden, inter, act[*, I])` over the table's
+    // `tiles` entries, each a row tile inside a group of the caller's rows with its expert's
+    // weights (or none); the grid is (tiles, I / 64 rounded up), the shared memory the kernel's
+    // two stages.
+    unsafe {
+        exec.launch_on(
+            stream,
+            "grouped_gate_up_silu",
+            launch(i.div_ceil(GATE_UP_COLS)),
+            &args,
+        )
+    }?;
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(rows.act),
+        hidden,
+        inter,
+        KernelArg::Ptr(rows.out),
+    ];
+    // SAFETY: `grouped_down(tiles, act[*, I], hidden, inter, out[*, H])` over the same tiles,
+    // reading the activations just written; grid (tiles, H / 128).
+    unsafe { exec.launch_on(stream, "grouped_down", launch(h.div_ceil(DOWN_COLS)), &args) }
 }
 
 fn dense(ptr: u64, dtype: DType, ld: usize) -> MatrixRef {

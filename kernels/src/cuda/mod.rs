@@ -11,6 +11,7 @@
 //!   for the token permute and the relay planner;
 //! - [`grouped_gemm`]: the routed experts' MLPs over rows grouped by instance, every group of
 //!   a layer in one tensor-core launch of each half (the data plane and the whole-model path);
+//!   [`local_experts`]: a layer whose experts are all local, its rows grouped on the device;
 //! - [`tile_plan`] + [`replicate`]: replica weight distribution (§6): the relay trees and tile
 //!   tasks built on the device from the plan, streamed by a persistent kernel with per-chunk
 //!   ready flags; [`tiles`] compiles any host relay schedule to the same tasks (the reference);
@@ -32,11 +33,13 @@ mod error;
 pub mod exec;
 pub mod grouped_gemm;
 mod libs;
+pub mod local_experts;
 pub mod moe;
 pub mod nccl;
 pub mod nvrtc;
 pub mod peak;
 mod probe;
+mod ranking;
 pub mod replicate;
 pub mod solver;
 pub mod tile_plan;

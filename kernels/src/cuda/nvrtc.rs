@@ -160,12 +160,13 @@ pub const CONVERT: KernelSource = KernelSource {
 };
 
 /// The routed experts' grouped GEMMs on tensor cores: every instance of a layer in one launch
-/// of each half of the expert MLP, SiLU-mul fused into the gate-up epilogue.
+/// of each half of the expert MLP, SiLU-mul fused into the gate-up epilogue; the tile table of
+/// rows grouped on the device.
 pub const GROUPED_GEMM: KernelSource = KernelSource {
     name: "grouped_gemm",
     file: "grouped_gemm.cu",
     source: with_fastmath!("grouped_gemm.cu"),
-    entry_points: &["grouped_gate_up_silu", "grouped_down"],
+    entry_points: &["grouped_gate_up_silu", "grouped_down", "expert_tiles"],
 };
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.

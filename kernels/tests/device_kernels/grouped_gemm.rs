@@ -202,3 +202,100 @@ fn groups_without_rows_launch_nothing_and_write_nothing() {
         check(&dev, (64, 32), &[], ExpertGemms::Grouped, 8);
     }
 }
+
+/// `LocalExperts` (the whole-model path: pairs ranked by expert, rows grouped and the tile table
+/// built on the device) against the same experts over groups built on the host from the same
+/// routing (token order within an expert): every pair's output bit for bit, and the pair-to-row
+/// map equal to the host's grouping. Ragged routing: an expert nobody chose, one chosen by a
+/// single pair, one by more pairs than a tile holds.
+#[test]
+fn experts_grouped_on_the_device_equal_groups_built_on_the_host() {
+    use rackfill_kernels::cuda::local_experts::LocalExperts;
+    for dev in default_devices() {
+        let exec = dev.exec.as_ref();
+        let (h, i, experts, rows, k) = (64, 32, 5, 50, 3);
+        let mut rng = Rng(21);
+        let x = values(&mut rng, rows * h, 1.0);
+        let weights: Vec<(DeviceBuffer, DeviceBuffer)> = (0..experts)
+            .map(|_| {
+                let gate_up = values(&mut rng, 2 * i * h, 0.2);
+                let down = values(&mut rng, h * i, 0.2);
+                (
+                    exec.upload(&bf16_bytes(&gate_up)).unwrap(),
+                    exec.upload(&bf16_bytes(&down)).unwrap(),
+                )
+            })
+            .collect();
+        // Expert 4 nobody chooses, expert 3 only pair 0; the rest spread over the others.
+        let ids: Vec<u32> = (0..rows * k)
+            .map(|p| {
+                if p == 0 {
+                    3
+                } else {
+                    ((p * 7 + p / k) % 3) as u32
+                }
+            })
+            .collect();
+        let x_dev = exec.upload(&bf16_bytes(&x)).unwrap();
+        let ids_dev = exec.upload_u32(&ids).unwrap();
+        let pointers: Vec<(u64, u64)> = weights.iter().map(|(g, d)| (g.ptr(), d.ptr())).collect();
+        let local = LocalExperts::upload(exec, &pointers, (h, i))
+            .unwrap()
+            .expect("64 / 32 take the grouped kernels");
+        let done = local.run(exec, &x_dev, (rows, k), &ids_dev).unwrap();
+        let (out, row_of) = (
+            read(exec, &done.out),
+            exec.download_u32(&done.row_of).unwrap(),
+        );
+
+        // The host's grouping of the same routing.
+        let mut order: Vec<usize> = (0..rows * k).collect();
+        order.sort_by_key(|&p| ids[p]);
+        let mut host_row_of = vec![0u32; rows * k];
+        let mut grouped = Vec::with_capacity(rows * k * h);
+        for (row, &p) in order.iter().enumerate() {
+            host_row_of[p] = row as u32;
+            grouped.extend_from_slice(&x[p / k * h..][..h]);
+        }
+        assert_eq!(row_of, host_row_of, "{}: pair rows", dev.name());
+        let grouped = exec.upload(&bf16_bytes(&grouped)).unwrap();
+        let (act, host_out) = (
+            exec.alloc_zeroed(rows * k * i * 2).unwrap(),
+            exec.alloc_zeroed(rows * k * h * 4).unwrap(),
+        );
+        let mut start = 0;
+        let groups = (0..experts)
+            .map(|e| {
+                let n = ids.iter().filter(|&&id| id as usize == e).count();
+                start += n;
+                ExpertGroup {
+                    start: start - n,
+                    rows: n,
+                    gate_up: pointers[e].0,
+                    down: pointers[e].1,
+                }
+            })
+            .collect();
+        let rows_io = ExpertRows {
+            x: grouped.ptr(),
+            act: act.ptr(),
+            out: host_out.ptr(),
+        };
+        GroupedExperts::new(
+            exec,
+            Stream::MAIN,
+            (h, i),
+            ExpertGemms::Grouped,
+            rows_io,
+            groups,
+        )
+        .unwrap()
+        .run_all()
+        .unwrap();
+        assert!(
+            out == read(exec, &host_out),
+            "{}: device-grouped outputs differ from host-grouped ones",
+            dev.name()
+        );
+    }
+}

@@ -4,7 +4,7 @@
 //! router, every routed expert and the shared experts), then [`GpuModel::finish`] (the final
 //! norm and LM head on the rows that need logits only).
 
-use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, ExecutorExt, Stream};
+use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Executor, ExecutorExt, Stream};
 use rackfill_kernels::cuda::grouped_gemm::{ExpertGemms, ExpertGroup, ExpertRows, GroupedExperts};
 use rackfill_kernels::cuda::moe::RoutedRows;
 
@@ -29,7 +29,28 @@ pub struct GpuBatch {
     x: DeviceBuffer,
     /// The rows that get logits, in batch order.
     logit_rows: Vec<u32>,
-    routing: Vec<Routing>,
+    /// Every MoE layer's router choices and weights so far, left on the device until
+    /// [`GpuModel::finish`] copies them back with the logits (no wait inside a layer).
+    routing: Vec<DeviceRouting>,
+}
+
+/// One MoE layer's routing of the batch, on the device.
+struct DeviceRouting {
+    /// u32 `[rows, k]`.
+    experts: DeviceBuffer,
+    /// f32 `[rows, k]`.
+    weights: DeviceBuffer,
+    top_k: usize,
+}
+
+impl DeviceRouting {
+    fn download(&self, exec: &dyn Executor) -> Result<Routing> {
+        Ok(Routing {
+            top_k: self.top_k,
+            experts: exec.download_u32(&self.experts)?,
+            weights: exec.download_f32(&self.weights)?,
+        })
+    }
 }
 
 /// One MoE layer's routed rows on the device: the router's input and choices and the block's
@@ -233,10 +254,13 @@ impl GpuModel {
             self.config.vocab_size,
             batch.logit_rows.len(),
         );
+        let routing = |batch: &GpuBatch| -> Result<Vec<Routing>> {
+            batch.routing.iter().map(|r| r.download(exec)).collect()
+        };
         if n == 0 {
             return Ok(GpuStep {
                 logits: Vec::new(),
-                routing: batch.routing,
+                routing: routing(&batch)?,
             });
         }
         let picked = exec.alloc_zeroed(n * h * 4)?;
@@ -255,7 +279,7 @@ impl GpuModel {
         ops.linear((&picked_bf16, DType::Bf16), n, head, &logits, 0.0)?;
         Ok(GpuStep {
             logits: exec.download_f32(&logits)?,
-            routing: batch.routing,
+            routing: routing(&batch)?,
         })
     }
 }
@@ -266,7 +290,7 @@ fn feed_forward(
     rows: usize,
     h: usize,
     x: &DeviceBuffer,
-    routing: &mut Vec<Routing>,
+    routing: &mut Vec<DeviceRouting>,
 ) -> Result<()> {
     match &layer.ffn {
         GpuFfn::Dense(mlp) => {
@@ -275,8 +299,13 @@ fn feed_forward(
         }
         GpuFfn::Moe(moe) => {
             let routed = route(ops, layer, moe, rows, h, x)?;
-            routed_experts(ops, moe, &routed, rows, h, routing)?;
+            routed_experts(ops, moe, &routed, rows, h)?;
             ops.add(x, &routed.output, rows * h)?;
+            routing.push(DeviceRouting {
+                experts: routed.experts,
+                weights: routed.weights,
+                top_k: routed.top_k,
+            });
             Ok(())
         }
     }
@@ -379,16 +408,16 @@ fn mlp_into(
 }
 
 /// Runs every expert on its rows (grouped by expert, all experts in one grouped launch of each
-/// half of the MLP) and adds each row's weighted expert outputs into `routed.output`. The
-/// router's choices come to the host once (`rows x k` ids) to size the groups; the rows and
-/// weights stay on the device.
+/// half of the MLP) and adds each row's weighted expert outputs into `routed.output`. With the
+/// layer's weight table ([`GpuMoe::local`]) the rows are grouped on the device and nothing
+/// comes back to the host; otherwise (a shape the grouped kernels cannot take) the router's
+/// choices come to the host once (`rows x k` ids) to size the per-expert GEMMs.
 fn routed_experts(
     ops: Ops<'_>,
     moe: &GpuMoe,
     routed: &GpuRouted,
     rows: usize,
     h: usize,
-    routing: &mut Vec<Routing>,
 ) -> Result<()> {
     let exec = ops.exec;
     let (experts, k) = (moe.router.out_dim, moe.top_k);
@@ -404,12 +433,12 @@ fn routed_experts(
         &routed.weights,
         &routed.output,
     );
+    if let Some(local) = &moe.local {
+        let done = local.run(exec, &routed.normed_bf16, (rows, k), ids)?;
+        ops.combine(&done.out, &done.row_of, weights, rows, k, h, y)?;
+        return Ok(());
+    }
     let chosen = exec.download_u32(ids)?;
-    routing.push(Routing {
-        top_k: k,
-        experts: chosen.clone(),
-        weights: exec.download_f32(weights)?,
-    });
     // Pairs grouped by expert, in token order within an expert (the CPU path's grouping).
     let mut counts = vec![0usize; experts];
     for &e in &chosen {

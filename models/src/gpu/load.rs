@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use rackfill_balancer::Layout;
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Executor, ExecutorExt};
+use rackfill_kernels::cuda::local_experts::LocalExperts;
 use rackfill_kernels::cuda::moe::HomeExperts;
 
 use super::model::{check_kernel_limits, GpuModel};
@@ -455,12 +456,21 @@ impl Loader<'_> {
                 Vec::new()
             }
         };
+        let pointers: Vec<(u64, u64)> = experts
+            .iter()
+            .map(|m| (m.gate_up.buffer.ptr(), m.down.buffer.ptr()))
+            .collect();
+        let local = match pointers.is_empty() {
+            true => None,
+            false => LocalExperts::upload(self.exec, &pointers, (h, inter))?,
+        };
         Ok(GpuMoe {
             router,
             correction_bias,
             kind: c.moe.router.clone(),
             top_k: c.moe.top_k,
             experts,
+            local,
             shared,
             shared_gate,
         })

@@ -3,6 +3,7 @@
 //! checkpoint's tensors are uploaded byte for byte ([`super::load`] fills them).
 
 use rackfill_kernels::cuda::exec::DeviceBuffer;
+use rackfill_kernels::cuda::local_experts::LocalExperts;
 
 use super::ops::{DeviceWeight, RopeTables};
 use crate::config::RouterKind;
@@ -92,6 +93,10 @@ pub(crate) struct GpuMoe {
     pub kind: RouterKind,
     pub top_k: usize,
     pub experts: Vec<GpuMlp>,
+    /// The weight table [`Self::experts`] run from with their rows grouped on the device;
+    /// `None` when the grouped kernels cannot take the shape (rows grouped on the host) or
+    /// the experts live elsewhere.
+    pub local: Option<LocalExperts>,
     pub shared: Option<GpuMlp>,
     /// Qwen2-MoE's shared-expert gate, f32 `[1, H]`.
     pub shared_gate: Option<DeviceWeight>,

@@ -4,19 +4,11 @@
 
 use super::super::exec::{DeviceBuffer, Executor, KernelArg, Launch, Stream};
 use super::super::grouped_gemm::{ExpertGemms, ExpertGroup, ExpertRows, GroupedExperts};
+use super::super::ranking::{rank_by_key, Ranked};
 use super::super::{to_u32, CudaError, DevicePlan};
 
 /// Threads per block of the row kernels.
 const THREADS: u32 = 256;
-/// Shared memory `stable_rank_by_key` may use without opting in.
-const RANK_SHARED: usize = 48 * 1024;
-
-/// A ranking on the device: each key's position among equal keys, and the exclusive prefix of
-/// the key counts (`n_keys + 1` words) followed by the count of keys out of range.
-pub(super) struct Ranked {
-    pub pos: DeviceBuffer,
-    pub offsets: DeviceBuffer,
-}
 
 /// One source rank's pairs in its send layout: one segment per destination rank, in rank order.
 pub(super) struct Sent {
@@ -108,40 +100,9 @@ impl Steps<'_> {
         unsafe { self.exec.launch_on(self.stream, kernel, launch, args) }
     }
 
-    /// `stable_rank_by_key` over `n` u32 keys at device address `keys`.
+    /// `stable_rank_by_key` over `n` u32 keys at device address `keys`, on this stream.
     pub fn rank_by_key(&self, keys: u64, n: usize, n_keys: usize) -> Result<Ranked, CudaError> {
-        let warps = (RANK_SHARED / 4 / n_keys.max(1))
-            .saturating_sub(1)
-            .min(THREADS as usize / 32);
-        if warps == 0 {
-            return Err(CudaError::SharedMemory {
-                what: "stable_rank_by_key",
-                needed: 8 * n_keys,
-                limit: RANK_SHARED,
-            });
-        }
-        let ranked = Ranked {
-            pos: self.alloc(n * 4)?,
-            offsets: self.alloc((n_keys + 2) * 4)?,
-        };
-        let launch = Launch {
-            grid: [1, 1, 1],
-            block: warps as u32 * 32,
-            shared_bytes: ((warps + 1) * n_keys * 4) as u32,
-        };
-        let args = [
-            KernelArg::Ptr(keys),
-            u32_arg(n)?,
-            u32_arg(n_keys)?,
-            ptr(&ranked.pos),
-            ptr(&ranked.offsets),
-            KernelArg::Ptr(ranked.offsets.at((n_keys + 1) * 4)),
-        ];
-        // SAFETY: `stable_rank_by_key(keys, n, n_keys, out_pos[n], out_offsets[n_keys + 1],
-        // out_bad)`; the caller's keys hold `n` words; the shared memory is the kernel's
-        // `(warps + 1) * n_keys` words.
-        unsafe { self.launch("stable_rank_by_key", launch, &args) }?;
-        Ok(ranked)
+        rank_by_key(self.exec, self.stream, keys, n, n_keys)
     }
 
     /// A source's pairs into its send layout: instance by cumulative quota, destination rank,
