@@ -105,6 +105,8 @@ def main():
     lines += attention_section(load(args.out, "bench-attention-context.json"), "Flash attention over a cached context")
     for name, title in [("bench-forward-qwen3.json", "Qwen3-30B-A3B shape (bench forward --model-shape)"),
                         ("bench-forward-deepseek.json", "DeepSeek-V3 shape, first layers (bench forward --model-shape)"),
+                        ("bench-forward-qwen3-per-expert.json",
+                         "Qwen3-30B-A3B shape, per-expert cuBLAS GEMMs (the grouped kernels' baseline)"),
                         ("bench-forward-cuda.json", "Bench shape (bench forward)")]:
         lines += forward_section(load(args.out, name), title)
     lines += hf_section(load(args.out, "bench-forward-hf-qwen3.json"), "transformers beside rackfill, Qwen3-30B-A3B shape")

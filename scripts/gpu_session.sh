@@ -108,6 +108,11 @@ if has forward; then
     --tokens 2048,4096,8192,16384 --repeats 3 --json "$out/bench-forward-qwen3.json" 2>&1 \
     | tee "$out/bench-forward-qwen3.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-forward-qwen3")
+  # The grouped expert kernels against one cuBLAS GEMM pair per expert, same model, 8k tokens.
+  "$bundle/rackfill" bench forward --device cuda --model-shape qwen3-30b-a3b --layers "$qwen_layers" \
+    --tokens 8192 --repeats 2 --expert-gemms per-expert --json "$out/bench-forward-qwen3-per-expert.json" \
+    2>&1 | tee "$out/bench-forward-qwen3-per-expert.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("bench-forward-qwen3-per-expert")
   "$bundle/rackfill" bench forward --device cuda --model-shape deepseek-v3 --layers "$deepseek_layers" \
     --tokens 2048,8192 --repeats 3 --json "$out/bench-forward-deepseek.json" 2>&1 \
     | tee "$out/bench-forward-deepseek.txt"

@@ -50,6 +50,12 @@ pub struct ForwardArgs {
     #[arg(long, default_value = "cpu", value_parser = crate::flags::parse_device)]
     pub device: ModelDevice,
 
+    /// How the GPU path runs the routed experts: `grouped` (one tensor-core launch of each MLP
+    /// half for all experts of a layer) or `per-expert` (a cuBLAS GEMM pair per expert: the
+    /// baseline the grouped kernels are measured against).
+    #[arg(long, value_enum, default_value_t = ExpertGemmsArg::Grouped)]
+    pub expert_gemms: ExpertGemmsArg,
+
     /// The card's dense bf16 peak in TFLOP/s, for model FLOP utilisation (default: from the
     /// GPU's name, where rackfill knows it).
     #[arg(long, value_name = "TFLOPS")]
@@ -60,8 +66,18 @@ pub struct ForwardArgs {
     pub json: Option<PathBuf>,
 }
 
+/// `--expert-gemms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExpertGemmsArg {
+    Grouped,
+    PerExpert,
+}
+
 /// Runs `rackfill bench forward`.
 pub fn run(args: ForwardArgs) -> anyhow::Result<()> {
+    if args.device == ModelDevice::Cpu && args.expert_gemms != ExpertGemmsArg::Grouped {
+        anyhow::bail!("--expert-gemms chooses the GPU path's expert kernels: give --device cuda");
+    }
     let json_file = create_report_file(args.json.as_deref())?;
     // The checkpoint, memory-mapped or synthetic: the CPU path builds its f32 model from it,
     // the GPU path uploads (or generates) it on the device (no model in host memory).
@@ -180,6 +196,7 @@ fn run_forward_on_gpu(
 
     use rackfill_bench::forward::{random_prompt, time_prefills, ForwardBenchError};
     use rackfill_kernels::cuda::exec::Profiled;
+    use rackfill_kernels::cuda::grouped_gemm::ExpertGemms;
     use rackfill_models::gpu::{phases::forward_phase, ExpertPlacement, GpuInput, GpuModel};
     use rackfill_models::LogitsFor;
 
@@ -188,13 +205,17 @@ fn run_forward_on_gpu(
     let profiled = Arc::new(Profiled::new(exec, forward_phase));
     profiled.set_enabled(false);
     let longest = args.tokens.iter().copied().max().unwrap_or(1);
-    let (gpu, _) = GpuModel::load(
+    let (mut gpu, _) = GpuModel::load(
         profiled.clone(),
         config,
         checkpoint,
         longest,
         ExpertPlacement::Here,
     )?;
+    gpu.set_expert_gemms(match args.expert_gemms {
+        ExpertGemmsArg::Grouped => ExpertGemms::Grouped,
+        ExpertGemmsArg::PerExpert => ExpertGemms::PerGroup,
+    });
     let vocab = config.vocab_size;
     let prefill = |prompt: &[u32]| -> Result<(), ForwardBenchError> {
         let mut sequence = gpu.new_sequence();
@@ -221,7 +242,10 @@ fn run_forward_on_gpu(
     Ok(ForwardReport {
         implementation: "rackfill",
         device,
-        model: name.to_string(),
+        model: match args.expert_gemms {
+            ExpertGemmsArg::Grouped => name.to_string(),
+            ExpertGemmsArg::PerExpert => format!("{name}, per-expert GEMMs"),
+        },
         threads: 1,
         peak_tflops: None,
         config: None,

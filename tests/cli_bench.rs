@@ -521,5 +521,20 @@ fn bench_forward_runs_a_real_model_shape_with_phases() {
         ] {
             assert!(phases[phase].as_f64().unwrap() > 0.0, "{phase}: {phases:?}");
         }
+        // The per-expert cuBLAS baseline runs the same shape.
+        let baseline = dir.file("baseline.json");
+        let mut args = args.to_vec();
+        let at = args.len() - 1;
+        args[at] = baseline.to_str().unwrap();
+        args.extend(["--expert-gemms", "per-expert"]);
+        let report = json_report(&args, &baseline);
+        assert_eq!(
+            report["model"],
+            format!("{builtin_config} (1 layers), per-expert GEMMs")
+        );
     }
+    refused(
+        &["bench", "forward", "--expert-gemms", "per-expert"],
+        "--expert-gemms chooses the GPU path's expert kernels",
+    );
 }

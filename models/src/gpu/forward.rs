@@ -175,9 +175,9 @@ impl GpuModel {
         feed_forward(
             ops,
             &self.weights.layers[layer],
-            rows,
-            h,
+            (rows, h),
             &batch.x,
+            self.expert_gemms,
             &mut batch.routing,
         )
     }
@@ -287,9 +287,9 @@ impl GpuModel {
 fn feed_forward(
     ops: Ops<'_>,
     layer: &GpuLayer,
-    rows: usize,
-    h: usize,
+    (rows, h): (usize, usize),
     x: &DeviceBuffer,
+    gemms: ExpertGemms,
     routing: &mut Vec<DeviceRouting>,
 ) -> Result<()> {
     match &layer.ffn {
@@ -299,7 +299,7 @@ fn feed_forward(
         }
         GpuFfn::Moe(moe) => {
             let routed = route(ops, layer, moe, rows, h, x)?;
-            routed_experts(ops, moe, &routed, rows, h)?;
+            routed_experts(ops, moe, &routed, (rows, h), gemms)?;
             ops.add(x, &routed.output, rows * h)?;
             routing.push(DeviceRouting {
                 experts: routed.experts,
@@ -410,14 +410,15 @@ fn mlp_into(
 /// Runs every expert on its rows (grouped by expert, all experts in one grouped launch of each
 /// half of the MLP) and adds each row's weighted expert outputs into `routed.output`. With the
 /// layer's weight table ([`GpuMoe::local`]) the rows are grouped on the device and nothing
-/// comes back to the host; otherwise (a shape the grouped kernels cannot take) the router's
-/// choices come to the host once (`rows x k` ids) to size the per-expert GEMMs.
+/// comes back to the host; otherwise (a shape the grouped kernels cannot take, or `gemms`
+/// [`ExpertGemms::PerGroup`]) the router's choices come to the host once (`rows x k` ids) to
+/// size the groups.
 fn routed_experts(
     ops: Ops<'_>,
     moe: &GpuMoe,
     routed: &GpuRouted,
-    rows: usize,
-    h: usize,
+    (rows, h): (usize, usize),
+    gemms: ExpertGemms,
 ) -> Result<()> {
     let exec = ops.exec;
     let (experts, k) = (moe.router.out_dim, moe.top_k);
@@ -433,7 +434,7 @@ fn routed_experts(
         &routed.weights,
         &routed.output,
     );
-    if let Some(local) = &moe.local {
+    if let (ExpertGemms::Grouped, Some(local)) = (gemms, &moe.local) {
         let done = local.run(exec, &routed.normed_bf16, (rows, k), ids)?;
         ops.combine(&done.out, &done.row_of, weights, rows, k, h, y)?;
         return Ok(());
@@ -480,7 +481,6 @@ fn routed_experts(
             down: expert.down.buffer.ptr(),
         })
         .collect();
-    let gemms = ExpertGemms::Grouped;
     GroupedExperts::new(exec, Stream::MAIN, (h, i), gemms, rows_io, groups)?.run_all()?;
     ops.combine(&out, &exec.upload_u32(&pair_row)?, weights, rows, k, h, y)?;
     Ok(())

@@ -1,6 +1,7 @@
 //! The model on the device: its weights, per-layer paged KV cache and block pool, and the
 //! sequences that hold blocks of it.
 
+use rackfill_kernels::cuda::grouped_gemm::ExpertGemms;
 use std::sync::{Arc, Mutex};
 
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
@@ -86,11 +87,20 @@ pub struct GpuModel {
     pub(super) weights: GpuWeights,
     pub(super) caches: Vec<LayerCache>,
     pub(super) pool: Arc<Mutex<BlockPool>>,
+    /// How [`GpuModel::forward`] runs the routed experts.
+    pub(super) expert_gemms: ExpertGemms,
 }
 
 impl GpuModel {
     /// The model of `weights` (uploaded by [`GpuModel::load`]) with a KV cache of `kv_tokens`
     /// tokens (rounded up to whole blocks) in every layer.
+    /// Runs [`GpuModel::forward`]'s routed experts as `gemms` says: the grouped tensor-core
+    /// kernels (the default), or one cuBLAS GEMM pair per expert (the baseline a benchmark
+    /// compares them with).
+    pub fn set_expert_gemms(&mut self, gemms: ExpertGemms) {
+        self.expert_gemms = gemms;
+    }
+
     pub(super) fn new(
         exec: Arc<dyn Executor>,
         config: ModelConfig,
@@ -128,6 +138,7 @@ impl GpuModel {
             weights,
             caches,
             pool: Arc::new(Mutex::new(pool)),
+            expert_gemms: ExpertGemms::Grouped,
         })
     }
 
