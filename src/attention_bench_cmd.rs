@@ -77,10 +77,10 @@ pub fn run(args: AttentionArgs) -> anyhow::Result<()> {
 #[cfg(feature = "cuda")]
 fn tile_list(
     spec: &str,
-    shape: &rackfill_kernels::kv_blocks::AttentionShape,
+    shape: &rackfill_kernels::flash::AttentionShape,
     shared_limit: usize,
-) -> anyhow::Result<Vec<rackfill_kernels::kv_blocks::FlashTiles>> {
-    use rackfill_kernels::kv_blocks::FlashTiles;
+) -> anyhow::Result<Vec<rackfill_kernels::flash::FlashTiles>> {
+    use rackfill_kernels::flash::FlashTiles;
     match spec {
         "all" => Ok(FlashTiles::ALL.to_vec()),
         "auto" => Ok(vec![FlashTiles::choose(shape, shared_limit)?]),
@@ -106,7 +106,7 @@ fn tile_list(
 #[cfg(feature = "cuda")]
 fn measure(args: &AttentionArgs, json_file: Option<std::fs::File>) -> anyhow::Result<()> {
     use rackfill_kernels::cuda::peak::dense_bf16_peak_tflops;
-    use rackfill_kernels::kv_blocks::{AttentionShape, FlashTiles};
+    use rackfill_kernels::flash::{AttentionShape, FlashTiles};
     use rackfill_models::gpu::{bench_attention, AttentionCase};
     let shape = AttentionShape {
         q_heads: u32::try_from(args.heads)?,

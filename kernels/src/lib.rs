@@ -16,6 +16,7 @@
 //! - [`weights`]: where an expert instance's weights live on the rank that computes it (home or
 //!   redundant slot), for the CPU and the GPU plane alike.
 //!
+//! - [`flash`]: the flash attention kernels' launch geometry (head shapes, tile shapes, grids);
 //! - [`kv_blocks`]: the host side of the GPU's paged KV cache: a pool of fixed-size blocks, each
 //!   sequence's block table, and the per-step slot and block-table arrays the attention kernels
 //!   read.
@@ -28,6 +29,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod flash;
 pub mod kv_blocks;
 pub mod permute;
 pub mod replicate;

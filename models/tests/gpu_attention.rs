@@ -31,7 +31,8 @@ use paged_harness::{
     Worst,
 };
 use rackfill_kernels::cuda::exec::{round_bf16, ExecutorExt, KernelArg, Launch};
-use rackfill_kernels::kv_blocks::{BlockTable, FlashTiles, PagedError, NO_SLOT};
+use rackfill_kernels::flash::FlashTiles;
+use rackfill_kernels::kv_blocks::{BlockTable, PagedError, NO_SLOT};
 use rackfill_models::layers::attention::causal_attention;
 use rackfill_models::ModelConfig;
 

@@ -125,7 +125,7 @@ pub const MODEL: KernelSource = KernelSource {
 };
 
 /// Paged KV cache writes and causal flash attention (tensor cores) over a chunk plus its cached
-/// context, one kernel per tile shape (`kv_blocks::FlashTiles`); the
+/// context, one kernel per tile shape (`flash::FlashTiles`); the
 /// unfused softmax the attention benchmark's cuBLAS baseline uses.
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",

@@ -3,7 +3,7 @@
 //! adding `o_proj(attention)` into the f32 residual stream.
 
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Gemm, MatrixRef, WeightLayout};
-use rackfill_kernels::kv_blocks::AttentionShape;
+use rackfill_kernels::flash::AttentionShape;
 
 use super::model::LayerCache;
 use super::ops::{AttentionStep, KvLayout, Ops};

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use rackfill_kernels::cuda::exec::{
     DType, DeviceBuffer, Executor, ExecutorExt, Gemm, KernelArg, Launch, MatrixRef, WeightLayout,
 };
-use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable, FlashTiles, StepArrays};
+use rackfill_kernels::flash::{AttentionShape, FlashTiles};
+use rackfill_kernels::kv_blocks::{BlockPool, BlockTable, StepArrays};
 use serde::Serialize;
 
 use super::model::BLOCK_TOKENS;

@@ -5,7 +5,8 @@ use rackfill_kernels::cuda::grouped_gemm::ExpertGemms;
 use std::sync::{Arc, Mutex};
 
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
-use rackfill_kernels::kv_blocks::{AttentionShape, BlockPool, BlockTable};
+use rackfill_kernels::flash::AttentionShape;
+use rackfill_kernels::kv_blocks::{BlockPool, BlockTable};
 
 use super::weights::{Experts, GpuAttention, GpuWeights};
 use crate::config::ModelConfig;

@@ -9,7 +9,8 @@ use rackfill_kernels::cuda::exec::{
 use rackfill_kernels::cuda::CudaError;
 
 use crate::checkpoint::Synthetic;
-use rackfill_kernels::kv_blocks::{AttentionShape, FlashTiles, StepArrays, ATTENTION_THREADS};
+use rackfill_kernels::flash::{AttentionShape, FlashTiles, ATTENTION_THREADS};
+use rackfill_kernels::kv_blocks::StepArrays;
 
 /// Threads per block of the row-wise kernels.
 const THREADS: u32 = 128;

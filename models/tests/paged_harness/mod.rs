@@ -8,9 +8,8 @@ use candle_core::{Device, Tensor};
 use rackfill_kernels::cuda::exec::{
     round_bf16, DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch,
 };
-use rackfill_kernels::kv_blocks::{
-    AttentionShape, BlockPool, BlockTable, FlashTiles, PagedError, StepArrays, ATTENTION_THREADS,
-};
+use rackfill_kernels::flash::{AttentionShape, FlashTiles, ATTENTION_THREADS};
+use rackfill_kernels::kv_blocks::{BlockPool, BlockTable, PagedError, StepArrays};
 use rackfill_models::layers::attention::causal_attention;
 
 /// Largest relative L2 error of a step's outputs against the reference.
