@@ -25,6 +25,7 @@ use safetensors::SafeTensors;
 
 use crate::config::{ModelConfig, Quantization};
 use crate::error::{ModelError, Result};
+pub use crate::synthetic::Synthetic;
 
 /// An FP8 tensor's block scales, borrowed from the checkpoint.
 #[derive(Debug, Clone, Copy)]
@@ -50,47 +51,6 @@ pub struct RawTensor<'a> {
     /// A tensor of a [`Checkpoint::synthetic`] checkpoint: no bytes, values generated where
     /// they are used.
     pub synthetic: Option<Synthetic>,
-}
-
-/// The values of a tensor of a synthetic checkpoint, generated where they are used (on the
-/// host by [`RawTensor::to_f32`], on the device by the GPU loader's `fill_synthetic` kernel,
-/// the same bf16 values on both): a model of any size without a file or host memory.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Synthetic {
-    /// Every element this value (norm weights 1, biases 0).
-    Constant(f32),
-    /// Element `i` uniform in `[-bound, bound)` from a hash of `(seed, first + i)`, rounded to
-    /// bf16.
-    Uniform { seed: u64, bound: f32, first: u64 },
-}
-
-impl Synthetic {
-    /// Element `i` (bf16-exact).
-    pub fn value(&self, i: u64) -> f32 {
-        match *self {
-            Self::Constant(v) => half::bf16::from_f32(v).to_f32(),
-            Self::Uniform { seed, bound, first } => {
-                let mut z = seed.wrapping_add((first + i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                z ^= z >> 31;
-                let unit = (z >> 40) as f32 * (1.0 / 16_777_216.0);
-                half::bf16::from_f32((2.0 * unit - 1.0) * bound).to_f32()
-            }
-        }
-    }
-
-    /// The values of elements `offset..` (a slice along a tensor's first dimension).
-    fn skip(self, offset: u64) -> Self {
-        match self {
-            Self::Uniform { seed, bound, first } => Self::Uniform {
-                seed,
-                bound,
-                first: first + offset,
-            },
-            constant => constant,
-        }
-    }
 }
 
 impl RawTensor<'_> {

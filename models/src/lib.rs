@@ -15,6 +15,7 @@ pub mod gpu;
 pub mod layers;
 pub mod model;
 pub mod source;
+mod synthetic;
 pub mod tokenizer;
 
 pub use bundle::{CheckpointModel, ModelBundle, ModelOrigin, BUILTIN_MODEL_NAME};
