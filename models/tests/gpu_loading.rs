@@ -95,6 +95,13 @@ fn rope_bytes(config: &ModelConfig) -> u64 {
     (config.num_layers * rot / 2 * 4) as u64
 }
 
+/// Bytes of the expert weight tables a model holding every routed expert uploads (one
+/// `(gate_up, down)` address pair per expert and MoE layer, `cuda::local_experts`): the one
+/// upload that is not checkpoint bytes.
+fn expert_table_bytes(config: &ModelConfig) -> u64 {
+    (config.num_sparse_layers() * config.moe.num_experts * 16) as u64
+}
+
 /// An EP layout over `experts` experts whose homes are not contiguous runs: rank 1 homes every
 /// third expert, rank 0 the rest.
 fn interleaved(experts: usize) -> Layout {
@@ -271,7 +278,7 @@ fn each_process_writes_the_dense_weights_and_its_own_home_experts_once() {
     );
     // Every expert inside the model, and none.
     for (placement, experts) in [
-        (ExpertPlacement::Here, all),
+        (ExpertPlacement::Here, all + expert_table_bytes(&config)),
         (ExpertPlacement::Elsewhere, 0),
     ] {
         let exec = emulator().unwrap();
