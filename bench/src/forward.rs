@@ -1,8 +1,8 @@
 //! `rackfill bench forward`: prefill tokens/s of the dense single-device path.
 //!
 //! By default the model is the bench shape (a Qwen3-MoE with hidden 1024, 4 layers,
-//! 16/4 heads of 64, 64 experts top-8, moe_intermediate 256, vocab 32000) with seeded random
-//! weights built in memory, so the bench runs anywhere without files. `--model DIR` loads a real
+//! 16/4 heads of 64, 64 experts top-8, moe_intermediate 256, vocab 32000) with seeded synthetic
+//! weights generated where they are read, so the bench runs anywhere without files. `--model DIR` loads a real
 //! checkpoint instead: `scripts/bench_forward_hf.py` uses it to time transformers and rackfill on
 //! the same weights side by side.
 
@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use rackfill_models::{Checkpoint, LogitsFor, ModelConfig, MoeModel, SequenceInput};
 use rand::{Rng, SeedableRng};
-use rand_distr::{Distribution, Normal};
 use serde::Serialize;
 
 pub use crate::model_shapes::{prefill_flops, tensor_shapes, ModelShape};
@@ -22,8 +21,6 @@ pub use crate::model_shapes::{prefill_flops, tensor_shapes, ModelShape};
 pub enum ForwardBenchError {
     #[error(transparent)]
     Model(#[from] rackfill_models::ModelError),
-    #[error("cannot build the synthetic checkpoint: {0}")]
-    Synthetic(String),
     #[error(transparent)]
     Shape(#[from] crate::model_shapes::ShapeError),
     #[error("prompt length must be positive")]
@@ -57,47 +54,22 @@ pub fn bench_shape_config() -> serde_json::Value {
     })
 }
 
-/// The bench-shape model with seeded random weights (norms 1, everything else N(0, 0.02), the
-/// initialisation transformers uses), built as an in-memory safetensors checkpoint so it goes
-/// through the real loader.
+/// The bench-shape model with seeded random weights (norms 1, everything else with standard
+/// deviation 0.02, the scale transformers initialises with), read through the real loader from
+/// a synthetic checkpoint ([`Checkpoint::synthetic`]).
 pub fn synthetic_bench_model(seed: u64) -> Result<MoeModel, ForwardBenchError> {
     let (config, checkpoint) = synthetic_bench_checkpoint(seed)?;
     Ok(MoeModel::from_checkpoint(config, &checkpoint)?)
 }
 
-/// The config and in-memory bf16 checkpoint of [`synthetic_bench_model`] (what the GPU path
-/// loads from).
+/// The config and synthetic checkpoint of [`synthetic_bench_model`] (what the GPU path loads
+/// from, its values generated on the device).
 pub fn synthetic_bench_checkpoint(
     seed: u64,
 ) -> Result<(ModelConfig, Checkpoint), ForwardBenchError> {
     let config_json = bench_shape_config().to_string();
     let config = ModelConfig::from_json_str(&config_json, Path::new("<bench shape>"))?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let normal =
-        Normal::new(0.0f32, 0.02).map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
-    let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
-    for (name, shape) in tensor_shapes(&config) {
-        let count: usize = shape.iter().product();
-        let bytes = if name.ends_with("norm.weight") {
-            half::bf16::from_f32(1.0).to_le_bytes().repeat(count)
-        } else {
-            (0..count)
-                .flat_map(|_| half::bf16::from_f32(normal.sample(&mut rng)).to_le_bytes())
-                .collect()
-        };
-        data.insert(name, (shape, bytes));
-    }
-    let views = data
-        .iter()
-        .map(|(name, (shape, bytes))| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
-    let bytes = safetensors::serialize(views, None)
-        .map_err(|e| ForwardBenchError::Synthetic(e.to_string()))?;
-    let checkpoint = Checkpoint::from_bytes("<bench shape>", bytes)?;
+    let checkpoint = Checkpoint::synthetic("<bench shape>", tensor_shapes(&config), seed);
     Ok((config, checkpoint))
 }
 
