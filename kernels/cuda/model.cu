@@ -69,17 +69,6 @@ extern "C" __global__ void f32_to_bf16_rows(const float* __restrict__ x, u32 x_s
     }
 }
 
-// out [n, dim] bf16 = x [*, dim] f32 at rows rows [n]: the LM head's rows, an expert's inputs
-// in grouped (dispatch) order.
-extern "C" __global__ void gather_rows_to_bf16(const float* __restrict__ x, u32 dim, const u32* __restrict__ rows,
-                                               u32 n, bf16* __restrict__ out) {
-    for (u32 i = blockIdx.x; i < n; i += gridDim.x) {
-        const float* from = x + (u64)rows[i] * dim;
-        bf16* to = out + (u64)i * dim;
-        for (u32 c = threadIdx.x; c < dim; c += blockDim.x) to[c] = f32_to_bf16(from[c]);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: candle_nn::ops::rms_norm (RmsNorm in models/src/layers/mod.rs), in f32:
 // m = sqrt(sum(x^2) / dim + eps), y = x / m * w. The sum is a parallel reduction here (a

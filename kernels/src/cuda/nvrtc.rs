@@ -110,7 +110,6 @@ pub const MODEL: KernelSource = KernelSource {
     entry_points: &[
         "embed_rows",
         "f32_to_bf16_rows",
-        "gather_rows_to_bf16",
         "rms_norm_to_bf16",
         "rms_norm_inplace",
         "rope",

@@ -203,11 +203,12 @@ fn groups_without_rows_launch_nothing_and_write_nothing() {
     }
 }
 
-/// `LocalExperts` (the whole-model path: pairs ranked by expert, rows grouped and the tile table
-/// built on the device) against the same experts over groups built on the host from the same
-/// routing (token order within an expert): every pair's output bit for bit, and the pair-to-row
-/// map equal to the host's grouping. Ragged routing: an expert nobody chose, one chosen by a
-/// single pair, one by more pairs than a tile holds.
+/// `LocalExperts` (the whole-model path: pairs ranked by expert and rows grouped on the device;
+/// grouped: the tile table built there too; per-expert: only the row offsets copied back)
+/// against the same experts over groups built on the host from the same routing (token order
+/// within an expert): every pair's output bit for bit, and the pair-to-row map equal to the
+/// host's grouping. Ragged routing: an expert nobody chose, one chosen by a single pair, one by
+/// more pairs than a tile holds.
 #[test]
 fn experts_grouped_on_the_device_equal_groups_built_on_the_host() {
     use rackfill_kernels::cuda::local_experts::LocalExperts;
@@ -239,14 +240,7 @@ fn experts_grouped_on_the_device_equal_groups_built_on_the_host() {
         let x_dev = exec.upload(&bf16_bytes(&x)).unwrap();
         let ids_dev = exec.upload_u32(&ids).unwrap();
         let pointers: Vec<(u64, u64)> = weights.iter().map(|(g, d)| (g.ptr(), d.ptr())).collect();
-        let local = LocalExperts::upload(exec, &pointers, (h, i))
-            .unwrap()
-            .expect("64 / 32 take the grouped kernels");
-        let done = local.run(exec, &x_dev, (rows, k), &ids_dev).unwrap();
-        let (out, row_of) = (
-            read(exec, &done.out),
-            exec.download_u32(&done.row_of).unwrap(),
-        );
+        let local = LocalExperts::upload(exec, &pointers, (h, i)).unwrap();
 
         // The host's grouping of the same routing.
         let mut order: Vec<usize> = (0..rows * k).collect();
@@ -257,14 +251,9 @@ fn experts_grouped_on_the_device_equal_groups_built_on_the_host() {
             host_row_of[p] = row as u32;
             grouped.extend_from_slice(&x[p / k * h..][..h]);
         }
-        assert_eq!(row_of, host_row_of, "{}: pair rows", dev.name());
         let grouped = exec.upload(&bf16_bytes(&grouped)).unwrap();
-        let (act, host_out) = (
-            exec.alloc_zeroed(rows * k * i * 2).unwrap(),
-            exec.alloc_zeroed(rows * k * h * 4).unwrap(),
-        );
         let mut start = 0;
-        let groups = (0..experts)
+        let groups: Vec<ExpertGroup> = (0..experts)
             .map(|e| {
                 let n = ids.iter().filter(|&&id| id as usize == e).count();
                 start += n;
@@ -276,26 +265,28 @@ fn experts_grouped_on_the_device_equal_groups_built_on_the_host() {
                 }
             })
             .collect();
-        let rows_io = ExpertRows {
-            x: grouped.ptr(),
-            act: act.ptr(),
-            out: host_out.ptr(),
-        };
-        GroupedExperts::new(
-            exec,
-            Stream::MAIN,
-            (h, i),
-            ExpertGemms::Grouped,
-            rows_io,
-            groups,
-        )
-        .unwrap()
-        .run_all()
-        .unwrap();
-        assert!(
-            out == read(exec, &host_out),
-            "{}: device-grouped outputs differ from host-grouped ones",
-            dev.name()
-        );
+        for gemms in [ExpertGemms::Grouped, ExpertGemms::PerGroup] {
+            let what = format!("{} {gemms:?}", dev.name());
+            let done = local.run(exec, &x_dev, (rows, k), &ids_dev, gemms).unwrap();
+            let row_of = exec.download_u32(&done.row_of).unwrap();
+            assert_eq!(row_of, host_row_of, "{what}: pair rows");
+            let (act, host_out) = (
+                exec.alloc_zeroed(rows * k * i * 2).unwrap(),
+                exec.alloc_zeroed(rows * k * h * 4).unwrap(),
+            );
+            let rows_io = ExpertRows {
+                x: grouped.ptr(),
+                act: act.ptr(),
+                out: host_out.ptr(),
+            };
+            GroupedExperts::new(exec, Stream::MAIN, (h, i), gemms, rows_io, groups.clone())
+                .unwrap()
+                .run_all()
+                .unwrap();
+            assert!(
+                read(exec, &done.out) == read(exec, &host_out),
+                "{what}: device-grouped outputs differ from host-grouped ones"
+            );
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! norm and LM head on the rows that need logits only).
 
 use rackfill_kernels::cuda::exec::{DType, DeviceBuffer, Executor, ExecutorExt, Stream};
-use rackfill_kernels::cuda::grouped_gemm::{ExpertGemms, ExpertGroup, ExpertRows, GroupedExperts};
+use rackfill_kernels::cuda::grouped_gemm::ExpertGemms;
 use rackfill_kernels::cuda::moe::RoutedRows;
 
 use rackfill_kernels::kv_blocks::{BlockTable, StepArrays};
@@ -56,8 +56,6 @@ impl DeviceRouting {
 /// One MoE layer's routed rows on the device: the router's input and choices and the block's
 /// output so far (the shared experts').
 struct GpuRouted {
-    /// f32 `[rows, H]`, the routers' input.
-    normed: DeviceBuffer,
     /// bf16 `[rows, H]`, what the experts multiply.
     normed_bf16: DeviceBuffer,
     /// u32 `[rows, k]`: expert ids, best first.
@@ -380,7 +378,6 @@ fn route(
         )?,
     }
     Ok(GpuRouted {
-        normed,
         normed_bf16,
         experts: ids,
         weights,
@@ -407,12 +404,9 @@ fn mlp_into(
     Ok(())
 }
 
-/// Runs every expert on its rows (grouped by expert, all experts in one grouped launch of each
-/// half of the MLP) and adds each row's weighted expert outputs into `routed.output`. With the
-/// layer's weight table ([`GpuMoe::local`]) the rows are grouped on the device and nothing
-/// comes back to the host; otherwise (a shape the grouped kernels cannot take, or `gemms`
-/// [`ExpertGemms::PerGroup`]) the router's choices come to the host once (`rows x k` ids) to
-/// size the groups.
+/// Runs every expert on its rows and adds each row's weighted expert outputs into
+/// `routed.output`: the rows grouped by expert on the device, then one grouped launch of each
+/// half of the MLP for all experts (or the groups as `gemms` says; [`LocalExperts::run`]).
 fn routed_experts(
     ops: Ops<'_>,
     moe: &GpuMoe,
@@ -420,68 +414,28 @@ fn routed_experts(
     (rows, h): (usize, usize),
     gemms: ExpertGemms,
 ) -> Result<()> {
-    let exec = ops.exec;
-    let (experts, k) = (moe.router.out_dim, moe.top_k);
-    if moe.experts.len() != experts {
-        return Err(ModelError::Input(
+    let local = moe.local.as_ref().ok_or_else(|| {
+        ModelError::Input(
             "this GPU model was uploaded without its routed experts (they run on an EP data plane)"
                 .into(),
-        ));
-    }
-    let (normed, ids, weights, y) = (
-        &routed.normed,
+        )
+    })?;
+    let k = moe.top_k;
+    let done = local.run(
+        ops.exec,
+        &routed.normed_bf16,
+        (rows, k),
         &routed.experts,
+        gemms,
+    )?;
+    ops.combine(
+        &done.out,
+        &done.row_of,
         &routed.weights,
+        rows,
+        k,
+        h,
         &routed.output,
-    );
-    if let (ExpertGemms::Grouped, Some(local)) = (gemms, &moe.local) {
-        let done = local.run(exec, &routed.normed_bf16, (rows, k), ids)?;
-        ops.combine(&done.out, &done.row_of, weights, rows, k, h, y)?;
-        return Ok(());
-    }
-    let chosen = exec.download_u32(ids)?;
-    // Pairs grouped by expert, in token order within an expert (the CPU path's grouping).
-    let mut counts = vec![0usize; experts];
-    for &e in &chosen {
-        counts[e as usize] += 1;
-    }
-    let mut offsets = vec![0usize; experts + 1];
-    for e in 0..experts {
-        offsets[e + 1] = offsets[e] + counts[e];
-    }
-    let mut fill = offsets.clone();
-    let pairs = chosen.len();
-    let (mut source_rows, mut pair_row) = (vec![0u32; pairs], vec![0u32; pairs]);
-    for (pair, &e) in chosen.iter().enumerate() {
-        let at = fill[e as usize];
-        fill[e as usize] += 1;
-        source_rows[at] = (pair / k) as u32;
-        pair_row[pair] = at as u32;
-    }
-    let grouped = exec.alloc_zeroed(pairs * h * 2)?;
-    ops.gather_to_bf16(normed, h, &exec.upload_u32(&source_rows)?, pairs, &grouped)?;
-    let i = moe.experts.first().map_or(0, GpuMlp::intermediate);
-    let (act, out) = (
-        exec.alloc_zeroed(pairs * i * 2)?,
-        exec.alloc_zeroed(pairs * h * 4)?,
-    );
-    let rows_io = ExpertRows {
-        x: grouped.ptr(),
-        act: act.ptr(),
-        out: out.ptr(),
-    };
-    let groups = moe
-        .experts
-        .iter()
-        .enumerate()
-        .map(|(e, expert)| ExpertGroup {
-            start: offsets[e],
-            rows: counts[e],
-            gate_up: expert.gate_up.buffer.ptr(),
-            down: expert.down.buffer.ptr(),
-        })
-        .collect();
-    GroupedExperts::new(exec, Stream::MAIN, (h, i), gemms, rows_io, groups)?.run_all()?;
-    ops.combine(&out, &exec.upload_u32(&pair_row)?, weights, rows, k, h, y)?;
+    )?;
     Ok(())
 }

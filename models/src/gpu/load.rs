@@ -462,7 +462,7 @@ impl Loader<'_> {
             .collect();
         let local = match pointers.is_empty() {
             true => None,
-            false => LocalExperts::upload(self.exec, &pointers, (h, inter))?,
+            false => Some(LocalExperts::upload(self.exec, &pointers, (h, inter))?),
         };
         Ok(GpuMoe {
             router,

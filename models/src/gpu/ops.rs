@@ -213,22 +213,6 @@ impl Ops<'_> {
         )
     }
 
-    /// `out[i] = bf16(x[rows[i]])`: `x` f32 `[*, dim]`, `rows` `[n]`, `out` bf16 `[n, dim]`.
-    pub fn gather_to_bf16(
-        &self,
-        x: &DeviceBuffer,
-        dim: usize,
-        rows: &DeviceBuffer,
-        n: usize,
-        out: &DeviceBuffer,
-    ) -> R {
-        self.launch(
-            "gather_rows_to_bf16",
-            Launch::blocks(n32(n), THREADS),
-            &[p(x), A::U32(n32(dim)), p(rows), A::U32(n32(n)), p(out)],
-        )
-    }
-
     /// `out[i] = x[rows[i]]`: `x` f32 `[*, dim]`, `rows` `[n]`, `out` f32 `[n, dim]`.
     pub fn gather_f32(
         &self,

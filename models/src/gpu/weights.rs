@@ -92,10 +92,12 @@ pub(crate) struct GpuMoe {
     pub correction_bias: Option<DeviceBuffer>,
     pub kind: RouterKind,
     pub top_k: usize,
+    /// The routed experts' weights when they run here: the memory [`Self::local`]'s weight
+    /// table points into, owned here (never read through this field).
+    #[allow(dead_code)]
     pub experts: Vec<GpuMlp>,
-    /// The weight table [`Self::experts`] run from with their rows grouped on the device;
-    /// `None` when the grouped kernels cannot take the shape (rows grouped on the host) or
-    /// the experts live elsewhere.
+    /// [`Self::experts`] as the whole-model path runs them (rows grouped on the device);
+    /// `None` when the routed experts live elsewhere (an EP data plane).
     pub local: Option<LocalExperts>,
     pub shared: Option<GpuMlp>,
     /// Qwen2-MoE's shared-expert gate, f32 `[1, H]`.
