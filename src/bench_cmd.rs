@@ -54,7 +54,7 @@ pub enum BenchCommand {
 #[derive(Debug, Clone, clap::Args)]
 pub struct EpArgs {
     /// Checkpoint directory, HF id, or `rackfill-tiny-moe` (the built-in model)
-    /// [default: the bench shape, random weights in memory]
+    /// [default: the bench shape, seeded synthetic weights]
     #[arg(long)]
     pub model: Option<String>,
 

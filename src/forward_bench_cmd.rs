@@ -18,7 +18,7 @@ use rackfill_models::{Checkpoint, ModelConfig};
 /// `rackfill bench forward`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ForwardArgs {
-    /// Checkpoint directory or HF id [default: the bench shape, random weights in memory]
+    /// Checkpoint directory or HF id [default: the bench shape, seeded synthetic weights]
     #[arg(long, conflicts_with = "model_shape")]
     pub model: Option<String>,
 
