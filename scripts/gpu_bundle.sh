@@ -5,7 +5,10 @@
 # rackfill-engine's ep_equivalence, built with feature cuda), stripped and packed with xz into
 # one file in a folder (default .gpu-bundle, git-ignored; its size is printed at the end) to copy
 # or carry there. Then, on the GPU host, in a copy of this repository:
-# `bash scripts/gpu_session.sh .gpu-bundle` (docs/gpu.md "On a GPU host").
+# `bash scripts/gpu_session.sh .gpu-bundle` (docs/gpu.md "On a GPU host"). Where Open MPI is
+# installed here, the bundle also holds `rackfill-mpi` (built with `--features mpi`) and this
+# host's Open MPI runtime (`scripts/mpi_runtime.sh`): the session's `group` step runs ranks in
+# several processes on one GPU with them, on hosts that have no MPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-.gpu-bundle}
@@ -36,6 +39,14 @@ for line in open(src):
         shutil.copy(exe, f"{out}/{name}")
 PY
 rm -f "$json"
+if command -v ompi_info >/dev/null; then
+  cargo build --release --locked --features mpi --bin rackfill
+  cp target/release/rackfill "$stage/rackfill-mpi"
+  strip "$stage/rackfill-mpi"
+  bash scripts/mpi_runtime.sh "$stage/mpi"
+  # The plain binary again, so target/release/rackfill is what the rest of the bundle holds.
+  cargo build --release --locked --bin rackfill
+fi
 strip "$stage/rackfill" "$stage/load_gpu" "$stage"/tests/*
 # Tests find their fixtures through paths compiled in (CARGO_MANIFEST_DIR): the session script
 # links this checkout's path to wherever the repository lands on the GPU host.

@@ -11,7 +11,11 @@
 # Exits non-zero if any test binary, a benchmark, the serve check or a sanitizer run failed.
 #
 # RACKFILL_SESSION_STEPS picks the steps, in order (default: every one):
-#   tests kernels serve forward attention sanitizer
+#   tests kernels serve group forward attention sanitizer
+# `group` (bundles with rackfill-mpi): four ranks in four processes on one GPU under the
+# bundled mpirun, their MoE layers crossing processes through peer memory (CUDA IPC) and through
+# host buffers (`--moe-transport host`), beside one process holding all four ranks: prompt
+# tokens/s and the MoE phases' device time (group-*.txt, group-bench-*.json).
 # The speed set of issue 33 alone, within 8 minutes: RACKFILL_SESSION_STEPS="attention forward".
 # RACKFILL_SESSION_QWEN_LAYERS (default 48, the whole model: 61 GB on the device) and
 # RACKFILL_SESSION_DEEPSEEK_LAYERS (default 4: 3 dense layers and one MoE layer, 30 GB).
@@ -30,7 +34,7 @@ if [ "$root" != "$PWD" ] && [ ! -e "$root" ]; then
   mkdir -p "$(dirname "$root")" && ln -s "$PWD" "$root"
 fi
 export RACKFILL_REQUIRE_GPU=1
-steps=${RACKFILL_SESSION_STEPS:-tests kernels serve forward attention sanitizer}
+steps=${RACKFILL_SESSION_STEPS:-tests kernels serve group forward attention sanitizer}
 has() { [[ " $steps " == *" $1 "* ]]; }
 { nvidia-smi -L; "$bundle/rackfill" kernels probe; } 2>&1 | tee "$out/device.txt"
 failed=()
@@ -80,6 +84,57 @@ if has serve; then
   kill -TERM "$server"
   wait "$server" || failed+=("serve")
   tail -5 "$out/serve-log.txt"
+fi
+
+if has group && [ -x "$bundle/rackfill-mpi" ]; then
+  # Peer memory across processes on one GPU (CUDA IPC; NCCL refuses two ranks on one GPU): the
+  # same checkpoint as `serve`, EP 4, served by one process holding every rank (`device`), by
+  # four processes over peer memory (`peer`) and over host buffers and MPI (`host`).
+  # shellcheck source=/dev/null
+  source "$bundle/mpi/env.sh"
+  layers=${RACKFILL_SESSION_LAYERS:-4}
+  dir=/tmp/rackfill-session/qwen3-30b-a3b-shape-$layers-layers
+  if [ ! -e "$dir/config.json" ]; then
+    python3 scripts/load_memory.py --layers "$layers" --dir /tmp/rackfill-session --keep --gpu \
+      --binary "$bundle/load_gpu" > /dev/null 2>&1
+    cp models/builtin/tokenizer.json models/builtin/tokenizer_config.json "$dir/"
+  fi
+  port=18530
+  for round in 1 2; do
+    for mode in device peer host; do
+      log="$out/group-$mode-serve.txt"
+      if [ "$mode" = device ]; then
+        "$bundle/rackfill" serve --model "$dir" --ep-size 4 --port "$port" > "$log" 2>&1 &
+      else
+        mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 "$bundle/rackfill-mpi" serve \
+          --model "$dir" --device cuda --moe-transport "$mode" --port "$port" > "$log" 2>&1 &
+      fi
+      server=$!
+      for _ in $(seq 1 240); do
+        curl -fsS "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
+        kill -0 "$server" 2>/dev/null || break
+        sleep 0.5
+      done
+      # One scored prompt (echo, logprobs): the three paths must agree (scripts/gpu_report.py).
+      curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' -d \
+        '{"prompt": "The quick brown fox jumps over the lazy dog while the experts are streamed", "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 1}' \
+        > "$out/group-completion-$mode.json"
+      "$bundle/rackfill" bench serve --base-url "http://127.0.0.1:$port" --num-prompts 64 \
+        --random-input-len 2048 --random-output-len 1 --ignore-eos --request-rate inf \
+        --max-concurrency 32 --output "$out/group-bench-$mode.json" --no-progress > /dev/null 2>&1 \
+        || failed+=("group-$mode")
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('round $round $mode', round(r['input_throughput']), 'tok/s, mean TTFT', round(r['mean_ttft_ms'], 1), 'ms,', r['completed'], 'completed')" \
+        "$out/group-bench-$mode.json" 2>&1 | tee -a "$out/group.txt"
+      curl -s "http://127.0.0.1:$port/metrics" | grep -E 'moe_data_path\{|moe_phase_seconds_(sum|count)|fabric_received_bytes |moe_replica_bytes_total|moe_layers_total' \
+        | sed "s/^/round $round $mode /" >> "$out/group.txt"
+      grep -m4 "MoE data path" "$log" | sed "s/^/round $round $mode /" >> "$out/group.txt"
+      kill -TERM "$server"
+      # mpirun ends its ranks on SIGTERM without a drain (a known limit): only one process's
+      # exit status counts.
+      if [ "$mode" = device ]; then wait "$server" || failed+=("group-device-exit"); else wait "$server"; fi
+      sleep 1
+    done
+  done
 fi
 
 if has attention; then

@@ -102,8 +102,9 @@ pub struct ServeArgs {
     served_model_name: Option<String>,
     /// Where each rank's model and its MoE layers run: `auto` (the GPU where the binary has the
     /// GPU path and a device is visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's
-    /// local rank under mpirun/srun) or `cuda:N`. On a GPU the whole model and its MoE data
-    /// plane run there in bf16, weights read from the checkpoint straight to the device.
+    /// local rank under mpirun/srun modulo the GPUs visible: more processes than GPUs share
+    /// them) or `cuda:N`. On a GPU the whole model and its MoE data plane run there in bf16,
+    /// weights read from the checkpoint straight to the device.
     #[arg(long, default_value = "auto")]
     pub(crate) device: String,
     /// Where a GPU's quota plans are solved: `host` (the host planner, the plan uploaded; measured
@@ -111,6 +112,13 @@ pub struct ServeArgs {
     /// plan where it is). Only with a GPU and a quota balancer.
     #[arg(long, default_value = "host", value_parser = ["host", "device"])]
     pub(crate) plan_on: String,
+    /// How a device's MoE rows, outputs and replicas cross to ranks of other processes: `peer`
+    /// (peer memory: every rank's receive buffers mapped into every process, CUDA IPC between
+    /// the GPUs of one host, a memfd on the emulator; device to device, the host only sizes
+    /// the copies; falls back to `host`, logged, where a process cannot map its peers) or
+    /// `host` (through host buffers and MPI/NCCL). Every rank logs the path it took.
+    #[arg(long, default_value = "peer", value_parser = ["peer", "host"])]
+    pub(crate) moe_transport: String,
     /// How each step's MoE work overlaps: `auto` (`ultraep`, measured fastest on the CPU and on
     /// one GPU; the overlapping schedules are for racks whose replicas cross NVLink), `ultraep`
     /// (replicas, then dispatch and experts),
@@ -288,6 +296,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
                 .reuse_tolerance
                 .map_or(EpConfig::default().reuse_tolerance, |t| t.0),
             plan_on_device,
+            peer_memory: args.moe_transport == "peer",
             ..EpConfig::default()
         },
         scheduler: SchedulerConfig {

@@ -183,10 +183,15 @@ fn four_processes_with_every_schedule_equal_one_process() {
 }
 
 /// The whole model and its MoE layers on a device in every process (`--device emulator`, the
-/// host emulator running the CUDA kernels): three processes, each reading its home experts from
-/// the checkpoint, the data plane's rows, outputs and replicas crossing between processes through
-/// MPI, give the same tokens and logprobs as one process holding every rank on the device, with
-/// one and two micro-batches.
+/// host emulator running the CUDA kernels), each process reading its home experts from the
+/// checkpoint: groups of two, three and four processes whose rows, outputs and replicas cross
+/// between processes through peer memory (every rank's receive side a memfd mapped into every
+/// process; the tile stream pushing replicas into other processes' slots), for every balancer,
+/// with one and two micro-batches and shared or per-layer slots, give the same tokens and
+/// logprobs (within [`EQUAL_LOGPROBS`]) as one process holding every rank on the device; so
+/// does the host path (`--moe-transport host`). Every rank names its path at startup and the
+/// leader's `/metrics` carries it; over peer memory the fabric carries only counts and control,
+/// a fraction of what the host path moves.
 #[test]
 fn processes_on_devices_equal_one_process_on_a_device() {
     if !mpirun_available() || !emulator_available() {
@@ -198,31 +203,73 @@ fn processes_on_devices_equal_one_process_on_a_device() {
     let single = Served::single(&device);
     let reference = single.complete_all(&requests);
     single.stop_with_sigterm();
-    for schedule in ["pipelined", "overlapped"] {
+    let mut fabric_bytes = Vec::new();
+    for (np, transport, balancer, schedule, slots) in [
+        (2, "peer", "quota-paper", "ultraep", "shared"),
+        (3, "peer", "eplb-exact", "overlapped", "shared"),
+        (3, "host", "quota", "overlapped", "shared"),
+        (3, "peer", "quota", "overlapped", "shared"),
+        (4, "peer", "eplb-history", "pipelined", "per-layer"),
+        (4, "peer", "none", "two-batch", "shared"),
+        (4, "peer", "quota", "overlapped", "per-layer"),
+    ] {
         let flags = [
             "--model",
             model,
             "--device",
             "emulator",
+            "--moe-transport",
+            transport,
+            "--balancer",
+            balancer,
             "--schedule",
             schedule,
+            "--slot-memory",
+            slots,
         ];
-        let group = Group::start(3, &flags, &[]);
+        let what =
+            format!("-np {np} on the emulator, {transport}, {balancer}, {schedule}, {slots} slots");
+        let group = Group::start(np, &flags, &[]);
         let spread = group.complete_all(&requests);
-        // The leader reports where its MoE layers ran: on its device, bytes to other
-        // processes through the host.
         let metrics = group.metrics();
-        assert!(
-            metrics.contains("rackfill:moe_data_path{path=\"host\"} 1"),
-            "{metrics}"
-        );
+        let path = format!("rackfill:moe_data_path{{path=\"{transport}\"}} 1");
+        assert!(metrics.contains(&path), "{what}: {metrics}");
+        if balancer != "none" {
+            assert!(
+                metric(&metrics, "rackfill:moe_replicas_total") > 0.0,
+                "{what}: no replica streamed: {metrics}"
+            );
+        }
+        if np == 3 && balancer == "quota" {
+            fabric_bytes.push((
+                transport,
+                metric(&metrics, "rackfill:fabric_received_bytes"),
+            ));
+        }
+        let log = group.log();
         group.stop_with_sigterm();
-        assert_same_completions(
-            &format!("-np 3 on the emulator, {schedule}, vs one process on it"),
-            &spread,
-            &reference,
-        );
+        let named = log.matches("MoE data path (ranks ").count();
+        assert_eq!(named, np, "{what}: every rank names its path: {log}");
+        assert_same_completions(&what, &spread, &reference);
     }
+    // The same requests and plans: over peer memory the fabric carries counts, not rows.
+    let [(_, host), (_, peer)] = fabric_bytes[..] else {
+        panic!("{fabric_bytes:?}");
+    };
+    assert!(peer * 4.0 < host, "fabric bytes: peer {peer}, host {host}");
+}
+
+/// The value of the unlabelled metric `name` in a Prometheus exposition (0 when absent).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0)
 }
 
 /// Whether the host emulator can be built here (a C++ compiler).
@@ -317,6 +364,36 @@ fn a_killed_worker_stops_the_group_within_the_bound() {
     let _ = load.join();
     eprintln!(
         "killed rank 2: the group ended {:?} later",
+        killed.elapsed()
+    );
+}
+
+/// A rank killed under load while every other process maps its peer memory (the emulator's
+/// memfd windows) still ends the group within the bound: no rank hangs on a ready flag.
+#[test]
+fn a_killed_worker_with_peer_memory_mapped_stops_the_group() {
+    if !mpirun_available() || !emulator_available() {
+        return;
+    }
+    let flags = ["--model", "rackfill-tiny-moe", "--device", "emulator"];
+    let group = Group::start(3, &flags, &["--watchdog-timeout", "5"]);
+    assert!(
+        group.log().contains("peer memory (memfd)"),
+        "{}",
+        group.log()
+    );
+    let load = group.background_load(8);
+    std::thread::sleep(Duration::from_millis(300));
+    let victim = group.rank_pid(2);
+    let killed = Instant::now();
+    signal(victim, "KILL");
+    let (status, took) = group.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "mpirun exited 0 after a rank was killed");
+    assert!(took <= Duration::from_secs(60), "took {took:?}");
+    assert!(group.all_ranks_gone(), "a rank outlived the group");
+    let _ = load.join();
+    eprintln!(
+        "killed rank 2 of a peer-memory group: it ended {:?} later",
         killed.elapsed()
     );
 }

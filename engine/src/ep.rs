@@ -156,13 +156,16 @@ impl EpRuntime {
         check_group(&config, &*fabric)?;
         let mc = &model.config;
         let layout = home_layout(mc, &config)?;
-        let device = device::OnDevice::open(
+        let mut device = device::OnDevice::open(
             exec,
             model,
             (&layout, fabric.local_ranks()),
             kv_tokens_per_rank,
             &plane_config(&config, true),
         )?;
+        if fabric.local_ranks().len() < fabric.world_size() {
+            device.connect(&*fabric, config.peer_memory)?;
+        }
         Ok(Self {
             planners: planners(mc, &config, fabric.local_ranks().len()),
             model_config: mc.clone(),
@@ -243,8 +246,9 @@ impl EpRuntime {
     }
 
     /// The path the MoE layers' rows and replicas take between ranks: `cpu` (host memory and the
-    /// fabric), `device` (every rank on this process's device) or `host` (device ranks of
-    /// several processes, through host buffers and the fabric).
+    /// fabric), `device` (every rank on this process's device), `peer` (device ranks of several
+    /// processes, rows and outputs through peer memory) or `host` (device ranks of several
+    /// processes, through host buffers and the fabric).
     pub fn data_path(&self) -> &'static str {
         match &self.backend {
             Backend::Host { .. } => "cpu",
@@ -252,6 +256,8 @@ impl EpRuntime {
             Backend::Device(_) if self.fabric.local_ranks().len() == self.config.ep_size => {
                 "device"
             }
+            #[cfg(feature = "cuda")]
+            Backend::Device(device) if device.peer_memory().is_some() => "peer",
             #[cfg(feature = "cuda")]
             Backend::Device(_) => "host",
         }

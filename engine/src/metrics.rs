@@ -174,7 +174,8 @@ pub fn describe() {
     describe_gauge!(
         MOE_DATA_PATH,
         "1 for the path MoE rows and replicas take between ranks: cpu, device (every rank on \
-         this device) or host (device ranks of several processes, through host buffers)."
+         this device), peer (device ranks of several processes, through peer memory) or host \
+         (device ranks of several processes, through host buffers)."
     );
     describe_gauge!(
         DEVICE_WEIGHT_BYTES,

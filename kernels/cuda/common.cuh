@@ -217,6 +217,33 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
+// Memory ordering across devices and processes (peer memory, relay flags): an acquire load and
+// a release store at system scope, and the global timer that bounds every wait on them.
+#ifndef RACKFILL_HOST_EMULATOR
+__device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys_u32(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Nanoseconds of the GPU's global timer.
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#else
+// The host emulator (kernels/emulator/emu.h): C++ atomics (also across processes sharing the
+// mapping); the host's clock.
+inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st_release_sys_u32(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline u64 global_ns() { return host_ns(); }
+#endif
+
 // Two floats as the packed bf16 pair of an A fragment register (low half: `lo`).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);

@@ -24,26 +24,6 @@
 // Ranks are addressed through a peer-pointer table (home weights, slot buffer and flag array per
 // rank), so the same kernel runs with NVLink peer pointers or with several rank buffers on one GPU.
 
-#ifndef RACKFILL_HOST_EMULATOR
-__device__ __forceinline__ u32 ld_acquire_sys_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// Nanoseconds of the GPU's global timer.
-__device__ __forceinline__ u64 global_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-#else
-// The host emulator (kernels/emulator/emu.h): x86 loads are acquire loads; the host's clock.
-inline u32 ld_acquire_sys_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-inline u64 global_ns() { return host_ns(); }
-#endif
-
 // How long a block waits for a relay chunk before it declares the stream broken: far beyond the
 // time to stream every byte before it (milliseconds), short enough to fail a test run.
 #ifndef TILE_STALL_NS
@@ -88,14 +68,27 @@ __device__ bool wait_ready(const TileTask& t, const u64* flag_base, u32* stalled
     return *s_ok != 0;
 }
 
+// The next task of the stream whose source rank is in `[src_lo, src_hi)` (`n_tasks` when none is
+// left): claims skip the tasks other processes run. One thread.
+__device__ u32 claim_task(const TileTask* tasks, u32 n_tasks, u32* next_task, u32 src_lo, u32 src_hi) {
+    u32 c = atomicAdd(next_task, 1u);
+    while (c < n_tasks && (tasks[c].src_rank < src_lo || tasks[c].src_rank >= src_hi)) c = atomicAdd(next_task, 1u);
+    return c < n_tasks ? c : n_tasks;
+}
+
 // `next_task` holds two words: the claim counter, then the stall word (both zeroed by the host).
-// `landed` (null: not counted) holds one byte counter per (rank, slot), `rank * n_slot + slot`,
-// zeroed by the host: every tile stored into a slot adds its length there, released like a relay
-// counter, so a slot whose counter reaches the expert's bytes has fully landed (`wait_slot`).
+// `landed_base` (null: not counted) holds per rank the address of its byte counters, one per
+// slot, zeroed by the host: every tile stored into a slot adds its length there, released like a
+// relay counter, so a slot whose counter reaches the expert's bytes has fully landed
+// (`wait_slot`). The launch runs only the tasks whose source rank is in `[src_lo, src_hi)`: the
+// ranks whose buffers this process holds. Every process of a group runs the same stream over its
+// own sources, pushing into its peers' slots and counters through the table's peer addresses;
+// one process holding every rank runs it all.
 extern "C" __global__ void __launch_bounds__(1024)
 tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_count, const TileDst* __restrict__ dsts,
             u32* next_task, const u64* __restrict__ home_base, const u64* __restrict__ slot_base,
-            const u64* __restrict__ flag_base, u32 tile_bytes, u32* landed, u64 slot_bytes, u32 n_slot) {
+            const u64* __restrict__ flag_base, u32 tile_bytes, const u64* __restrict__ landed_base,
+            u64 slot_bytes, u32 src_lo, u32 src_hi) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ u32 s_claim;
     __shared__ u32 s_ready;
@@ -105,7 +98,7 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
     const u32 tid = threadIdx.x, bd = blockDim.x;
     const u32 n_tasks = *task_count;  // written on the device by plan_tiles, or uploaded
 
-    if (tid == 0) s_claim = atomicAdd(next_task, 1u);
+    if (tid == 0) s_claim = claim_task(tasks, n_tasks, next_task, src_lo, src_hi);
     __syncthreads();
     u32 cur = s_claim;
     u32 buf = 0;
@@ -116,7 +109,7 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
     while (cur < n_tasks) {
         const TileTask t = tasks[cur];
         __syncthreads();  // every thread has read s_claim for `cur`
-        if (tid == 0) s_claim = atomicAdd(next_task, 1u);
+        if (tid == 0) s_claim = claim_task(tasks, n_tasks, next_task, src_lo, src_hi);
         __syncthreads();
         const u32 nxt = s_claim;
         bool prefetched = false;
@@ -151,15 +144,15 @@ tile_stream(const TileTask* __restrict__ tasks, const u32* __restrict__ task_cou
             bool fenced = false;
             for (u32 d = 0; d < t.n_dst; ++d) {
                 const TileDst dst = dsts[t.dst_begin + d];
-                if (dst.ready_flag < 0 && landed == nullptr) continue;
+                if (dst.ready_flag < 0 && landed_base == nullptr) continue;
                 if (!fenced) {
                     __threadfence_system();
                     fenced = true;
                 }
                 if (dst.ready_flag >= 0) atomicAdd_system((u32*)flag_base[dst.rank] + dst.ready_flag, 1u);
-                if (landed != nullptr && slot_bytes != 0) {
+                if (landed_base != nullptr && slot_bytes != 0) {
                     const u64 slot = (dst.offset + t.tile_offset) / slot_bytes;
-                    atomicAdd_system(landed + (u64)dst.rank * n_slot + slot, t.len);
+                    atomicAdd_system((u32*)landed_base[dst.rank] + slot, t.len);
                 }
             }
         }

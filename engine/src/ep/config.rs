@@ -49,6 +49,11 @@ pub struct EpConfig {
     /// uploading it. Off by default: on an H100 the host planner solves the R=64, E=256 layer
     /// in 0.050 ms, the device solver in 0.278 ms (docs/gpu.md).
     pub plan_on_device: bool,
+    /// On a device, with ranks in several processes: cross between them through peer memory
+    /// (`--moe-transport peer`: every rank's receive side mapped into every process, bytes
+    /// device to device) when every process can map its peers, else through host buffers and
+    /// the fabric.
+    pub peer_memory: bool,
 }
 
 impl Default for EpConfig {
@@ -64,6 +69,7 @@ impl Default for EpConfig {
             slot_memory: SlotMemory::Shared,
             reuse_tolerance: Some(0.02),
             plan_on_device: false,
+            peer_memory: true,
         }
     }
 }

@@ -55,8 +55,14 @@ pub(super) fn open_executor(
         ModelDevice::Emulator => Ok(Emulator::shared().ok_or_else(|| {
             EngineError::Config("--device emulator needs a C++ compiler (CXX)".into())
         })?),
-        ModelDevice::Cuda { .. } => {
-            let ordinal = device.gpu_ordinal(local_rank).unwrap_or(0);
+        ModelDevice::Cuda { ordinal } => {
+            // Under a launcher, local ranks take the visible GPUs in turn: more processes than
+            // GPUs share them (through peer memory, which NCCL cannot do).
+            let ordinal = match (ordinal, local_rank) {
+                (None, Some(local)) => rackfill_kernels::cuda::probe()
+                    .map_or(local, |info| local % info.devices.max(1)),
+                _ => device.gpu_ordinal(local_rank).unwrap_or(0),
+            };
             let exec = GpuExecutor::open(ordinal)
                 .map_err(|e| EngineError::Config(format!("--device cuda:{ordinal}: {e}")))?;
             Ok(Arc::new(exec))
@@ -136,6 +142,37 @@ impl OnDevice {
     /// A new sequence's blocks in the device KV cache.
     pub(super) fn new_sequence(&self) -> GpuSequence {
         self.model.new_sequence()
+    }
+
+    /// With ranks in other processes: maps every rank's receive side into every process through
+    /// peer memory when `peer` asks for it (every process calls this together; a process that
+    /// cannot map its peers takes every process to the host path, which it logs), and logs the
+    /// MoE data path this rank takes.
+    pub(super) fn connect(&mut self, fabric: &dyn Fabric, peer: bool) -> Result<()> {
+        let ranks = format!("ranks {:?} of {}", self.local, fabric.world_size());
+        if !peer {
+            tracing::info!(
+                "MoE data path ({ranks}): host (--moe-transport host: rows, outputs and \
+                 replicas to other processes through host buffers and the fabric)"
+            );
+            return Ok(());
+        }
+        match self.moe.connect(&FabricExchange { fabric }) {
+            Ok(mechanism) => tracing::info!(
+                "MoE data path ({ranks}): peer memory ({mechanism}): rows, outputs and replicas \
+                 cross processes device to device"
+            ),
+            Err(err) => tracing::warn!(
+                "MoE data path ({ranks}): host, peer memory unavailable ({err}): rows, outputs \
+                 and replicas to other processes through host buffers and the fabric"
+            ),
+        }
+        Ok(())
+    }
+
+    /// The peer memory MoE rows cross processes through, if any.
+    pub(super) fn peer_memory(&self) -> Option<&'static str> {
+        self.moe.peer_memory()
     }
 
     /// Local rank `rank`'s slot `slot` in micro-batch `micro_batch`'s lane, in the slots model

@@ -123,7 +123,13 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let heart = world.communicator();
     let fabric_comm = world.communicator();
     let device = world.local_rank();
-    let kind = fabric::resolve_for_process(served.fabric, device);
+    let mut kind = fabric::resolve_for_process(served.fabric, device);
+    // `--fabric auto` is the group's choice: NCCL only where every process can run it (one GPU
+    // each: processes sharing a GPU, which NCCL refuses, take MPI together).
+    let nccl = matches!(kind, Ok(FabricKind::Nccl));
+    if served.fabric == FabricKind::Auto && control.any(!nccl) {
+        kind = Ok(FabricKind::Mpi);
+    }
     // Agree before failing: a process that cannot run the fabric must not leave the others
     // waiting in the next collective.
     let resolved = kind.as_ref().map_or(u64::MAX, |k| hash(&k.to_string()));

@@ -76,6 +76,16 @@ pub enum CudaError {
          the slots of this layer cannot be trusted"
     )]
     TileStreamStalled,
+    #[error(
+        "rank {rank} waited {waited_ms} ms for rank {peer}'s {stage} through peer memory: rank \
+         {peer} stalled or died, and the layer's rows cannot be trusted"
+    )]
+    PeerStalled {
+        rank: usize,
+        peer: usize,
+        stage: &'static str,
+        waited_ms: u64,
+    },
     #[error("MoE layer {layer}: {stage} before its experts ran")]
     StageOrder { layer: usize, stage: &'static str },
     #[error("tile task {task}: {reason}")]

@@ -32,6 +32,7 @@ mod device_plan;
 mod error;
 pub mod exec;
 pub mod grouped_gemm;
+mod landed;
 mod libs;
 pub mod local_experts;
 pub mod moe;

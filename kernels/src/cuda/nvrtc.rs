@@ -65,6 +65,14 @@ pub const REPLICATE: KernelSource = KernelSource {
     entry_points: &["tile_stream", "wait_slot"],
 };
 
+/// Ready flags between the ranks of a group in peer memory: bounded waits on epochs.
+pub const PEER: KernelSource = KernelSource {
+    name: "peer",
+    file: "peer.cu",
+    source: include_str!("../../cuda/peer.cu"),
+    entry_points: &["peer_signal", "peer_wait"],
+};
+
 /// The relay trees and the tile task stream, built on the device from the plan (UltraEP §6.2).
 pub const TILE_PLAN: KernelSource = KernelSource {
     name: "tile_plan",
@@ -169,9 +177,10 @@ pub const GROUPED_GEMM: KernelSource = KernelSource {
 };
 
 /// Every kernel source, in the order `rackfill kernels check` reports them.
-pub const SOURCES: [KernelSource; 9] = [
+pub const SOURCES: [KernelSource; 10] = [
     QUOTA_SOLVER,
     REPLICATE,
+    PEER,
     TILE_PLAN,
     PERMUTE,
     MODEL,

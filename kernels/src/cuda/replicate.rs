@@ -12,16 +12,20 @@
 //! after the kernel, on the stream that streamed it or behind an event of that stream.
 
 use super::exec::{DeviceBuffer, Executor, ExecutorExt, KernelArg, Launch, Stream};
+pub use super::landed::LandedBytes;
 use super::tiles::{TileDst, TileStream, TileTask};
 use super::{to_u32, CudaError};
+use std::ops::Range;
 use std::sync::Arc;
 
-/// Device pointers of every rank's buffers, indexed by rank.
+/// Device pointers of every rank's buffers, indexed by rank, and the ranks whose buffers the
+/// launching process holds (its launches run the tasks those ranks send).
 pub struct PeerTable {
     home: DeviceBuffer,
     slots: DeviceBuffer,
     flags: DeviceBuffer,
     ranks: usize,
+    sources: Range<usize>,
 }
 
 impl PeerTable {
@@ -52,7 +56,15 @@ impl PeerTable {
             slots: exec.upload_u64(slots)?,
             flags: exec.upload_u64(flags)?,
             ranks,
+            sources: 0..ranks,
         })
+    }
+
+    /// The table with launches running only the tasks of source ranks `sources` (the ranks
+    /// whose home weights and slots this process holds; the others' tasks run in theirs).
+    pub fn with_sources(mut self, sources: Range<usize>) -> Self {
+        self.sources = sources;
+        self
     }
 
     /// Number of ranks in the table.
@@ -71,8 +83,11 @@ pub struct RankBuffers {
     slots: Vec<DeviceBuffer>,
     flags: Vec<DeviceBuffer>,
     set_bytes: usize,
-    /// One per slot set.
+    /// One per slot set, over every rank of the group.
     tables: Vec<PeerTable>,
+    /// The world ranks these buffers belong to (all of the group's when one process holds
+    /// them all).
+    ranks: Range<usize>,
 }
 
 impl RankBuffers {
@@ -118,11 +133,70 @@ impl RankBuffers {
             })
             .collect::<Result<_, _>>()?;
         Ok(Self {
+            ranks: 0..homes.len(),
             homes,
             slots,
             flags: flag_buffers,
             set_bytes,
             tables,
+        })
+    }
+
+    /// Buffers of world ranks `ranks` of a group of `world` ranks whose slots and ready
+    /// counters are in peer memory: `slots[i]` and `flags[i]` this process's ranks' (in windows
+    /// other processes map), `world_slots[r]` and `world_flags[r]` every rank's as this process
+    /// addresses them. Launches over them run the tasks of this process's ranks, pushing into
+    /// the others' slots and counters directly.
+    ///
+    /// # Safety
+    /// Every address in `world_slots` and `world_flags` must stay mapped while the buffers are
+    /// used, each rank's slot buffer as large as `slots[0]` and flag array as `flags[0]`.
+    pub unsafe fn over_peers(
+        exec: &dyn Executor,
+        homes: Arc<[DeviceBuffer]>,
+        (slots, flags): (Vec<DeviceBuffer>, Vec<DeviceBuffer>),
+        (world_slots, world_flags): (&[u64], &[u64]),
+        (set_bytes, sets): (usize, usize),
+        ranks: Range<usize>,
+    ) -> Result<Self, CudaError> {
+        let world = world_slots.len();
+        if homes.len() != ranks.len()
+            || slots.len() != ranks.len()
+            || flags.len() != ranks.len()
+            || world_flags.len() != world
+            || ranks.end > world
+        {
+            return Err(crate::KernelError::RankCount {
+                got: slots.len(),
+                ranks: ranks.len(),
+            }
+            .into());
+        }
+        let home: Vec<u64> = (0..world)
+            .map(|r| match r.checked_sub(ranks.start) {
+                Some(i) if ranks.contains(&r) => homes[i].ptr(),
+                _ => 0,
+            })
+            .collect();
+        let tables = (0..sets.max(1))
+            .map(|set| {
+                let s: Vec<u64> = world_slots
+                    .iter()
+                    .map(|&a| a + (set * set_bytes) as u64)
+                    .collect();
+                // SAFETY: the caller's contract; homes of other ranks are never read (their
+                // tasks run in their own processes).
+                unsafe { PeerTable::from_raw(exec, &home, &s, world_flags) }
+                    .map(|t| t.with_sources(ranks.clone()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            homes,
+            slots,
+            flags,
+            set_bytes,
+            tables,
+            ranks,
         })
     }
 
@@ -135,6 +209,11 @@ impl RankBuffers {
         flags: &[u32],
     ) -> Result<Self, CudaError> {
         Self::new(exec, Arc::clone(&self.homes), (set_bytes, sets), flags)
+    }
+
+    /// The home weights, shared (what buffers of another lane, or in peer memory, read).
+    pub fn shared_homes(&self) -> Arc<[DeviceBuffer]> {
+        Arc::clone(&self.homes)
     }
 
     /// Bytes of one slot set.
@@ -160,9 +239,11 @@ impl RankBuffers {
         self.slots.get(rank)
     }
 
-    /// Number of ranks.
+    /// Number of ranks the tables address (the whole group's).
     pub fn ranks(&self) -> usize {
-        self.homes.len()
+        self.tables
+            .first()
+            .map_or(self.homes.len(), PeerTable::ranks)
     }
 
     /// The table addressing these buffers with slot set `set`.
@@ -186,15 +267,20 @@ impl RankBuffers {
             }
             .into());
         }
+        // Another process's rank: its home is checked there, its slot set and flag array are as
+        // large as this process's (every window alike).
+        let symmetric_flags = self.flags.first().map_or(0, DeviceBuffer::bytes) as u64;
         for (rank, need) in needs.iter().enumerate() {
+            let (home, flags) = match rank.checked_sub(self.ranks.start) {
+                Some(i) if self.ranks.contains(&rank) => {
+                    (self.homes[i].bytes() as u64, self.flags[i].bytes() as u64)
+                }
+                _ => (need.home, symmetric_flags),
+            };
             let checks = [
-                ("home weights", self.homes[rank].bytes() as u64, need.home),
+                ("home weights", home, need.home),
                 ("slot set", self.set_bytes as u64, need.slots),
-                (
-                    "ready counters",
-                    self.flags[rank].bytes() as u64,
-                    u64::from(need.flags) * 4,
-                ),
+                ("ready counters", flags, u64::from(need.flags) * 4),
             ];
             for (what, len, needed) in checks {
                 if len < needed {
@@ -388,6 +474,22 @@ impl DeviceTileStream {
         unsafe { self.launch_peers(exec, stream, table, grid, landed) }
     }
 
+    /// [`Self::launch`] over buffers whose ready counters the caller zeroed earlier on `stream`
+    /// (before telling the ranks of other processes that they may push into them).
+    pub(crate) fn launch_armed(
+        &self,
+        exec: &dyn Executor,
+        stream: Stream,
+        (buffers, set): (&RankBuffers, usize),
+        grid: (u32, u32),
+        landed: Option<&LandedBytes>,
+    ) -> Result<(), CudaError> {
+        buffers.check(&self.needs)?;
+        let table = buffers.table(set)?;
+        // SAFETY: the table addresses `buffers`, just checked against what the tasks touch.
+        unsafe { self.launch_peers(exec, stream, table, grid, landed) }
+    }
+
     /// Queues the stream through any peer table (e.g. NVLink peers), `grid.0` persistent blocks
     /// of `grid.1` threads.
     ///
@@ -438,82 +540,6 @@ pub(crate) struct TaskBuffers<'a> {
     pub landed: Option<&'a LandedBytes>,
 }
 
-/// How many bytes have landed in every rank's every slot during one replication: `tile_stream`
-/// adds each tile it stores to its slot's counter (after the bytes are visible, like a relay
-/// counter), and `wait_slot` holds a stream until one slot's counter reaches the expert's bytes,
-/// so a GEMM reading that replica can start while other replicas still stream.
-pub struct LandedBytes {
-    /// u32 `[rank * n_slot + slot]`.
-    counters: DeviceBuffer,
-    slot_bytes: u64,
-    n_slot: u32,
-}
-
-impl LandedBytes {
-    /// Counters for `ranks` ranks of `n_slot` slots of `slot_bytes` each (a slot's bytes must
-    /// fit a `u32` counter).
-    pub fn new(
-        exec: &dyn Executor,
-        ranks: usize,
-        n_slot: usize,
-        slot_bytes: u64,
-    ) -> Result<Self, CudaError> {
-        if slot_bytes > u64::from(u32::MAX) {
-            return Err(crate::KernelError::Overflow {
-                what: "slot bytes (landed-byte counters are 32-bit)",
-            }
-            .into());
-        }
-        Ok(Self {
-            counters: exec.alloc_zeroed(4 * ranks * n_slot)?,
-            slot_bytes,
-            n_slot: to_u32(n_slot, "slots per rank")?,
-        })
-    }
-
-    /// Queues zeroing every counter on `stream` (before each replication).
-    pub fn reset(&self, exec: &dyn Executor, stream: Stream) -> Result<(), CudaError> {
-        exec.zero_on(stream, &self.counters, 0, self.counters.bytes())
-    }
-
-    /// Every counter, after the work `stream` queued (tests, debugging).
-    pub fn read(&self, exec: &dyn Executor, stream: Stream) -> Result<Vec<u32>, CudaError> {
-        exec.download_u32_on(stream, &self.counters)
-    }
-
-    /// Queues on `stream` a wait until `rank`'s slot `slot` holds `bytes` landed bytes; it gives
-    /// up when the replication's stall word (the second word of `counter`) is raised, or raises
-    /// it after the stall limit.
-    pub(crate) fn wait(
-        &self,
-        exec: &dyn Executor,
-        stream: Stream,
-        (rank, slot): (usize, usize),
-        bytes: u64,
-        counter: &DeviceBuffer,
-    ) -> Result<(), CudaError> {
-        let index = rank * self.n_slot as usize + slot;
-        let capacity = self.counters.bytes() / 4;
-        if slot >= self.n_slot as usize || index >= capacity {
-            return Err(crate::KernelError::OutOfRange {
-                what: "slot to wait for",
-                value: index as u64,
-                limit: capacity as u64,
-            }
-            .into());
-        }
-        let args = [
-            KernelArg::from(&self.counters),
-            KernelArg::U32(to_u32(index, "slot index")?),
-            KernelArg::U32(to_u32(bytes as usize, "slot bytes")?),
-            KernelArg::Ptr(counter.at(4)),
-        ];
-        // SAFETY: `wait_slot(landed, index, target, stalled)`; `index` is inside the counters
-        // (checked above) and the stall word is the second `u32` of a live counter pair.
-        unsafe { exec.launch_on(stream, "wait_slot", Launch::blocks(1, 32), &args) }
-    }
-}
-
 /// Waits for the stream that used `counter` ([`TaskBuffers::counter`]) and fails if its stall
 /// word is raised.
 pub(crate) fn check_not_stalled(
@@ -551,9 +577,9 @@ pub(crate) unsafe fn launch_tile_stream(
         });
     }
     exec.zero_on(stream, tasks.counter, 0, 8)?;
-    let (landed, slot_bytes, n_slot) = match tasks.landed {
-        Some(l) => (l.counters.ptr(), l.slot_bytes, l.n_slot),
-        None => (0, 0, 0),
+    let (landed, slot_bytes) = match tasks.landed {
+        Some(l) => (l.table().ptr(), l.slot_bytes()),
+        None => (0, 0),
     };
     let args = [
         KernelArg::from(tasks.tasks),
@@ -566,7 +592,8 @@ pub(crate) unsafe fn launch_tile_stream(
         KernelArg::U32(tasks.tile_bytes),
         KernelArg::Ptr(landed),
         KernelArg::U64(slot_bytes),
-        KernelArg::U32(n_slot),
+        KernelArg::U32(to_u32(peers.sources.start, "first source rank")?),
+        KernelArg::U32(to_u32(peers.sources.end, "source ranks")?),
     ];
     let launch = Launch {
         grid: [blocks.max(1), 1, 1],
@@ -574,7 +601,7 @@ pub(crate) unsafe fn launch_tile_stream(
         shared_bytes: shared as u32,
     };
     // SAFETY: `tile_stream(tasks, task_count, dsts, next_task[2], home_base, slot_base,
-    // flag_base, tile_bytes, landed, slot_bytes, n_slot)`; the caller vouches for the tasks and
-    // the table.
+    // flag_base, tile_bytes, landed_base, slot_bytes, src_lo, src_hi)`; the caller vouches for
+    // the tasks and the table (and the landed table holds every rank's counters).
     unsafe { exec.launch_on(stream, "tile_stream", launch, &args) }
 }

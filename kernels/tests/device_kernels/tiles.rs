@@ -794,6 +794,7 @@ fn launch_raw_stream(
         KernelArg::Ptr(0),
         KernelArg::U64(0),
         KernelArg::U32(0),
+        KernelArg::U32(homes.len() as u32),
     ];
     let launch = Launch {
         grid: [grid.blocks, 1, 1],
@@ -801,7 +802,7 @@ fn launch_raw_stream(
         shared_bytes: 2 * stream.tile_bytes,
     };
     // SAFETY: `tile_stream(tasks, task_count, dsts, next_task[2], home_base, slot_base,
-    // flag_base, tile_bytes, landed, slot_bytes, n_slot)`; every task of the stream (compiled,
+    // flag_base, tile_bytes, landed_base, slot_bytes, src_lo, src_hi)`; every task of the stream (compiled,
     // then corrupted in a wait target only) stays inside the buffers the tables address.
     unsafe { exec.launch("tile_stream", launch, &args) }.unwrap();
     read_u32(exec, &counter, 2)[1]

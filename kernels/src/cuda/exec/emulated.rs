@@ -16,6 +16,7 @@ use super::executor::{
     Stream, WeightLayout,
 };
 use super::host_memory::Mapping;
+use super::shared::{boot_id, Decoded, SharedHandle};
 use crate::cuda::{nvrtc, CudaError};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CString};
 use std::path::{Path, PathBuf};
@@ -343,6 +344,50 @@ impl Executor for Emulator {
             bytes,
             _owner: Owner::Host(memory),
         })
+    }
+
+    fn peer_memory(&self) -> Option<&'static str> {
+        Some("memfd")
+    }
+
+    fn alloc_shared(&self, bytes: usize) -> Result<(DeviceBuffer, SharedHandle), CudaError> {
+        let (memory, fd) = Mapping::shared(bytes)?;
+        let handle = SharedHandle::memfd(std::process::id(), fd, bytes);
+        Ok((
+            DeviceBuffer {
+                ptr: memory.address(),
+                bytes,
+                _owner: Owner::Host(memory),
+            },
+            handle,
+        ))
+    }
+
+    fn open_shared(&self, handle: &SharedHandle) -> Result<DeviceBuffer, CudaError> {
+        match handle.decode()? {
+            Decoded::Memfd {
+                pid,
+                fd,
+                bytes,
+                boot,
+            } => {
+                if boot != boot_id() {
+                    return Err(CudaError::Exec(format!(
+                        "peer memory of process {pid} is on another host: the emulator maps \
+                         memory only between processes of one host"
+                    )));
+                }
+                let memory = Mapping::open(pid, fd, bytes)?;
+                Ok(DeviceBuffer {
+                    ptr: memory.address(),
+                    bytes,
+                    _owner: Owner::Host(memory),
+                })
+            }
+            Decoded::CudaIpc { .. } | Decoded::CudaFabric { .. } => Err(CudaError::Exec(
+                "the host emulator cannot map a GPU's memory".into(),
+            )),
+        }
     }
 
     fn write_on(

@@ -2,6 +2,7 @@
 //! GEMM descriptions, the bf16 conversions.
 
 use super::super::CudaError;
+use super::shared::SharedHandle;
 
 /// Device memory owned by an [`Executor`]; freed when dropped.
 pub struct DeviceBuffer {
@@ -17,6 +18,11 @@ pub(super) enum Owner {
     Host(#[allow(dead_code)] super::host_memory::Mapping),
     /// A CUDA allocation.
     Device(#[allow(dead_code)] cudarc::driver::CudaSlice<u8>),
+    /// Device memory shared between processes ([`super::shared`]): allocated here for others
+    /// to map, or another process's, mapped here.
+    Shared(#[allow(dead_code)] super::gpu_shared::SharedMemory),
+    /// A part of another buffer, which it keeps alive ([`DeviceBuffer::view`]).
+    View(#[allow(dead_code)] std::sync::Arc<DeviceBuffer>),
 }
 
 impl DeviceBuffer {
@@ -33,6 +39,21 @@ impl DeviceBuffer {
     /// Length in bytes.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// `bytes` of `parent` from `offset`, as a buffer of its own that keeps `parent` alive:
+    /// how one large allocation (a peer-memory window) is handed out in parts.
+    pub fn view(
+        parent: &std::sync::Arc<DeviceBuffer>,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<DeviceBuffer, CudaError> {
+        parent.check(offset, bytes)?;
+        Ok(DeviceBuffer {
+            ptr: parent.at(offset),
+            bytes,
+            _owner: Owner::View(std::sync::Arc::clone(parent)),
+        })
     }
 
     pub(super) fn check(&self, offset: usize, len: usize) -> Result<(), CudaError> {
@@ -407,6 +428,34 @@ pub trait Executor: Send + Sync {
     /// Bytes copied from the host into device memory so far ([`Self::write_on`] and the uploads
     /// built on it; device-to-device copies and zeroing are not counted): what a loader uploaded.
     fn bytes_uploaded(&self) -> u64;
+
+    /// Which peer memory between processes of this host the executor has (`"cuda-ipc"`,
+    /// `"memfd"`), `None` without any: what [`Self::alloc_shared`] and [`Self::open_shared`]
+    /// use.
+    fn peer_memory(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// `bytes` of zeroed device memory that other processes of this host can map
+    /// ([`Self::open_shared`] with the returned handle). Allocated synchronously, once, outside
+    /// any stream's order: the buffers a group's ranks address each other through.
+    fn alloc_shared(&self, bytes: usize) -> Result<(DeviceBuffer, SharedHandle), CudaError> {
+        let _ = bytes;
+        Err(CudaError::Exec(format!(
+            "{} has no peer memory between processes",
+            self.describe()
+        )))
+    }
+
+    /// Maps memory another process allocated with [`Self::alloc_shared`] into this process:
+    /// kernels and copies of this executor then address it like their own.
+    fn open_shared(&self, handle: &SharedHandle) -> Result<DeviceBuffer, CudaError> {
+        let _ = handle;
+        Err(CudaError::Exec(format!(
+            "{} has no peer memory between processes",
+            self.describe()
+        )))
+    }
 
     /// [`Self::alloc_zeroed_on`] the main stream.
     fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {

@@ -16,6 +16,8 @@ use super::executor::{
     DType, DeviceBuffer, Event, EventInner, Executor, Gemm, KernelArg, Launch, Owner, PackedArgs,
     Stream, WeightLayout,
 };
+use super::gpu_shared;
+use super::shared::{Decoded, SharedHandle};
 use crate::cuda::libs::{self, Lib};
 use crate::cuda::{CudaError, Gpu};
 
@@ -26,6 +28,8 @@ pub struct GpuExecutor {
     streams: Mutex<Vec<Lane>>,
     /// Bytes written from the host so far.
     uploaded: AtomicU64,
+    /// Peer memory by FABRIC handles (usable here: an NVLink domain with IMEX), else CUDA IPC.
+    fabric: bool,
 }
 
 /// One stream and the cuBLAS handle bound to it.
@@ -45,10 +49,13 @@ impl GpuExecutor {
     /// Binds cuBLAS (a typed error when it is missing) to the opened GPU's stream.
     fn new(gpu: Gpu) -> Result<Self, CudaError> {
         let main = Lane::new(Arc::clone(gpu.stream()))?;
+        gpu.context().bind_to_thread()?;
+        let fabric = gpu_shared::fabric_usable(gpu.context(), gpu.info().ordinal);
         Ok(Self {
             gpu,
             streams: Mutex::new(vec![main]),
             uploaded: AtomicU64::new(0),
+            fabric,
         })
     }
 
@@ -370,5 +377,57 @@ impl Executor for GpuExecutor {
 
     fn bytes_uploaded(&self) -> u64 {
         self.uploaded.load(Ordering::Relaxed)
+    }
+
+    fn peer_memory(&self) -> Option<&'static str> {
+        Some(if self.fabric {
+            "cuda-fabric"
+        } else {
+            "cuda-ipc"
+        })
+    }
+
+    fn alloc_shared(&self, bytes: usize) -> Result<(DeviceBuffer, SharedHandle), CudaError> {
+        self.bind()?;
+        let context = self.gpu.context();
+        let (memory, handle) = if self.fabric {
+            gpu_shared::alloc_fabric(context, self.gpu.info().ordinal, bytes)?
+        } else {
+            gpu_shared::alloc_ipc(context, bytes)?
+        };
+        Ok((
+            DeviceBuffer {
+                ptr: memory.ptr(),
+                bytes,
+                _owner: Owner::Shared(memory),
+            },
+            handle,
+        ))
+    }
+
+    fn open_shared(&self, handle: &SharedHandle) -> Result<DeviceBuffer, CudaError> {
+        self.bind()?;
+        let context = self.gpu.context();
+        let (memory, bytes) = match handle.decode()? {
+            Decoded::CudaIpc { handle, bytes } => (gpu_shared::open_ipc(context, handle)?, bytes),
+            Decoded::CudaFabric {
+                handle,
+                size,
+                bytes,
+            } => (
+                gpu_shared::open_fabric(context, self.gpu.info().ordinal, handle, size)?,
+                bytes,
+            ),
+            Decoded::Memfd { .. } => {
+                return Err(CudaError::Exec(
+                    "a GPU cannot map the host emulator's memfd".into(),
+                ))
+            }
+        };
+        Ok(DeviceBuffer {
+            ptr: memory.ptr(),
+            bytes,
+            _owner: Owner::Shared(memory),
+        })
     }
 }

@@ -16,8 +16,10 @@ mod available;
 mod emulated;
 mod executor;
 mod gpu;
+mod gpu_shared;
 mod host_memory;
 mod profiled;
+mod shared;
 
 pub use available::{available, REQUIRE_GPU_ENV};
 pub use emulated::{Emulator, EmulatorSettings, EmulatorUnavailable};
@@ -27,3 +29,4 @@ pub use executor::{
 };
 pub use gpu::GpuExecutor;
 pub use profiled::{Classifier, Profiled, COPY, GEMM};
+pub use shared::SharedHandle;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{DeviceBuffer, Event, Executor, Gemm, KernelArg, Launch, Stream};
+use super::{DeviceBuffer, Event, Executor, Gemm, KernelArg, Launch, SharedHandle, Stream};
 use crate::cuda::CudaError;
 
 /// The name a span is classified by: a kernel's entry point, or one of these for the
@@ -179,5 +179,17 @@ impl Executor for Profiled {
 
     fn bytes_uploaded(&self) -> u64 {
         self.inner.bytes_uploaded()
+    }
+
+    fn peer_memory(&self) -> Option<&'static str> {
+        self.inner.peer_memory()
+    }
+
+    fn alloc_shared(&self, bytes: usize) -> Result<(DeviceBuffer, SharedHandle), CudaError> {
+        self.inner.alloc_shared(bytes)
+    }
+
+    fn open_shared(&self, handle: &SharedHandle) -> Result<DeviceBuffer, CudaError> {
+        self.inner.open_shared(handle)
     }
 }

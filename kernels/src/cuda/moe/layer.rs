@@ -72,22 +72,24 @@ pub struct Counted {
 
 /// A layer between its stages: everything the next stage reads, on the device.
 pub struct LayerInFlight {
-    layer: usize,
-    plan: Plan,
+    pub(super) layer: usize,
+    pub(super) plan: Plan,
     /// The plan the permute and grouping read: the solver's (`None`) or this one, uploaded.
-    uploaded: Option<DevicePlan>,
-    routes: Routes,
-    replication: Replication,
-    rows: RoutedRows,
-    occurrence: Vec<Option<DeviceBuffer>>,
+    pub(super) uploaded: Option<DevicePlan>,
+    pub(super) routes: Routes,
+    pub(super) replication: Replication,
+    pub(super) rows: RoutedRows,
+    pub(super) occurrence: Vec<Option<DeviceBuffer>>,
     /// Per local source: its send layout.
-    sent: Vec<Option<Sent>>,
+    pub(super) sent: Vec<Option<Sent>>,
     /// Per local destination: what it received.
-    received: Vec<Option<Received>>,
+    pub(super) received: Vec<Option<Received>>,
     /// Per local destination: its outputs in received order, once the experts ran.
-    computed: Vec<Option<DeviceBuffer>>,
-    dispatch: (Event, Event),
-    experts: Option<(Event, Event)>,
+    pub(super) computed: Vec<Option<DeviceBuffer>>,
+    pub(super) dispatch: (Event, Event),
+    pub(super) experts: Option<(Event, Event)>,
+    /// The ready-flag epoch of a layer whose rows cross processes through peer memory.
+    pub(super) epoch: Option<u32>,
 }
 
 /// What one layer moved, and the events that time its phases on the device.
@@ -150,7 +152,7 @@ impl MoeLane {
         }
     }
 
-    fn steps(&self) -> Steps<'_> {
+    pub(super) fn steps(&self) -> Steps<'_> {
         Steps {
             exec: self.shared.exec.as_ref(),
             stream: self.main,
@@ -310,11 +312,21 @@ impl MoeLane {
         if rows.stream != self.main {
             exec.wait_for(self.main, &exec.record(rows.stream)?)?;
         }
+        // Rows, outputs and replicas of this layer cross processes through peer memory under
+        // one epoch of ready flags.
+        let routes = Routes::new(plan, load)?;
+        let epoch = match (self.peers.as_mut(), remote) {
+            (Some(peers), Some(remote)) if !shared.all_local() => {
+                peers.ensure(exec.as_ref(), &routes, remote)?;
+                Some(peers.next_epoch())
+            }
+            _ => None,
+        };
         let (uploaded, replication) = match self.solved.take() {
             Some(s) if s.layer == layer && s.plan == *plan => (None, s.replication),
             _ => {
                 let uploaded = DevicePlan::upload(exec.as_ref(), self.main, plan)?;
-                let replication = self.replicate(layer, (plan, &uploaded), remote)?;
+                let replication = self.replicate(layer, (plan, &uploaded), remote, epoch)?;
                 (Some(uploaded), replication)
             }
         };
@@ -322,7 +334,6 @@ impl MoeLane {
             exec.wait_for(self.main, &replication.end)?;
         }
         let begin = exec.record(self.main)?;
-        let routes = Routes::new(plan, load)?;
         let device_plan = self.device_plan(uploaded.as_ref())?;
         let steps = self.steps();
         let mut sent = Vec::with_capacity(shared.local.len());
@@ -334,7 +345,10 @@ impl MoeLane {
                     .transpose()?,
             );
         }
-        let received = self.dispatch(&routes, &sent, remote)?;
+        let received = match epoch {
+            Some(epoch) => self.dispatch_to_peers(&routes, &sent, epoch)?,
+            None => self.dispatch(&routes, &sent, remote)?,
+        };
         let end = exec.record(self.main)?;
         Ok(LayerInFlight {
             layer,
@@ -349,110 +363,8 @@ impl MoeLane {
             computed: Vec::new(),
             dispatch: (begin, end),
             experts: None,
+            epoch,
         })
-    }
-
-    /// Every local destination's rows: segments of local senders copied on the device, those of
-    /// other processes' ranks through `remote` (each row's bf16 values, then the expert ids,
-    /// then the instance ids).
-    fn dispatch(
-        &self,
-        routes: &Routes,
-        sent: &[Option<Sent>],
-        remote: Option<&dyn HostExchange>,
-    ) -> Result<Vec<Option<Received>>, CudaError> {
-        let shared = &self.shared;
-        let exec = shared.exec.as_ref();
-        let ranks = shared.layout.ranks();
-        let row = shared.hidden * 2;
-        let steps = self.steps();
-        let mut received = Vec::with_capacity(shared.local.len());
-        for dst in shared.local.clone() {
-            let len = routes.received(dst);
-            received.push((len > 0).then(|| steps.receive_buffer(len)).transpose()?);
-        }
-        // Local senders: device copies.
-        for (index, dst) in shared.local.clone().enumerate() {
-            let Some(recv) = received[index].as_ref() else {
-                continue;
-            };
-            for (i, src) in shared.local.clone().enumerate() {
-                let n = routes.sent(src, dst);
-                let Some(from) = sent[i].as_ref().filter(|_| n > 0) else {
-                    continue;
-                };
-                let (at, to) = (routes.send_offset(src, dst), routes.recv_offset(src, dst));
-                exec.copy_on(
-                    self.main,
-                    (&from.rows, at * row),
-                    (&recv.rows, to * row),
-                    n * row,
-                )?;
-                exec.copy_on(
-                    self.main,
-                    (&from.experts, at * 4),
-                    (&recv.experts, to * 4),
-                    n * 4,
-                )?;
-                exec.copy_on(
-                    self.main,
-                    (&from.instances, at * 4),
-                    (&recv.instances, to * 4),
-                    n * 4,
-                )?;
-            }
-        }
-        let Some(remote) = remote.filter(|_| !shared.all_local()) else {
-            return Ok(received);
-        };
-        // Other processes' ranks: through host buffers.
-        let mut outgoing = Vec::with_capacity(shared.local.len());
-        for (i, src) in shared.local.clone().enumerate() {
-            let mut messages = vec![Vec::new(); ranks];
-            for (dst, message) in messages.iter_mut().enumerate() {
-                let n = routes.sent(src, dst);
-                let Some(from) = sent[i]
-                    .as_ref()
-                    .filter(|_| n > 0 && shared.index(dst).is_none())
-                else {
-                    continue;
-                };
-                let at = routes.send_offset(src, dst);
-                *message = vec![0u8; n * (row + 8)];
-                let (rows, ids) = message.split_at_mut(n * row);
-                let (experts, instances) = ids.split_at_mut(n * 4);
-                exec.read_on(self.main, &from.rows, at * row, rows)?;
-                exec.read_on(self.main, &from.experts, at * 4, experts)?;
-                exec.read_on(self.main, &from.instances, at * 4, instances)?;
-            }
-            outgoing.push(messages);
-        }
-        let incoming = remote.all_to_all(outgoing).map_err(CudaError::Exec)?;
-        for (index, dst) in shared.local.clone().enumerate() {
-            for (src, message) in incoming[index].iter().enumerate() {
-                let n = routes.sent(src, dst);
-                if n == 0 || shared.index(src).is_some() {
-                    continue;
-                }
-                if message.len() != n * (row + 8) {
-                    return Err(CudaError::Exec(format!(
-                        "rank {dst} received {} bytes from rank {src}, expected {}",
-                        message.len(),
-                        n * (row + 8)
-                    )));
-                }
-                let recv = received[index].as_ref().ok_or(KernelError::ZeroDimension {
-                    what: "receive buffer",
-                })?;
-                let to = routes.recv_offset(src, dst);
-                let (rows, ids) = message.split_at(n * row);
-                let (experts, instances) = ids.split_at(n * 4);
-                exec.write_on(self.main, &recv.rows, to * row, rows)?;
-                exec.write_on(self.main, &recv.experts, to * 4, experts)?;
-                exec.write_on(self.main, &recv.instances, to * 4, instances)?;
-            }
-        }
-        Ok(received)
     }
 
     /// Stage 2: every local destination's expert GEMMs: in one grouped launch every instance
@@ -541,87 +453,24 @@ impl MoeLane {
     /// stream.
     pub fn combine(
         &mut self,
-        flight: LayerInFlight,
+        mut flight: LayerInFlight,
         remote: Option<&dyn HostExchange>,
     ) -> Result<(LayerRun, RoutedRows), CudaError> {
         let shared = self.shared.clone();
         let exec = shared.exec.clone();
-        let experts = flight.experts.ok_or(CudaError::StageOrder {
+        let experts = flight.experts.take().ok_or(CudaError::StageOrder {
             layer: flight.layer,
             stage: "combine",
         })?;
         let begin = exec.record(self.main)?;
-        let (h, ranks) = (shared.hidden, shared.layout.ranks());
-        let row = h * 4;
+        let h = shared.hidden;
         let routes = &flight.routes;
         let steps = self.steps();
         // Per local source: its pairs' outputs in its send layout.
-        let mut returned = Vec::with_capacity(shared.local.len());
-        for src in shared.local.clone() {
-            let pairs = routes.sent_total(src);
-            returned.push(
-                (pairs > 0)
-                    .then(|| exec.alloc_zeroed_on(self.main, pairs * row))
-                    .transpose()?,
-            );
-        }
-        for (i, src) in shared.local.clone().enumerate() {
-            for (index, dst) in shared.local.clone().enumerate() {
-                let n = routes.sent(src, dst);
-                let (Some(to), Some(Some(from))) =
-                    (returned[i].as_ref(), flight.computed.get(index))
-                else {
-                    continue;
-                };
-                if n == 0 {
-                    continue;
-                }
-                exec.copy_on(
-                    self.main,
-                    (from, routes.recv_offset(src, dst) * row),
-                    (to, routes.send_offset(src, dst) * row),
-                    n * row,
-                )?;
-            }
-        }
-        if let Some(remote) = remote.filter(|_| !shared.all_local()) {
-            let mut outgoing = Vec::with_capacity(shared.local.len());
-            for (index, dst) in shared.local.clone().enumerate() {
-                let mut messages = vec![Vec::new(); ranks];
-                for (src, message) in messages.iter_mut().enumerate() {
-                    let n = routes.sent(src, dst);
-                    let Some(Some(from)) = flight.computed.get(index) else {
-                        continue;
-                    };
-                    if n == 0 || shared.index(src).is_some() {
-                        continue;
-                    }
-                    *message = vec![0u8; n * row];
-                    exec.read_on(self.main, from, routes.recv_offset(src, dst) * row, message)?;
-                }
-                outgoing.push(messages);
-            }
-            let incoming = remote.all_to_all(outgoing).map_err(CudaError::Exec)?;
-            for (i, src) in shared.local.clone().enumerate() {
-                for (dst, message) in incoming[i].iter().enumerate() {
-                    let n = routes.sent(src, dst);
-                    if n == 0 || shared.index(dst).is_some() {
-                        continue;
-                    }
-                    if message.len() != n * row {
-                        return Err(CudaError::Exec(format!(
-                            "rank {src} got {} bytes of outputs back from rank {dst}, expected {}",
-                            message.len(),
-                            n * row
-                        )));
-                    }
-                    let to = returned[i].as_ref().ok_or(KernelError::ZeroDimension {
-                        what: "returned outputs",
-                    })?;
-                    exec.write_on(self.main, to, routes.send_offset(src, dst) * row, message)?;
-                }
-            }
-        }
+        let returned = match flight.epoch {
+            Some(epoch) => self.return_to_peers(&flight, epoch)?,
+            None => self.return_outputs(&flight, remote)?,
+        };
         for (index, (pairs, occurrence)) in
             flight.rows.rank_pairs().zip(&flight.occurrence).enumerate()
         {

@@ -23,8 +23,9 @@
 //!
 //! Two micro-batches run on two [`MoeLane`]s (own streams, slots, counters, planner and solver
 //! over the same home experts), so one's experts run while the other's replicas and rows move.
-//! Ranks of other processes are reached through host buffers and the group's transport
-//! ([`HostExchange`]) until peer memory replaces it.
+//! Ranks of other processes are reached through peer memory (every rank's receive buffers,
+//! slots and flags mapped into every process, `peers`), or through host buffers and the group's
+//! transport ([`HostExchange`]) where a process cannot map its peers.
 //!
 //! - `plane`: [`DeviceMoe`], its [`MoeLane`]s, and where an instance's weights are;
 //! - `experts`: the home experts in device memory ([`HomeExperts`]);
@@ -32,10 +33,14 @@
 //! - `replicas`: the replica distribution;
 //! - `routes`: where every pair goes, worked out on the host from the plan and the counts;
 //! - `steps`: each step's kernel launches, copies and GEMMs;
+//! - `exchange`: how rows and outputs reach other ranks (device copies, peer memory, the host);
+//! - `peers`: every rank's receive side in peer memory, and the ready flags between them;
 //! - `remote`: [`HostExchange`].
 
+mod exchange;
 mod experts;
 mod layer;
+mod peers;
 mod plane;
 mod remote;
 mod replicas;
@@ -44,5 +49,6 @@ mod steps;
 
 pub use experts::{expert_bytes, ExpertWeights, HomeExperts};
 pub use layer::{Counted, LayerInFlight, LayerPhases, LayerRun, LayerTiming, RoutedRows};
+pub use peers::{peer_wait_limit, PEER_WAIT_ENV};
 pub use plane::{DeviceMoe, MoeConfig, MoeLane};
 pub use remote::HostExchange;

@@ -16,6 +16,8 @@ use super::super::tile_plan::{TileGeometry, TilePlanner};
 use super::super::tiles::DEFAULT_TILE_BYTES;
 use super::super::CudaError;
 use super::experts::HomeExperts;
+use super::peers::{PeerWindows, ReplicaLayout};
+use super::remote::HostExchange;
 use crate::KernelError;
 
 /// How a [`DeviceMoe`] runs its layers.
@@ -105,6 +107,9 @@ pub struct MoeLane {
     pub(super) resident: Option<Vec<Vec<Option<u32>>>>,
     /// A layer the device solver planned, its replication already queued.
     pub(super) solved: Option<SolvedOnDevice>,
+    /// Every rank's receive side in peer memory, once [`DeviceMoe::connect`] mapped it: rows
+    /// and outputs then cross processes device to device.
+    pub(super) peers: Option<PeerWindows>,
 }
 
 /// A replication queued on a lane's replica stream.
@@ -212,6 +217,56 @@ impl DeviceMoe {
     pub fn lane(&self, lane: usize) -> Option<&MoeLane> {
         self.lanes.get(lane)
     }
+
+    /// Maps every rank's receive side into every process of the group through peer memory
+    /// (one window per rank and lane, handles exchanged through `exchange`; every process calls
+    /// this together), so that rows and outputs cross processes device to device. Returns the
+    /// mechanism (`"cuda-ipc"`, `"memfd"`); an error leaves every lane on `exchange`'s host
+    /// path, in every process alike (each learns whether all others mapped every window).
+    pub fn connect(&mut self, exchange: &dyn HostExchange) -> Result<&'static str, CudaError> {
+        let shared = Arc::clone(&self.shared);
+        let exec = shared.exec.as_ref();
+        let mechanism = exec
+            .peer_memory()
+            .ok_or_else(|| CudaError::Exec("the executor has no peer memory".into()))?;
+        let n_slot = shared.layout.slots_per_rank();
+        let (_, chunks) = rackfill_balancer::relay::chunk_geometry(
+            shared.expert_bytes as u64,
+            shared.config.relay.chunk_bytes,
+        );
+        let mut connected = Vec::with_capacity(self.lanes.len());
+        for lane in &self.lanes {
+            let replica = ReplicaLayout {
+                slots: lane.buffers.set_bytes() * lane.slot_sets(),
+                flags: n_slot * chunks as usize,
+                n_slot,
+            };
+            let peers = PeerWindows::open(
+                exec,
+                (shared.layout.ranks(), shared.local.clone()),
+                shared.hidden,
+                replica.bytes(),
+                exchange,
+            )?;
+            let (buffers, landed) = lane.replica_buffers_in(&peers, &replica)?;
+            connected.push((peers, buffers, landed));
+        }
+        for (lane, (peers, buffers, landed)) in self.lanes.iter_mut().zip(connected) {
+            lane.peers = Some(peers);
+            lane.buffers = buffers;
+            lane.landed = landed;
+        }
+        Ok(mechanism)
+    }
+
+    /// The peer memory rows and outputs cross processes through (`None`: every rank is in this
+    /// process, or they go through the host).
+    pub fn peer_memory(&self) -> Option<&'static str> {
+        self.lanes
+            .first()
+            .and_then(|lane| lane.peers.as_ref())
+            .and(self.shared.exec.peer_memory())
+    }
 }
 
 impl MoeLane {
@@ -286,7 +341,60 @@ impl MoeLane {
             tiles,
             solver,
             solved: None,
+            peers: None,
         })
+    }
+
+    /// Slot sets this lane keeps (one per MoE layer with per-layer slots).
+    fn slot_sets(&self) -> usize {
+        if self.shared.config.per_layer_slots {
+            self.shared.home_offsets.len().max(1)
+        } else {
+            1
+        }
+    }
+
+    /// This lane's replica buffers moved into the replica windows of `peers`: its ranks' slots,
+    /// ready counters and landed bytes in their own windows, every other rank's in theirs, so
+    /// the tile stream pushes replicas straight into other processes' slots.
+    fn replica_buffers_in(
+        &self,
+        peers: &PeerWindows,
+        layout: &ReplicaLayout,
+    ) -> Result<(RankBuffers, LandedBytes), CudaError> {
+        let exec = self.shared.exec.as_ref();
+        let windows = peers.replica_windows();
+        let local = self.shared.local.clone();
+        let part =
+            |w: &Arc<DeviceBuffer>, at: usize, bytes: usize| DeviceBuffer::view(w, at, bytes);
+        let mut parts = (Vec::new(), Vec::new(), Vec::new());
+        for w in &windows[local.clone()] {
+            parts.0.push(part(w, 0, layout.slots)?);
+            parts.1.push(part(w, layout.flags_at(), layout.flags * 4)?);
+            parts
+                .2
+                .push(part(w, layout.landed_at(), layout.n_slot * 4)?);
+        }
+        let address = |at: usize| windows.iter().map(|w| w.at(at)).collect::<Vec<_>>();
+        // SAFETY: every window stays mapped while `peers` lives, which the lane keeps beside the
+        // buffers; every rank's window has the same layout.
+        let buffers = unsafe {
+            RankBuffers::over_peers(
+                exec,
+                self.buffers.shared_homes(),
+                (parts.0, parts.1),
+                (&address(0), &address(layout.flags_at())),
+                (self.buffers.set_bytes(), self.slot_sets()),
+                local,
+            )
+        }?;
+        let landed = LandedBytes::over(
+            exec,
+            parts.2,
+            &address(layout.landed_at()),
+            (layout.n_slot, self.shared.expert_bytes as u64),
+        )?;
+        Ok((buffers, landed))
     }
 
     /// The stream this lane's dispatch, experts and combine run on.

@@ -23,6 +23,7 @@ use super::super::exec::DeviceBuffer;
 use super::super::replicate::DeviceTileStream;
 use super::super::tiles::{self, BufferLayout, DEFAULT_TILE_BYTES};
 use super::super::{CudaError, DevicePlan};
+use super::peers::Signal;
 use super::plane::{MoeLane, Replication, Streamed};
 use super::remote::HostExchange;
 
@@ -102,6 +103,7 @@ impl MoeLane {
         layer: usize,
         (plan, device_plan): (&Plan, &DevicePlan),
         remote: Option<&dyn HostExchange>,
+        epoch: Option<u32>,
     ) -> Result<Replication, CudaError> {
         if self.replicates_on_device() && remote.is_none() {
             let mut replication = self.replicate_on_device(layer, device_plan, None)?;
@@ -135,9 +137,12 @@ impl MoeLane {
             self.keep_resident(set, plan, previous)?;
         }
         let streamed = self.destinations(plan, &schedule);
-        let how = match remote {
-            None => self.stream_uploaded(layer, &stream_plan, &schedule)?,
-            Some(remote) => {
+        let how = match (remote, epoch) {
+            (None, _) => self.stream_uploaded(layer, &stream_plan, &schedule)?,
+            (Some(_), Some(epoch)) => {
+                self.stream_to_peers(layer, (&stream_plan, &schedule), &streamed, epoch)?
+            }
+            (Some(remote), None) => {
                 self.stream_through_host((layer, set), (&stream_plan, &schedule), remote)?
             }
         };
@@ -184,6 +189,10 @@ impl MoeLane {
             }
             Streamed::Uploaded(stream) => stream.finish(exec, self.replicas)?,
             Streamed::Host => {}
+        }
+        if let Some(peers) = &self.peers {
+            // A wait for a peer's slots that gave up.
+            peers.check(exec, self.replicas)?;
         }
         if let Some(resident) = self.resident.as_mut() {
             resident[layer] = plan.slots().to_vec();
@@ -290,6 +299,66 @@ impl MoeLane {
                 (exec.multiprocessors() * 2, STREAM_THREADS),
                 Some(&self.landed),
             )?;
+        }
+        Ok(Streamed::Uploaded(Box::new(uploaded)))
+    }
+
+    /// Streams `schedule`'s bytes of MoE layer `layer` across processes through peer memory:
+    /// every process compiles the same tile stream and runs the tasks its own ranks send, pushing
+    /// tiles straight into other processes' slots and bumping their counters there. Each rank
+    /// zeroes its counters and raises its armed signal (its slots free: the replica stream
+    /// waited for the lane's earlier work) before any rank pushes; the replication ends once
+    /// every slot streamed into this process's ranks has landed.
+    fn stream_to_peers(
+        &self,
+        layer: usize,
+        (stream_plan, schedule): (&Plan, &TransferSchedule),
+        streamed: &[Vec<bool>],
+        epoch: u32,
+    ) -> Result<Streamed, CudaError> {
+        let shared = &self.shared;
+        let exec = shared.exec.as_ref();
+        let stream = self.replicas;
+        let peers = self
+            .peers
+            .as_ref()
+            .ok_or(crate::KernelError::ZeroDimension {
+                what: "peer windows",
+            })?;
+        let expert_bytes = shared.expert_bytes as u64;
+        let buffers = BufferLayout {
+            expert_bytes,
+            home_offsets: &shared.home_offsets[layer],
+            slot_bytes: expert_bytes,
+        };
+        let compiled = tiles::compile(stream_plan, schedule, &buffers, DEFAULT_TILE_BYTES)?;
+        let uploaded = DeviceTileStream::upload(exec, stream, &compiled, shared.layout.ranks())?;
+        self.buffers.reset_flags(exec, stream)?;
+        for rank in shared.local.clone() {
+            peers.signal(exec, stream, (Signal::Armed, rank), epoch)?;
+        }
+        for rank in shared.local.clone() {
+            peers.wait(exec, stream, (Signal::Armed, rank), epoch)?;
+        }
+        if !uploaded.is_empty() {
+            uploaded.launch_armed(
+                exec,
+                stream,
+                (&self.buffers, self.set_of(layer)),
+                (exec.multiprocessors() * 2, STREAM_THREADS),
+                Some(&self.landed),
+            )?;
+        }
+        for (index, slots) in streamed.iter().enumerate() {
+            for (slot, _) in slots.iter().enumerate().filter(|(_, &s)| s) {
+                self.landed.wait(
+                    exec,
+                    stream,
+                    (index, slot),
+                    expert_bytes,
+                    uploaded.counter(),
+                )?;
+            }
         }
         Ok(Streamed::Uploaded(Box::new(uploaded)))
     }
