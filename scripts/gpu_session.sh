@@ -36,6 +36,14 @@ fi
 export RACKFILL_REQUIRE_GPU=1
 steps=${RACKFILL_SESSION_STEPS:-tests kernels serve group forward attention sanitizer}
 has() { [[ " $steps " == *" $1 "* ]]; }
+# Waits up to 2 minutes for the server on port $1 (process $2) to answer /health.
+wait_healthy() {
+  for _ in $(seq 1 240); do
+    curl -fsS "http://127.0.0.1:$1/health" > /dev/null 2>&1 && return
+    kill -0 "$2" 2>/dev/null || return
+    sleep 0.5
+  done
+}
 { nvidia-smi -L; "$bundle/rackfill" kernels probe; } 2>&1 | tee "$out/device.txt"
 failed=()
 
@@ -67,11 +75,7 @@ if has serve; then
   port=18520
   "$bundle/rackfill" serve --model "$dir" --port "$port" > "$out/serve-log.txt" 2>&1 &
   server=$!
-  for _ in $(seq 1 240); do
-    curl -fsS "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
-    kill -0 "$server" 2>/dev/null || break
-    sleep 0.5
-  done
+  wait_healthy "$port" "$server"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/serve-memory.txt"
   for len in 512 2048; do
     "$bundle/rackfill" bench serve --base-url "http://127.0.0.1:$port" --num-prompts 64 \
@@ -110,12 +114,8 @@ if has group && [ -x "$bundle/rackfill-mpi" ]; then
           --model "$dir" --device cuda --moe-transport "$mode" --port "$port" > "$log" 2>&1 &
       fi
       server=$!
-      for _ in $(seq 1 240); do
-        curl -fsS "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
-        kill -0 "$server" 2>/dev/null || break
-        sleep 0.5
-      done
-      # One scored prompt (echo, logprobs): the three paths must agree (scripts/gpu_report.py).
+      wait_healthy "$port" "$server"
+      # One scored prompt (echo, logprobs): the three paths must agree (group-completion-*.json).
       curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' -d \
         '{"prompt": "The quick brown fox jumps over the lazy dog while the experts are streamed", "max_tokens": 4, "temperature": 0, "echo": true, "logprobs": 1}' \
         > "$out/group-completion-$mode.json"

@@ -467,11 +467,8 @@ impl DeviceTileStream {
         grid: (u32, u32),
         landed: Option<&LandedBytes>,
     ) -> Result<(), CudaError> {
-        buffers.check(&self.needs)?;
-        let table = buffers.table(set)?;
         buffers.reset_flags(exec, stream)?;
-        // SAFETY: the table addresses `buffers`, just checked against what the tasks touch.
-        unsafe { self.launch_peers(exec, stream, table, grid, landed) }
+        self.launch_armed(exec, stream, (buffers, set), grid, landed)
     }
 
     /// [`Self::launch`] over buffers whose ready counters the caller zeroed earlier on `stream`
