@@ -125,9 +125,10 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     let device = world.local_rank();
     let mut kind = fabric::resolve_for_process(served.fabric, device);
     // `--fabric auto` is the group's choice: NCCL only where every process can run it (one GPU
-    // each: processes sharing a GPU, which NCCL refuses, take MPI together).
-    let nccl = matches!(kind, Ok(FabricKind::Nccl));
-    if served.fabric == FabricKind::Auto && control.any(!nccl) {
+    // each: processes sharing a GPU, which NCCL refuses, take MPI together). Collective on every
+    // process whatever its flag, so that a launch whose flags differ still reaches the check.
+    let without_nccl = control.any(!matches!(kind, Ok(FabricKind::Nccl)));
+    if served.fabric == FabricKind::Auto && without_nccl {
         kind = Ok(FabricKind::Mpi);
     }
     // Agree before failing: a process that cannot run the fabric must not leave the others
