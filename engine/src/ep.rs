@@ -163,7 +163,7 @@ impl EpRuntime {
             kv_tokens_per_rank,
             &plane_config(&config, true),
         )?;
-        if fabric.local_ranks().len() < fabric.world_size() {
+        if fabric.spans_processes() && fabric.local_ranks().len() < fabric.world_size() {
             device.connect(&*fabric, config.peer_memory)?;
         }
         Ok(Self {

@@ -103,4 +103,11 @@ pub trait Fabric: Send + Sync {
 
     /// Bytes delivered to this process's ranks from other ranks so far (all operations).
     fn bytes_moved(&self) -> u64;
+
+    /// Whether the other ranks run in other OS processes, each with its own device context, so
+    /// that their device memory can be mapped here (peer memory). False for the handles of one
+    /// in-process group, which share this process's executor and streams.
+    fn spans_processes(&self) -> bool {
+        false
+    }
 }

@@ -492,6 +492,10 @@ impl Fabric for MpiFabric {
         Ok(vec![received])
     }
 
+    fn spans_processes(&self) -> bool {
+        true
+    }
+
     fn bytes_moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
     }

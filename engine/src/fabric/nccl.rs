@@ -481,6 +481,10 @@ impl Fabric for NcclFabric {
         Ok(vec![received])
     }
 
+    fn spans_processes(&self) -> bool {
+        true
+    }
+
     fn bytes_moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
     }
