@@ -429,9 +429,9 @@ pub trait Executor: Send + Sync {
     /// built on it; device-to-device copies and zeroing are not counted): what a loader uploaded.
     fn bytes_uploaded(&self) -> u64;
 
-    /// Which peer memory between processes of this host the executor has (`"cuda-ipc"`,
-    /// `"memfd"`), `None` without any: what [`Self::alloc_shared`] and [`Self::open_shared`]
-    /// use.
+    /// Which peer memory between processes the executor has (`"cuda-fabric"` across an NVLink
+    /// domain, `"cuda-ipc"` within a host, the emulator's `"memfd"`), `None` without any: what
+    /// [`Self::alloc_shared`] and [`Self::open_shared`] use.
     fn peer_memory(&self) -> Option<&'static str> {
         None
     }

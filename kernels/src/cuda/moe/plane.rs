@@ -218,11 +218,12 @@ impl DeviceMoe {
         self.lanes.get(lane)
     }
 
-    /// Maps every rank's receive side into every process of the group through peer memory
-    /// (one window per rank and lane, handles exchanged through `exchange`; every process calls
-    /// this together), so that rows and outputs cross processes device to device. Returns the
-    /// mechanism (`"cuda-ipc"`, `"memfd"`); an error leaves every lane on `exchange`'s host
-    /// path, in every process alike (each learns whether all others mapped every window).
+    /// Maps every rank's receive side and replica slots into every process of the group through
+    /// peer memory (two windows per rank and lane, handles exchanged through `exchange`; every
+    /// process calls this together), so that rows, outputs and replicas cross processes device
+    /// to device. Returns the mechanism (`"cuda-fabric"`, `"cuda-ipc"`, `"memfd"`); an error
+    /// leaves every lane on `exchange`'s host path, in every process alike (each learns whether
+    /// all others mapped every window).
     pub fn connect(&mut self, exchange: &dyn HostExchange) -> Result<&'static str, CudaError> {
         let shared = Arc::clone(&self.shared);
         let exec = shared.exec.as_ref();
