@@ -79,6 +79,13 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = ServerConfig::default().shutdown_timeout.as_secs_f64())]
     shutdown_timeout: f64,
+    /// Seconds /health answers 503 before the server goes: a draining server keeps its listener
+    /// open answering 503 at least this long (at most --shutdown-timeout), and a failing group
+    /// answers every open request and /health with the failing rank this long before its
+    /// processes end. Twice a load balancer's probe period takes the server out before
+    /// connections are refused.
+    #[arg(long, default_value_t = HEALTH_GRACE)]
+    health_grace: f64,
     /// Seconds a client may take to send a request's head (also how long an idle keep-alive
     /// connection stays open), and again its body (408 after that).
     #[arg(long, default_value_t = ServerConfig::default().read_timeout.as_secs_f64())]
@@ -165,6 +172,9 @@ pub struct ServeArgs {
 
 /// `--watchdog-timeout`'s default, seconds.
 const WATCHDOG_TIMEOUT: f64 = 30.0;
+
+/// `--health-grace`'s default, seconds: two periods of a probe every 2.5 s.
+const HEALTH_GRACE: f64 = 5.0;
 
 impl ServeArgs {
     /// Fails, naming the replacement, on a flag that is gone; and on one that does not apply:
@@ -255,6 +265,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         bail!("--max-connections must be at least 1");
     }
     let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
+    let health_grace = seconds("--health-grace", args.health_grace)?;
     let read_timeout = seconds("--read-timeout", args.read_timeout)?;
     let write_timeout = seconds("--write-timeout", args.write_timeout)?;
     if read_timeout.is_zero() || write_timeout.is_zero() {
@@ -320,6 +331,7 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
         read_timeout,
         write_timeout,
         shutdown_timeout,
+        health_grace,
     };
     Ok(ServeConfig {
         engine,
@@ -437,7 +449,8 @@ pub(crate) fn load_bundle(
 }
 
 /// Binds the listener, loads the model with `load`, starts the engine with `start`, and serves
-/// HTTP until SIGINT / SIGTERM. `start` also says how the engine it started is laid out.
+/// HTTP until SIGINT / SIGTERM (or the engine's group asks to stop). `start` also says how the
+/// engine it started is laid out.
 pub(crate) fn serve_http(
     args: &ServeArgs,
     device_note: &str,

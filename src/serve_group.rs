@@ -105,9 +105,11 @@ mod with_mpi {
                 watchdog_timeout,
             } = config;
             tracing::info!("rank {rank}: model {device_note}");
+            watch_termination_signals(rank);
             let group = GroupConfig {
                 watchdog_timeout,
                 heartbeat_file: args.heartbeat_file.clone(),
+                health_grace: server.health_grace,
             };
             let device = engine.device;
             let served = group_settings(args, engine, group, size)?;
@@ -119,7 +121,6 @@ mod with_mpi {
                     "rank {rank} of {size} (pid {}): a worker, loading its shard",
                     std::process::id()
                 );
-                ignore_termination_signals(rank);
                 let bundle = load_bundle(args, Some(shard), device)()?;
                 let served = served.with_bundle(bundle);
                 group::run_worker(&self.world, served)
@@ -131,6 +132,7 @@ mod with_mpi {
                 "rank 0 of {size} (pid {}): the leader, serving HTTP",
                 std::process::id()
             );
+            explain_draining();
             serve_http(
                 args,
                 &device_note,
@@ -149,6 +151,23 @@ mod with_mpi {
                 },
             )
         }
+    }
+
+    /// Says how this group drains: OpenMPI's `mpirun` does not pass SIGTERM on (it kills the
+    /// ranks: SIGTERM after `odls_base_sigkill_timeout`, SIGKILL after twice that, then exits
+    /// 1), but it forwards SIGUSR1 to every rank at once.
+    fn explain_draining() {
+        if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+            return;
+        }
+        let timeout = std::env::var("OMPI_MCA_odls_base_sigkill_timeout")
+            .map_or_else(|_| "1 s by default".into(), |t| format!("{t} s"));
+        tracing::info!(
+            "to drain this group: SIGUSR1 to mpirun (forwarded to every rank) or SIGTERM to \
+             rank 0 (pid {}); SIGTERM to mpirun makes OpenMPI kill the ranks instead (SIGTERM \
+             after odls_base_sigkill_timeout, {timeout}, SIGKILL after twice that)",
+            std::process::id()
+        );
     }
 
     fn model_name(args: &ServeArgs) -> &str {
@@ -196,10 +215,15 @@ mod with_mpi {
         })
     }
 
-    /// A worker outlives SIGINT / SIGTERM (an orchestrator may signal every process at once):
-    /// the leader drains its requests and then stops the group, and the watchdog bounds the
-    /// wait if it never does.
-    fn ignore_termination_signals(rank: usize) {
+    /// Every process of a group outlives SIGINT, SIGTERM and SIGUSR1 and turns them into a
+    /// drain of the whole group: a worker passes the signal on to the leader with its
+    /// heartbeats, the leader's watchdog asks its server to drain, and once the requests in
+    /// flight finished the leader stops every process (exit 0). So the group drains whichever
+    /// processes were signalled: `srun` signals every task, OpenMPI's `mpirun` forwards SIGUSR1
+    /// to every rank (SIGTERM it turns into killing them), a pod's runtime signals its pod's. A
+    /// signal before the group serves is kept until it does. The watchdog bounds the wait if
+    /// the leader never stops the group.
+    fn watch_termination_signals(rank: usize) {
         let spawned = std::thread::Builder::new()
             .name("rackfill-signals".into())
             .spawn(move || {
@@ -211,9 +235,10 @@ mod with_mpi {
                 };
                 runtime.block_on(async move {
                     use tokio::signal::unix::{signal, SignalKind};
-                    let (Ok(mut term), Ok(mut int)) = (
+                    let (Ok(mut term), Ok(mut int), Ok(mut usr1)) = (
                         signal(SignalKind::terminate()),
                         signal(SignalKind::interrupt()),
+                        signal(SignalKind::user_defined1()),
                     ) else {
                         return;
                     };
@@ -221,10 +246,12 @@ mod with_mpi {
                         tokio::select! {
                             _ = term.recv() => {}
                             _ = int.recv() => {}
+                            _ = usr1.recv() => {}
                         }
+                        group::request_drain();
                         tracing::info!(
-                            "rank {rank}: termination signal ignored; the leader (rank 0) drains \
-                             and stops the group"
+                            "rank {rank}: termination signal: the leader (rank 0) drains the \
+                             group's requests and stops it"
                         );
                     }
                 });

@@ -357,19 +357,39 @@ fn a_killed_worker_stops_the_group_within_the_bound() {
 }
 
 /// SIGKILLs rank `rank` of `group` while eight requests stream, and checks that the whole group
-/// ends non-zero within a minute, no rank outliving it; returns how long it took.
+/// ends non-zero within a minute, no rank outliving it, that the leader named the rank and
+/// answered `/health` 503 before the end, and that every stream still open ended with an error
+/// event naming the rank and `[DONE]`; returns how long it took.
 fn kill_rank_under_load(group: &Group, rank: usize) -> Duration {
-    let load = group.background_load(8);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = group.background_load_of(8, 4000);
+    std::thread::sleep(Duration::from_millis(500));
     let victim = group.rank_pid(rank);
     let killed = Instant::now();
     signal(victim, "KILL");
-    let (status, took) = group.wait_exit(Duration::from_secs(60));
+    let mut first_503 = None;
+    while !group.exited() && killed.elapsed() < Duration::from_secs(60) {
+        if let Some((503, body)) = group.health_answer() {
+            first_503.get_or_insert((killed.elapsed(), body));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, _) = group.wait_exit(Duration::from_secs(60));
+    let ended = killed.elapsed();
     assert!(!status.success(), "mpirun exited 0 after a rank was killed");
-    assert!(took <= Duration::from_secs(60), "took {took:?}");
     assert!(group.all_ranks_gone(), "a rank outlived the group");
-    let _ = load.join();
-    killed.elapsed()
+    let named = format!("rank {rank} (pid {victim}) exited or was killed");
+    let log = group.log();
+    assert!(log.contains(&named), "the killed rank is not named:\n{log}");
+    let (at, body) = first_503.expect("/health never answered 503");
+    assert!(body.contains(&named), "{body}");
+    eprintln!("killed rank {rank}: /health 503 after {at:?}, the group ended after {ended:?}");
+    for outcome in load.join().expect("load thread") {
+        assert!(
+            outcome.starts_with("error: ") && outcome.contains(&named),
+            "a stream did not end with an error naming the rank: {outcome}"
+        );
+    }
+    ended
 }
 
 /// A rank killed under load while every other process maps its peer memory (the emulator's
@@ -432,50 +452,118 @@ fn an_idle_group_uses_almost_no_cpu() {
     group.stop_with_sigterm();
 }
 
+/// A worker stopped (SIGSTOP) under load: the leader, not a healthy rank blocked waiting for
+/// it, names it; `/health` answers 503 naming it from the moment it is suspected until the group
+/// goes; every open stream ends with an error event naming it and `[DONE]`, and an open
+/// non-streamed request gets a 503 naming it, before the processes end.
 #[test]
-fn a_stalled_worker_turns_health_503_and_is_named() {
+fn a_stopped_worker_under_load_is_named_and_every_request_gets_the_error() {
     if !mpirun_available() {
         return;
     }
-    let group = Group::start(4, &[], &["--watchdog-timeout", "4"]);
+    let grace = 2.0;
+    let group = Group::start(4, &[], &["--watchdog-timeout", "4", "--health-grace", "2"]);
     assert_eq!(group.health(), Some(200));
-    let victim = group.rank_pid(3);
-    signal(victim, "STOP");
-    let stopped = Instant::now();
-    let mut saw_503 = false;
-    while stopped.elapsed() < Duration::from_secs(30) && !group.exited() {
-        saw_503 |= group.health() == Some(503);
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (status, took) = group.wait_exit(Duration::from_secs(60));
-    signal(victim, "KILL");
-    assert!(!status.success());
-    assert!(saw_503, "the leader's /health never answered 503");
+    let streams = group.background_load_of(6, 4000);
+    let plain = {
+        let url_group = &group;
+        let body = json!({"prompt": "one more", "max_tokens": 4000, "ignore_eos": true});
+        std::thread::scope(|scope| {
+            let answer = scope.spawn(|| url_group.try_complete(&body));
+            std::thread::sleep(Duration::from_millis(500));
+            let victim = group.rank_pid(3);
+            signal(victim, "STOP");
+            let stopped = Instant::now();
+            let mut first_503 = None;
+            let mut verdict = None;
+            let mut bodies = Vec::new();
+            while !group.exited() && stopped.elapsed() < Duration::from_secs(60) {
+                if let Some((503, body)) = group.health_answer() {
+                    first_503.get_or_insert(stopped.elapsed());
+                    if body.contains("no heartbeat") {
+                        verdict.get_or_insert(stopped.elapsed());
+                    }
+                    bodies.push(body);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let (status, _) = group.wait_exit(Duration::from_secs(60));
+            let ended = stopped.elapsed();
+            signal(victim, "KILL");
+            assert!(!status.success());
+            let first_503 = first_503.expect("/health never answered 503");
+            eprintln!(
+                "SIGSTOP on rank 3 under load: /health 503 (suspected) after {first_503:?}, the \
+                 verdict after {verdict:?}, the group ended after {ended:?} (--watchdog-timeout \
+                 4 --health-grace 2)"
+            );
+            assert!(
+                ended - first_503 >= Duration::from_secs_f64(grace),
+                "503 for only {:?} before the end",
+                ended - first_503
+            );
+            assert!(
+                bodies.iter().all(|b| b.contains("rank 3")),
+                "a 503 does not name rank 3: {bodies:?}"
+            );
+            answer.join().expect("request thread")
+        })
+    };
     let log = group.log();
+    let stops: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("stopping the group"))
+        .collect();
     assert!(
-        log.contains("rank 3 stopped: no heartbeat"),
-        "the stalled rank is not named:\n{log}"
+        !stops.is_empty(),
+        "no rank said why the group stopped:\n{log}"
     );
-    eprintln!(
-        "stalled rank 3: the group ended {:?} after SIGSTOP",
-        took + stopped.elapsed()
-    );
+    for line in &stops {
+        assert!(
+            line.contains("rank 3 (pid") && line.contains("stopped: no heartbeat"),
+            "a rank other than 3 is blamed: {line}\n{log}"
+        );
+    }
+    let (status, body) = plain.expect("the non-streamed request got no answer");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("rank 3"), "{body}");
+    for outcome in streams.join().expect("load thread") {
+        assert!(
+            outcome.starts_with("error: ") && outcome.contains("rank 3"),
+            "a stream did not end with an error naming rank 3: {outcome}"
+        );
+    }
 }
 
-#[test]
-fn sigterm_to_the_leader_drains_and_every_process_exits_zero() {
-    if !mpirun_available() {
-        return;
+/// A drain under load, however it was asked for: every request in flight finishes, new ones
+/// get 503 (not a refused connection) while the listener stays open, `/health` answers 503,
+/// and every process exits 0. `ask` signals the group; `--health-grace 3` keeps the listener
+/// open long enough to look.
+fn drains_under_load(group: Group, ask: impl FnOnce(&Group)) {
+    let load = group.background_load_of(8, 128);
+    std::thread::sleep(Duration::from_millis(300));
+    let asked = Instant::now();
+    ask(&group);
+    let mut refused_new = None;
+    let mut health = None;
+    while asked.elapsed() < Duration::from_secs(2) && (refused_new.is_none() || health.is_none()) {
+        std::thread::sleep(Duration::from_millis(100));
+        if let Some((503, body)) = group.try_complete(&json!({"prompt": "late", "max_tokens": 1})) {
+            refused_new.get_or_insert(body);
+        }
+        if let Some((503, body)) = group.health_answer() {
+            health.get_or_insert(body);
+        }
     }
-    let group = Group::start(4, &[], &[]);
-    let load = group.background_load(8);
-    std::thread::sleep(Duration::from_millis(200));
-    signal(group.rank_pid(0), "TERM");
     let (status, _) = group.wait_exit(SERVE_TIMEOUT);
+    let drained = asked.elapsed();
     let outcomes = load.join().expect("load thread");
-    assert!(status.success(), "mpirun exit {status:?}:\n{}", group.log());
-    // Nothing in flight was lost: every request finished (or was refused before it started),
-    // and the drain really had requests in flight to finish.
+    assert!(status.success(), "exit {status:?}:\n{}", group.log());
+    let refused_new = refused_new.expect("a new request during the drain got no 503");
+    assert!(refused_new.contains("shutting down"), "{refused_new}");
+    let health = health.expect("/health never answered 503 during the drain");
+    assert!(health.contains("shutting down"), "{health}");
+    // Nothing in flight was lost, and the drain really had requests in flight to finish.
     assert!(
         outcomes.iter().any(|o| o == "finished"),
         "no request was in flight: {outcomes:?}"
@@ -486,4 +574,45 @@ fn sigterm_to_the_leader_drains_and_every_process_exits_zero() {
             "{outcome}"
         );
     }
+    eprintln!("drained and exited 0 in {drained:?} (--health-grace 3)");
+}
+
+/// What `srun` on `scancel` and pods' runtimes do: SIGTERM to every process at once. The workers
+/// pass it on to the leader, which drains the group.
+#[test]
+fn sigterm_to_every_rank_drains_the_group_and_every_process_exits_zero() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::start(4, &[], &["--health-grace", "3"]);
+    drains_under_load(group, |group| {
+        for rank in (0..4).rev() {
+            signal(group.rank_pid(rank), "TERM");
+        }
+    });
+}
+
+/// Bare `mpirun`: it forwards SIGUSR1 to every rank at once (SIGTERM it turns into killing
+/// them), and the group drains on it.
+#[test]
+fn sigusr1_to_mpirun_drains_the_group_and_mpirun_exits_zero() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::start(4, &[], &["--health-grace", "3"]);
+    assert!(group
+        .log()
+        .contains("to drain this group: SIGUSR1 to mpirun"));
+    drains_under_load(group, |group| signal(group.launcher_pid(), "USR1"));
+}
+
+/// The launcher the project ships (`deploy/one-host.sh`, a container's entry point): SIGTERM to
+/// it drains the group and it exits 0.
+#[test]
+fn sigterm_to_the_one_host_launcher_drains_the_group_and_it_exits_zero() {
+    if !mpirun_available() {
+        return;
+    }
+    let group = Group::launch_script("deploy/one-host.sh", 4, &["--health-grace", "3"]);
+    drains_under_load(group, |group| signal(group.launcher_pid(), "TERM"));
 }

@@ -6,7 +6,7 @@
 //! through a cloneable [`EngineHandle`], and read events from an unbounded tokio channel per
 //! sequence; dropping the receiver cancels the sequence at the next step.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -19,6 +19,7 @@ use tokio::sync::mpsc as events;
 use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::fabric::LocalFabric;
+use crate::health::EngineHealth;
 use crate::metrics;
 use crate::model_device::ModelDevice;
 use crate::model_weights::ModelWeights;
@@ -84,8 +85,8 @@ pub(crate) struct EngineThread {
     pub(crate) commands: Receiver<Command>,
     /// Sequences not yet admitted (the thread lowers it as it admits or drops them).
     pub(crate) queued: Arc<AtomicUsize>,
-    /// Cleared when the engine can no longer serve (health checks fail).
-    pub(crate) alive: Arc<AtomicBool>,
+    /// Whether the engine can serve, and why not (what health checks report).
+    pub(crate) health: Arc<EngineHealth>,
 }
 
 struct Shared {
@@ -95,17 +96,17 @@ struct Shared {
     next_id: AtomicU64,
     /// Sequences not yet admitted: in the channel or waiting in the scheduler.
     queued: Arc<AtomicUsize>,
-    alive: Arc<AtomicBool>,
+    health: Arc<EngineHealth>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// Whether the engine thread runs: set while an `AliveFlag` lives, cleared when it is dropped,
 /// which happens when the thread's loop returns and when it unwinds from a panic.
-struct AliveFlag(Arc<AtomicBool>);
+struct AliveFlag(Arc<EngineHealth>);
 
 impl Drop for AliveFlag {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.0.set_stopped();
     }
 }
 
@@ -169,19 +170,19 @@ impl EngineHandle {
         };
         let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1));
         let queued = Arc::new(AtomicUsize::new(0));
-        let alive = Arc::new(AtomicBool::new(true));
+        let health = Arc::new(EngineHealth::new());
         let thread = {
             let engine_thread = EngineThread {
                 commands: rx,
                 queued: Arc::clone(&queued),
-                alive: Arc::clone(&alive),
+                health: Arc::clone(&health),
             };
             std::thread::Builder::new()
                 .name("rackfill-engine".into())
                 .spawn(move || {
                     // Cleared when the loop ends, also when it panics: health checks then fail
                     // and submissions get `Unavailable` instead of waiting on a dead thread.
-                    let _alive = AliveFlag(Arc::clone(&engine_thread.alive));
+                    let _alive = AliveFlag(Arc::clone(&engine_thread.health));
                     body(engine_thread);
                 })
                 .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?
@@ -193,7 +194,7 @@ impl EngineHandle {
                 tokenizer,
                 next_id: AtomicU64::new(1),
                 queued,
-                alive,
+                health,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -211,7 +212,13 @@ impl EngineHandle {
 
     /// Whether the engine thread is running.
     pub fn is_alive(&self) -> bool {
-        self.shared.alive.load(Ordering::Acquire)
+        self.shared.health.is_alive()
+    }
+
+    /// Whether the engine can serve, why not, and what its group reports (a rank suspected,
+    /// the group about to stop, a stop asked for by another process).
+    pub fn health(&self) -> &Arc<EngineHealth> {
+        &self.shared.health
     }
 
     /// Checks the sequences of one request against the served model and the engine's limits
@@ -472,13 +479,13 @@ mod tests {
 
     #[test]
     fn the_alive_flag_clears_when_its_thread_panics() {
-        let alive = Arc::new(AtomicBool::new(true));
-        let flag = AliveFlag(Arc::clone(&alive));
+        let health = Arc::new(EngineHealth::new());
+        let flag = AliveFlag(Arc::clone(&health));
         let thread = std::thread::spawn(move || {
             let _flag = flag;
             panic!("engine step failed");
         });
         assert!(thread.join().is_err());
-        assert!(!alive.load(Ordering::Acquire));
+        assert!(!health.is_alive());
     }
 }

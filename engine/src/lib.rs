@@ -20,6 +20,7 @@ pub mod error;
 pub mod fabric;
 #[cfg(feature = "mpi")]
 pub mod group;
+pub mod health;
 pub mod metrics;
 pub mod model_device;
 pub mod model_weights;
@@ -37,6 +38,7 @@ pub mod validation;
 pub use engine::{EngineConfig, EngineHandle, EngineInfo};
 pub use ep::{EpConfig, EpRuntime, LayerReport, StepOutput};
 pub use error::{EngineError, Result};
+pub use health::EngineHealth;
 pub use model_device::ModelDevice;
 pub use model_weights::ModelWeights;
 pub use plane::PhaseTimes;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rackfill_engine::{
-    EngineError, EngineHandle, GenerateRequest, RequestError, RequestLimits, RequestStream,
-    ValidatedRequest,
+    EngineError, EngineHandle, EngineHealth, GenerateRequest, RequestError, RequestLimits,
+    RequestStream, ValidatedRequest,
 };
 use rackfill_models::{ChatMessage, ChatTemplate, GenerationConfig, Tokenizer};
 
@@ -75,8 +75,10 @@ pub trait Backend: Send + Sync + 'static {
     /// The vocabulary string of a token (`Ġthe`), `None` for an id without one; cheap.
     fn token_str(&self, id: u32) -> Option<String>;
 
-    /// Whether requests can be served now.
-    fn is_healthy(&self) -> bool;
+    /// Whether requests can be served now and why not; also says when the engine's group is
+    /// about to stop (the server then answers every open request with the reason) and when
+    /// another process of the group was asked to stop (the server then drains).
+    fn health(&self) -> &EngineHealth;
 
     /// Lets in-flight work finish and stops the backend (blocking).
     fn shutdown(&self);
@@ -204,8 +206,8 @@ impl Backend for EngineBackend {
         self.tokenizer.token_str(id)
     }
 
-    fn is_healthy(&self) -> bool {
-        self.engine.is_alive()
+    fn health(&self) -> &EngineHealth {
+        self.engine.health()
     }
 
     fn shutdown(&self) {

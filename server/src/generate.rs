@@ -90,10 +90,11 @@ impl Timing {
     }
 }
 
-/// Resolves once the server aborts in-flight requests (drain timeout).
-pub(crate) async fn aborted(mut abort: watch::Receiver<bool>) {
+/// Resolves once the server aborts in-flight requests (drain timeout, or the engine's group
+/// about to stop).
+pub(crate) async fn aborted(mut abort: watch::Receiver<Option<String>>) {
     loop {
-        if *abort.borrow_and_update() {
+        if abort.borrow_and_update().is_some() {
             return;
         }
         if abort.changed().await.is_err() {
@@ -102,8 +103,10 @@ pub(crate) async fn aborted(mut abort: watch::Receiver<bool>) {
     }
 }
 
-fn shutting_down() -> ApiError {
-    ApiError::Unavailable("the server is shutting down; the request was cancelled".into())
+/// The error of a request the server aborted, saying why.
+fn cancelled(abort: &watch::Receiver<Option<String>>) -> ApiError {
+    let why = abort.borrow().clone();
+    ApiError::Unavailable(why.unwrap_or_else(|| "the request was cancelled".into()))
 }
 
 fn engine_gone() -> ApiError {
@@ -127,7 +130,8 @@ pub(crate) async fn collect_all(
     seqs: Vec<Seq>,
     timing: &mut Timing,
 ) -> Result<Vec<Output>, ApiError> {
-    let abort = aborted(state.abort_receiver());
+    let abort_reason = state.abort_receiver();
+    let abort = aborted(abort_reason.clone());
     tokio::pin!(abort);
     let mut outputs = Vec::with_capacity(seqs.len());
     // Holding every stream until the end keeps the not-yet-read sequences alive.
@@ -152,7 +156,7 @@ pub(crate) async fn collect_all(
                 event = seq.stream.events.recv() => event,
                 () = &mut abort => {
                     timing.failed("abort");
-                    return Err(shutting_down());
+                    return Err(cancelled(&abort_reason));
                 }
             };
             match event {
@@ -237,7 +241,7 @@ enum Delivery {
 /// signal, and how long an event may wait for a client that does not read.
 struct Outbox {
     tx: mpsc::Sender<SseEvent>,
-    abort: watch::Receiver<bool>,
+    abort: watch::Receiver<Option<String>>,
     write_timeout: Duration,
 }
 
@@ -278,7 +282,7 @@ impl Outbox {
                 stopped => {
                     timing.failed("abort");
                     if stopped == Delivery::Aborted {
-                        *failure = Some(shutting_down());
+                        *failure = Some(cancelled(&self.abort));
                     }
                     return stopped;
                 }
@@ -339,7 +343,7 @@ pub(crate) fn stream_response<F: ChunkFormat>(
                 }
                 () = aborted(outbox.abort.clone()) => {
                     timing.failed("abort");
-                    failure = Some(shutting_down());
+                    failure = Some(cancelled(&outbox.abort));
                     break;
                 }
                 item = merged.next() => item,
@@ -385,7 +389,7 @@ pub(crate) fn stream_response<F: ChunkFormat>(
         // The remaining sequences (on failure) are cancelled here, before the last events.
         drop(merged);
         timing.done();
-        let aborting = *outbox.abort.borrow();
+        let aborting = outbox.abort.borrow().is_some();
         let last = match failure {
             Some(err) => {
                 tracing::warn!(%err, "stream failed after it started");

@@ -145,6 +145,11 @@ pub struct ServerConfig {
     /// How long [`serve`] lets in-flight requests finish after the shutdown signal before
     /// cancelling them (default 30 s).
     pub shutdown_timeout: Duration,
+    /// How long, at least, a draining server keeps its listener open answering `/health` and
+    /// new generation requests with 503 (at most `shutdown_timeout`), so that a load balancer's
+    /// probes take it out before connections are refused (default 0 here; `rackfill serve
+    /// --health-grace` defaults to 5 s).
+    pub health_grace: Duration,
 }
 
 impl Default for ServerConfig {
@@ -157,6 +162,7 @@ impl Default for ServerConfig {
             read_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
+            health_grace: Duration::ZERO,
         }
     }
 }
@@ -167,7 +173,8 @@ struct Inner {
     admission: Arc<Semaphore>,
     metrics: Option<PrometheusHandle>,
     draining: AtomicBool,
-    abort: watch::Sender<bool>,
+    /// Why in-flight requests are being aborted, once they are.
+    abort: watch::Sender<Option<String>>,
 }
 
 /// Everything the handlers share; cheap to clone.
@@ -180,7 +187,7 @@ impl AppState {
     /// Serves `backend` with `config`. Installs the process-wide Prometheus recorder on first
     /// use (see [`metrics::install`]).
     pub fn new(backend: Arc<dyn Backend>, config: ServerConfig) -> Self {
-        let (abort, _) = watch::channel(false);
+        let (abort, _) = watch::channel(None);
         Self {
             inner: Arc::new(Inner {
                 admission: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
@@ -251,10 +258,33 @@ impl AppState {
 
     /// Cancels every in-flight generation request (each gets a 503 or a final error event).
     pub fn abort_in_flight(&self) {
-        self.inner.abort.send_replace(true);
+        self.abort_with("the server is shutting down; the request was cancelled".into());
     }
 
-    pub(crate) fn abort_receiver(&self) -> watch::Receiver<bool> {
+    /// The engine's group is about to stop because of `why`: refuses new work and answers
+    /// every in-flight request with a 503 or a final error event naming the cause.
+    pub fn fail_in_flight(&self, why: &str) {
+        tracing::error!(
+            in_flight = self.in_flight(),
+            "{why}: answering in-flight requests"
+        );
+        self.begin_drain();
+        self.abort_with(format!(
+            "the engine's group is stopping ({why}); the request was cancelled"
+        ));
+    }
+
+    /// Aborts in-flight requests with `why`, unless they were aborted already.
+    fn abort_with(&self, why: String) {
+        self.inner.abort.send_if_modified(|abort| {
+            abort.is_none() && {
+                *abort = Some(why);
+                true
+            }
+        });
+    }
+
+    pub(crate) fn abort_receiver(&self) -> watch::Receiver<Option<String>> {
         self.inner.abort.subscribe()
     }
 
@@ -321,55 +351,37 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves `router(state)` on `listener` until `shutdown` resolves, then: stops accepting,
-/// refuses new generation requests (503), lets in-flight ones finish for up to
-/// `shutdown_timeout`, cancels whatever is left, and finally shuts the backend down (blocking
-/// work, done off the runtime). Returns once all of that is done.
+/// Serves `router(state)` on `listener` until `shutdown` resolves (or the backend's group asks
+/// to stop), then drains: refuses new generation requests and fails `/health` (503), lets
+/// in-flight requests finish for up to `shutdown_timeout` and cancels whatever is left, keeps
+/// the listener open answering those 503s for at least `health_grace`, and finally shuts the
+/// backend down (blocking work, done off the runtime). When the backend's group is about to
+/// stop, every in-flight request is answered at once with the reason. Returns once all of that
+/// is done.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let (signalled_tx, mut signalled) = watch::channel(false);
-    let drain_state = state.clone();
-    let signal = async move {
-        shutdown.await;
-        tracing::info!(
-            in_flight = drain_state.in_flight(),
-            "shutdown requested: draining in-flight requests"
-        );
-        drain_state.begin_drain();
-        signalled_tx.send_replace(true);
-    };
-    let server = listen::serve_until(listener, router(state.clone()), state.config(), signal);
+    tokio::spawn(answer_on_failure(state.clone()));
+    let (drained_tx, mut drained) = watch::channel(false);
+    let close = drain(state.clone(), shutdown, drained_tx);
+    let server = listen::serve_until(listener, router(state.clone()), state.config(), close);
     tokio::pin!(server);
-    let timeout = state.config().shutdown_timeout;
-    let drain_deadline = async {
-        while !*signalled.borrow_and_update() {
-            if signalled.changed().await.is_err() {
+    let cancelled = async {
+        while !*drained.borrow_and_update() {
+            if drained.changed().await.is_err() {
                 std::future::pending::<()>().await;
             }
         }
-        tokio::time::sleep(timeout).await;
     };
-    let finished = tokio::select! {
-        result = &mut server => Some(result),
-        () = drain_deadline => None,
-    };
-    let result = match finished {
-        Some(result) => result,
-        None => {
-            tracing::warn!(
-                in_flight = state.in_flight(),
-                "shutdown timeout reached: cancelling in-flight requests"
-            );
-            state.abort_in_flight();
-            // Aborted requests send their error and close; give them a moment.
-            match tokio::time::timeout(Duration::from_secs(2), &mut server).await {
-                Ok(result) => result,
-                Err(_) => Ok(()),
-            }
-        }
+    let result = tokio::select! {
+        result = &mut server => result,
+        // Aborted requests send their error and close; give them a moment.
+        () = cancelled => match tokio::time::timeout(Duration::from_secs(2), &mut server).await {
+            Ok(result) => result,
+            Err(_) => Ok(()),
+        },
     };
     let backend = Arc::clone(state.backend());
     let _ = tokio::task::spawn_blocking(move || backend.shutdown()).await;
@@ -377,12 +389,67 @@ pub async fn serve(
     result
 }
 
+/// How often a drain checks whether it is done.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// Resolves when the listener must close: after `shutdown` (or the group's stop request), once
+/// nothing is in flight and `health_grace` has passed, or at `shutdown_timeout`, when whatever
+/// is left is cancelled (then `cancelled` is set).
+async fn drain(
+    state: AppState,
+    shutdown: impl Future<Output = ()>,
+    cancelled: watch::Sender<bool>,
+) {
+    let mut requested = state.backend().health().watch_stop_request();
+    tokio::select! {
+        () = shutdown => {}
+        _ = requested.wait_for(|stop| *stop) => {
+            tracing::info!("the engine's group asked to stop");
+        }
+    }
+    tracing::info!(
+        in_flight = state.in_flight(),
+        "shutdown requested: draining in-flight requests"
+    );
+    state.begin_drain();
+    let config = state.config();
+    let started = tokio::time::Instant::now();
+    let deadline = started + config.shutdown_timeout;
+    let grace = started + config.health_grace.min(config.shutdown_timeout);
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            tracing::warn!(
+                in_flight = state.in_flight(),
+                "shutdown timeout reached: cancelling in-flight requests"
+            );
+            state.abort_in_flight();
+            cancelled.send_replace(true);
+            return;
+        }
+        if state.in_flight() == 0 && now >= grace {
+            return;
+        }
+        tokio::time::sleep(DRAIN_POLL).await;
+    }
+}
+
+/// Answers every in-flight request with the reason once the backend's group is about to stop.
+async fn answer_on_failure(state: AppState) {
+    let mut failure = state.backend().health().watch_failure();
+    let why = match failure.wait_for(Option::is_some).await {
+        Ok(why) => why.clone().unwrap_or_default(),
+        Err(_) => return,
+    };
+    state.fail_in_flight(&why);
+}
+
 async fn health(State(state): State<AppState>) -> Response {
+    if let Err(why) = state.backend().health().check() {
+        return ApiError::Unavailable(why).into_response();
+    }
     if state.is_draining() {
         return ApiError::Unavailable("the server is shutting down".into()).into_response();
-    }
-    if !state.backend().is_healthy() {
-        return ApiError::Unavailable("the engine is not running".into()).into_response();
     }
     Json(api_types::Health { status: "ok" }).into_response()
 }

@@ -1526,7 +1526,48 @@ async fn graceful_shutdown_drains_in_flight() {
     let addr = server.addr;
     let state = server.state.clone();
     server.join().await.unwrap();
-    assert!(!state.backend().is_healthy(), "the engine was shut down");
+    assert!(
+        !state.backend().health().is_alive(),
+        "the engine was shut down"
+    );
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+/// While it drains, the server keeps its listener open for `health_grace` after the last
+/// request finished: new connections get 503 (generation and `/health`), not a refused
+/// connection, so a load balancer's probes see it go; then the listener closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_server_answers_503_for_the_health_grace_then_closes() {
+    let grace = Duration::from_millis(1500);
+    let mut server = TestServer::start(ServerConfig {
+        health_grace: grace,
+        ..ServerConfig::default()
+    })
+    .await;
+    assert_eq!(server.get("/health").await.0, 200);
+    server.trigger_shutdown();
+    let asked = std::time::Instant::now();
+    wait_until(|| server.state.is_draining()).await;
+    // A fresh client: a new connection, as a prober or a new user opens.
+    let fresh = reqwest::Client::new();
+    let health = fresh.get(server.url("/health")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 503);
+    let body: Value = health.json().await.unwrap();
+    assert_eq!(body["error"]["message"], "the server is shutting down");
+    let late = fresh
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": PROMPT, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(late.status().as_u16(), 503);
+    let addr = server.addr;
+    server.join().await.unwrap();
+    assert!(
+        asked.elapsed() >= grace,
+        "closed after {:?}",
+        asked.elapsed()
+    );
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
 }
 
@@ -1833,6 +1874,9 @@ async fn shutdown_timeout_cancels_a_stream_whose_client_stopped_reading() {
         .await
         .expect("serve returns soon after the shutdown timeout")
         .unwrap();
-    assert!(!state.backend().is_healthy(), "the engine was shut down");
+    assert!(
+        !state.backend().health().is_alive(),
+        "the engine was shut down"
+    );
     drop(stream);
 }

@@ -83,11 +83,39 @@ pub struct Finished {
 impl Served {
     /// `mpirun -np N rackfill serve --port 0 FLAGS GROUP_FLAGS`, once the leader listens.
     pub fn start(np: usize, flags: &[&str], group_flags: &[&str]) -> Self {
+        Self::start_with(&[], np, flags, group_flags)
+    }
+
+    /// [`Served::start`] with `MPIRUN_FLAGS` before `-np`.
+    pub fn start_with(
+        mpirun_flags: &[&str],
+        np: usize,
+        flags: &[&str],
+        group_flags: &[&str],
+    ) -> Self {
         let log = log_path("group");
         let mut cmd = mpirun();
-        cmd.args(["-np", &np.to_string(), BIN, "serve", "--port", "0"])
+        cmd.args(mpirun_flags)
+            .args(["-np", &np.to_string(), BIN, "serve", "--port", "0"])
+            .args(short_grace(flags, group_flags))
             .args(flags)
             .args(group_flags);
+        Self::spawn(cmd, log, true)
+    }
+
+    /// `SCRIPT --port 0 FLAGS` (a launcher of the repository's `deploy/`, which runs `mpirun`
+    /// with `np` ranks of this build), once the leader listens.
+    pub fn launch_script(script: &str, np: usize, flags: &[&str]) -> Self {
+        let log = log_path("script");
+        let session = log_path("session").with_extension("d");
+        std::fs::create_dir_all(&session).expect("session directory");
+        let mut cmd = Command::new("bash");
+        cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(script))
+            .args(["--port", "0"])
+            .args(flags)
+            .env("RACKFILL_BIN", BIN)
+            .env("RACKFILL_RANKS", np.to_string())
+            .env("OMPI_MCA_orte_tmpdir_base", &session);
         Self::spawn(cmd, log, true)
     }
 
@@ -95,7 +123,9 @@ impl Served {
     pub fn single(flags: &[&str]) -> Self {
         let log = log_path("single");
         let mut cmd = Command::new(BIN);
-        cmd.args(["serve", "--port", "0"]).args(flags);
+        cmd.args(["serve", "--port", "0"])
+            .args(short_grace(flags, &[]))
+            .args(flags);
         Self::spawn(cmd, log, false)
     }
 
@@ -180,6 +210,11 @@ impl Served {
         }
     }
 
+    /// The launched process: `mpirun`, or the one server.
+    pub fn launcher_pid(&self) -> u32 {
+        self.child.lock().unwrap().id()
+    }
+
     /// Whether the launched process (`mpirun`, or the one server) has exited.
     pub fn exited(&self) -> bool {
         self.child
@@ -237,18 +272,38 @@ impl Served {
 
     /// `/health`'s status, `None` when nothing answers.
     pub fn health(&self) -> Option<u16> {
-        let url = self.url("/health");
+        self.health_answer().map(|(status, _)| status)
+    }
+
+    /// `/health`'s status and body, `None` when nothing answers.
+    pub fn health_answer(&self) -> Option<(u16, String)> {
+        self.get(self.url("/health"))
+    }
+
+    /// A completion request's status and body, `None` when nothing answers (connection
+    /// refused or reset).
+    pub fn try_complete(&self, body: &Value) -> Option<(u16, String)> {
+        let (url, body) = (self.url("/v1/completions"), body.clone());
+        self.runtime.block_on(async move {
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .ok()?;
+            let r = client.post(url).json(&body).send().await.ok()?;
+            let status = r.status().as_u16();
+            Some((status, r.text().await.ok()?))
+        })
+    }
+
+    fn get(&self, url: String) -> Option<(u16, String)> {
         self.runtime.block_on(async move {
             let client = reqwest::Client::builder()
                 .timeout(Duration::from_secs(2))
                 .build()
                 .ok()?;
-            client
-                .get(url)
-                .send()
-                .await
-                .ok()
-                .map(|r| r.status().as_u16())
+            let r = client.get(url).send().await.ok()?;
+            let status = r.status().as_u16();
+            Some((status, r.text().await.ok()?))
         })
     }
 
@@ -293,9 +348,10 @@ impl Served {
         })
     }
 
-    /// `n` streamed completions sent at once on another thread; each ends as `finished`
-    /// (its stream reached `[DONE]` after a finish reason), `refused <status>`, or `lost: why`.
-    pub fn background_load(&self, n: usize) -> JoinHandle<Vec<String>> {
+    /// `n` streamed completions of `max_tokens` each sent at once on another thread; each ends
+    /// as `finished` (its stream reached `[DONE]` after a finish reason), `error: EVENT` (it
+    /// ended with an error event and `[DONE]`), `refused <status>`, or `lost: why`.
+    pub fn background_load_of(&self, n: usize, max_tokens: u32) -> JoinHandle<Vec<String>> {
         let url = self.url("/v1/completions");
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -309,7 +365,7 @@ impl Served {
                     async move {
                         let body = json!({
                             "prompt": format!("request {i}: the quick brown fox"),
-                            "max_tokens": 48, "ignore_eos": true, "stream": true,
+                            "max_tokens": max_tokens, "ignore_eos": true, "stream": true,
                         });
                         let r = match client.post(url).json(&body).send().await {
                             Ok(r) => r,
@@ -324,6 +380,16 @@ impl Served {
                                     && text.trim_end().ends_with("data: [DONE]") =>
                             {
                                 "finished".into()
+                            }
+                            Ok(text) if text.trim_end().ends_with("data: [DONE]") => {
+                                let last = text
+                                    .lines()
+                                    .rfind(|l| l.starts_with("data: {\"error\""))
+                                    .map(str::to_owned);
+                                last.map_or_else(
+                                    || format!("lost: {text}"),
+                                    |e| format!("error: {e}"),
+                                )
                             }
                             Ok(text) => format!("lost: {text}"),
                             Err(e) => format!("lost: {e}"),
@@ -383,6 +449,19 @@ fn finish(mut cmd: Command) -> Finished {
     Finished {
         status,
         stderr: std::fs::read_to_string(&log).unwrap_or_default(),
+    }
+}
+
+/// `--health-grace 0.2` unless the flags set it: the tests' drains need not wait for a load
+/// balancer.
+fn short_grace(flags: &[&str], group_flags: &[&str]) -> Vec<&'static str> {
+    match flags
+        .iter()
+        .chain(group_flags)
+        .any(|f| *f == "--health-grace")
+    {
+        true => vec![],
+        false => vec!["--health-grace", "0.2"],
     }
 }
 

@@ -12,7 +12,7 @@
 //! also the group's heartbeat.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,13 +20,14 @@ use std::time::{Duration, Instant};
 use rackfill_models::Tokenizer;
 use tokio::sync::mpsc as events;
 
-use super::watchdog::Progress;
+use super::progress::Progress;
 use ::metrics::gauge;
 
 use super::wire::{Control, ControlPlane, HandOff, RankGauges, Report, LEADER};
 use crate::engine::{fallback_seed, record_routing, Command};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
+use crate::health::EngineHealth;
 use crate::metrics;
 use crate::prefix_cache::{
     choose_rank, reusable_tokens, BlockHash, IndexChange, PrefixCacheStats, RankOffer,
@@ -45,6 +46,8 @@ pub struct Lockstep {
     scheduler: Scheduler,
     control: ControlPlane,
     progress: Arc<Progress>,
+    /// This process's health: a failed round fails it, and the watchdog stops the group.
+    health: Arc<EngineHealth>,
     tokenizer: Arc<Tokenizer>,
     eos: Arc<[u32]>,
     /// Workers: the event streams of the sequences they run for the leader, by id.
@@ -55,20 +58,20 @@ pub struct Lockstep {
     watchdog: std::thread::JoinHandle<()>,
 }
 
-/// What a process steps with: its ranks' runtime and scheduler, the control plane, and the
-/// progress its watchdog watches.
+/// What a process steps with: its ranks' runtime and scheduler, the control plane, the
+/// progress its watchdog watches and the health it reports to.
 pub struct Stepper {
     pub runtime: EpRuntime,
     pub scheduler: Scheduler,
     pub control: ControlPlane,
     pub progress: Arc<Progress>,
+    pub health: Arc<EngineHealth>,
 }
 
 /// What only the leader keeps.
 pub struct Leader {
     pub commands: Receiver<Command>,
     pub queued: Arc<AtomicUsize>,
-    pub alive: Arc<AtomicBool>,
     pub recorder: Option<RoutingRecorder>,
     pub step: u64,
     /// Sequences running on other ranks, by id.
@@ -96,14 +99,12 @@ impl Leader {
     pub fn new(
         commands: Receiver<Command>,
         queued: Arc<AtomicUsize>,
-        alive: Arc<AtomicBool>,
         recorder: Option<RoutingRecorder>,
         ranks: usize,
     ) -> Self {
         Self {
             commands,
             queued,
-            alive,
             recorder,
             step: 0,
             remote: HashMap::new(),
@@ -148,6 +149,7 @@ impl Lockstep {
             scheduler,
             control,
             progress,
+            health,
         } = stepper;
         let mut scheduler = scheduler;
         scheduler.journal_index_changes();
@@ -156,6 +158,7 @@ impl Lockstep {
             scheduler,
             control,
             progress,
+            health,
             tokenizer,
             eos: eos.into(),
             outboxes: BTreeMap::new(),
@@ -165,15 +168,20 @@ impl Lockstep {
     }
 
     /// Runs rounds until the leader says stop. An error (a failed step, a broken message)
-    /// stops the whole group: its processes cannot stay in step after it.
+    /// stops the whole group, since its processes cannot stay in step after it: this thread
+    /// fails the process's health and waits, and the watchdog stops the group (on the leader,
+    /// after every open request got the error; on a worker, once the leader, which learns of
+    /// the failure from the round's report, says so).
     pub fn run(mut self) {
         loop {
             match self.round() {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(err) => {
-                    let alive = self.leader.as_ref().map(|l| Arc::clone(&l.alive));
-                    self.control.abort(&err.to_string(), alive.as_deref());
+                    self.health.fail(&err.to_string());
+                    loop {
+                        std::thread::park();
+                    }
                 }
             }
         }
@@ -195,10 +203,20 @@ impl Lockstep {
         let control = match self.leader.is_some() {
             true => {
                 let control = self.leader_control();
+                if control.stop {
+                    // Workers leave as soon as they read it: no longer a fault.
+                    self.progress.finish();
+                }
                 self.progress.tick("broadcasting the control message");
+                let _waiting = self.progress.waiting_on_group();
                 self.control.broadcast(Some(&control))?
             }
-            false => self.control.broadcast(None)?,
+            false => {
+                self.progress
+                    .tick("waiting for the leader's control message");
+                let _waiting = self.progress.waiting_on_group();
+                self.control.broadcast(None)?
+            }
         };
         self.progress.tick("applying the leader's control message");
         if control.stop {
@@ -211,6 +229,7 @@ impl Lockstep {
             false => {
                 let failed = round.failed.clone();
                 let report = self.report(&round);
+                let _waiting = self.progress.waiting_on_group();
                 self.control.send_report(&report)?;
                 if let Some(why) = failed {
                     return Err(EngineError::Fabric(format!(
@@ -370,7 +389,11 @@ impl Lockstep {
             left_waiting: 0,
             failed: None,
         };
-        if self.control.any(!self.scheduler.is_idle()) {
+        let any_work = {
+            let _waiting = self.progress.waiting_on_group();
+            self.control.any(!self.scheduler.is_idle())
+        };
+        if any_work {
             self.progress.tick("stepping with the group");
             let started = Instant::now();
             match self.scheduler.step_with_group(&mut self.runtime) {
@@ -437,7 +460,10 @@ impl Lockstep {
         for rank in 1..size {
             self.progress
                 .tick(format!("waiting for rank {rank}'s report"));
-            let report = self.control.receive_report(rank)?;
+            let report = {
+                let _waiting = self.progress.waiting_on_group();
+                self.control.receive_report(rank)?
+            };
             let leader = self.leader_mut();
             for (id, batch) in report.events {
                 let Some(remote) = leader.remote.get(&id) else {

@@ -13,8 +13,11 @@
 //! At start the processes check that they agree on the model, the balancer, the layout and the
 //! scheduler, so a mislaunched group fails at once with one line instead of computing garbage.
 
+mod heartbeat;
 mod lockstep;
+mod progress;
 mod watchdog;
+mod watched;
 mod wire;
 mod world;
 
@@ -23,6 +26,7 @@ use std::sync::Arc;
 
 use rackfill_models::Tokenizer;
 
+pub use progress::request_drain;
 pub use watchdog::GroupConfig;
 pub use world::MpiWorld;
 
@@ -30,10 +34,12 @@ use crate::engine::{new_scheduler, open_recorder, EngineConfig, EngineHandle};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
+use crate::health::EngineHealth;
 use crate::model_weights::ModelWeights;
 use lockstep::{Leader, Lockstep, Stepper};
-use watchdog::Progress;
-use wire::ControlPlane;
+use progress::Progress;
+use watched::Watched;
+use wire::{ControlPlane, LEADER};
 
 /// What a process of the group serves: the same on every process (checked at start).
 pub struct GroupModel {
@@ -49,7 +55,8 @@ pub struct GroupModel {
 /// Joins the group as its leader (world rank 0) and starts the engine thread that steps it; the
 /// returned handle is what the HTTP server talks to, as with one process.
 pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle> {
-    let joined = join(world, &served)?;
+    // Replaced by the engine thread's own health once it starts.
+    let joined = join(world, &served, Arc::default())?;
     let recorder = open_recorder(&served.config)?;
     let (tokenizer, eos) = (Arc::clone(&served.tokenizer), served.eos.clone());
     EngineHandle::start(
@@ -60,21 +67,27 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
         move |thread| {
             // Moved whole (not field by field): `Joined` is what is Send.
             let joined = joined;
-            let Joined { stepper, heart } = joined;
+            let Joined {
+                mut stepper,
+                heart,
+                pids,
+            } = joined;
+            // The server watches the handle's health: the group reports through it.
+            stepper.health = thread.health;
             let leader = Leader::new(
                 thread.commands,
                 thread.queued,
-                Arc::clone(&thread.alive),
                 recorder,
                 stepper.control.size(),
             );
             let progress = Arc::clone(&stepper.progress);
-            let watchdog = match watchdog::spawn(heart, progress, Some(thread.alive), served.group)
-            {
+            let health = Arc::clone(&stepper.health);
+            let watchdog = match watchdog::spawn(heart, progress, health, pids, served.group) {
                 Ok(watchdog) => watchdog,
-                Err(err) => stepper
-                    .control
-                    .abort(&format!("cannot start the watchdog thread: {err}"), None),
+                Err(err) => {
+                    tracing::error!("rackfill: cannot start the watchdog thread: {err}");
+                    std::process::exit(3)
+                }
             };
             Lockstep::new(
                 stepper,
@@ -90,18 +103,25 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
 
 /// Joins the group as a worker (world rank > 0) and steps with it until the leader stops it.
 pub fn run_worker(world: &MpiWorld, served: GroupModel) -> Result<()> {
-    let Joined { stepper, heart } = join(world, &served)?;
+    let health = Arc::new(EngineHealth::new());
+    let Joined {
+        stepper,
+        heart,
+        pids,
+    } = join(world, &served, Arc::clone(&health))?;
     let progress = Arc::clone(&stepper.progress);
-    let watchdog = watchdog::spawn(heart, progress, None, served.group)
+    let watchdog = watchdog::spawn(heart, progress, health, pids, served.group)
         .map_err(|e| EngineError::Config(format!("cannot start the watchdog thread: {e}")))?;
     Lockstep::new(stepper, served.tokenizer, served.eos, None, watchdog).run();
     Ok(())
 }
 
-/// A process's part of the group, ready to step, and the communicator of its heartbeats.
+/// A process's part of the group, ready to step, the communicator of its heartbeats, and the
+/// ranks' processes as the leader can see them (see [`peer_processes`]).
 struct Joined {
     stepper: Stepper,
     heart: mpi::topology::SimpleCommunicator,
+    pids: Vec<Option<u32>>,
 }
 
 // SAFETY: MPI runs at MPI_THREAD_MULTIPLE (checked when the world is joined), and `heart` moves
@@ -110,7 +130,7 @@ unsafe impl Send for Joined {}
 
 /// The steps every process takes, in the same order (communicator duplication and the
 /// agreement check are collective).
-fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
+fn join(world: &MpiWorld, served: &GroupModel, health: Arc<EngineHealth>) -> Result<Joined> {
     let ep = served.config.ep;
     if ep.ep_size != world.size() {
         return Err(EngineError::Config(format!(
@@ -135,7 +155,12 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
     // waiting in the next collective.
     let resolved = kind.as_ref().map_or(u64::MAX, |k| hash(&k.to_string()));
     agree(&control, &fingerprints(served, resolved))?;
-    let fabric: Box<dyn Fabric> = fabric::open(kind?, fabric_comm, device)?;
+    let pids = peer_processes(&control);
+    let progress = Arc::new(Progress::new());
+    let fabric: Box<dyn Fabric> = Box::new(Watched::new(
+        fabric::open(kind?, fabric_comm, device)?,
+        Arc::clone(&progress),
+    ));
     let runtime = EpRuntime::open(
         &served.model,
         ep,
@@ -153,10 +178,27 @@ fn join(world: &MpiWorld, served: &GroupModel) -> Result<Joined> {
             runtime,
             scheduler,
             control,
-            progress: Arc::new(Progress::new()),
+            progress,
+            health,
         },
         heart,
+        pids,
     })
+}
+
+/// Every rank's process id where the leader can read its state: ranks in the leader's PID
+/// namespace on the leader's host (same boot id), the leader's own excluded. Collective.
+fn peer_processes(control: &ControlPlane) -> Vec<Option<u32>> {
+    let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+    let namespace = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    let place = hash(&(read("/proc/sys/kernel/random/boot_id"), namespace));
+    let all = control.all_gather(&[u64::from(std::process::id()), place]);
+    all.iter()
+        .enumerate()
+        .map(|(rank, row)| (rank != LEADER && row[1] == all[LEADER][1]).then_some(row[0] as u32))
+        .collect()
 }
 
 /// What the processes of a group must agree on, each as a name and a hash.

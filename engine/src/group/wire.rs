@@ -2,7 +2,6 @@
 //! control message (broadcast), every worker's report (point-to-point to the leader), and the
 //! one-flag reductions. Messages are bincode (exact for floats, compact for token ids).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use mpi::collective::SystemOperation;
@@ -172,28 +171,6 @@ impl ControlPlane {
             .receive_vec_with_tag::<u8>(REPORT);
         decode(&bytes, "report")
     }
-}
-
-impl ControlPlane {
-    /// Reports `why` and ends every process of the group (`MPI_Abort`: the launcher then stops
-    /// them all with a non-zero status). `alive`, the leader's health flag, is cleared two
-    /// seconds before, so a prober sees the 503.
-    pub fn abort(&self, why: &str, alive: Option<&AtomicBool>) -> ! {
-        abort_group(&self.comm, why, alive)
-    }
-}
-
-/// Reports `why`, clears `alive` (the leader's health flag) two seconds before the end so a
-/// prober sees the 503, and ends every process of `comm`'s group with `MPI_Abort`.
-pub fn abort_group(comm: &SimpleCommunicator, why: &str, alive: Option<&AtomicBool>) -> ! {
-    let message = format!("rackfill: {why}; stopping the group");
-    tracing::error!("{message}");
-    eprintln!("{message}");
-    if let Some(alive) = alive {
-        alive.store(false, Ordering::Release);
-        std::thread::sleep(Duration::from_secs(2));
-    }
-    comm.abort(3)
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
