@@ -212,6 +212,14 @@ def contract_errors(docs) -> list[str]:
                 ready = container.get("readinessProbe", {}).get("httpGet", {})
                 if ready.get("path") != "/health":
                     errors.append(f"{where}: readinessProbe must be httpGet /health (200 only while every rank is alive)")
+                # A failing group answers /health 503 for --health-grace before its processes
+                # go: long enough for the readiness probe to mark the pod unready first.
+                probe = container.get("readinessProbe", {})
+                unready_after = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+                grace = flag_value(container.get("args", []), "--health-grace")
+                if grace is None or float(grace) < unready_after:
+                    errors.append(f"{where}: --health-grace {grace} is shorter than the readiness probe takes to "
+                                  f"mark the pod unready ({unready_after} s: periodSeconds x failureThreshold)")
                 ep = flag_value(container.get("args", []), "--ep-size")
                 if gpus.isdigit() and ep != str(size * int(gpus)):
                     errors.append(f"{where}: --ep-size {ep} != size {size} x {gpus} GPUs per pod")
@@ -291,6 +299,8 @@ def self_test(validators, docs) -> list[str]:
         ("Service selecting workers too", lambda v: next(d for d in v if d["kind"] == "Service")["spec"]["selector"].pop(
             "leaderworkerset.sigs.k8s.io/worker-index"), False),
         ("EP size != pods x GPUs", lambda v: lws_of(v)["spec"]["leaderWorkerTemplate"].update(size=16), False),
+        ("health grace shorter than the readiness probe", lambda v: lws_of(v)["spec"]["leaderWorkerTemplate"][
+            "leaderTemplate"]["spec"]["containers"][0]["readinessProbe"].update(periodSeconds=30), False),
     ]
     errors = []
     for name, change, by_schema in cases:

@@ -82,8 +82,8 @@ pub struct ServeArgs {
     /// Seconds /health answers 503 before the server goes: a draining server keeps its listener
     /// open answering 503 at least this long (at most --shutdown-timeout), and a failing group
     /// answers every open request and /health with the failing rank this long before its
-    /// processes end. Twice a load balancer's probe period takes the server out before
-    /// connections are refused.
+    /// processes end. Set it to what the load balancer takes to mark a backend down (two probe
+    /// periods or more), so it takes the server out before connections are refused.
     #[arg(long, default_value_t = HEALTH_GRACE)]
     health_grace: f64,
     /// Seconds a client may take to send a request's head (also how long an idle keep-alive

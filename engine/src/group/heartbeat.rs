@@ -95,7 +95,13 @@ pub struct GroupView {
     ranks: Vec<RankState>,
     timeout: Duration,
     suspect_after: Duration,
+    /// After the leader's own process did not run: judge only processes gone until then, while
+    /// the group's progress catches up.
+    settle_until: Option<Instant>,
 }
+
+/// How long the group gets to catch up after the leader's own process did not run.
+const SETTLE: Duration = Duration::from_secs(2);
 
 impl GroupView {
     /// A group of `pids.len()` ranks; `pids[r]` is rank `r`'s process when the leader can read
@@ -119,6 +125,7 @@ impl GroupView {
             ranks,
             timeout,
             suspect_after: (timeout / 2).min(Duration::from_secs(2)),
+            settle_until: None,
         }
     }
 
@@ -136,6 +143,7 @@ impl GroupView {
         for rank in &mut self.ranks {
             rank.heard = now;
         }
+        self.settle_until = Some(now + SETTLE);
     }
 
     /// How long ago each rank was last heard of.
@@ -169,6 +177,9 @@ impl GroupView {
         };
         if let Some(r) = self.position(|s| s.process == ProcessState::Gone) {
             return Verdict::Failed(format!("{} exited or was killed", named(r)));
+        }
+        if self.settle_until.is_some_and(|until| now < until) {
+            return Verdict::Healthy;
         }
         let silent = |s: &RankState| now.saturating_duration_since(s.heard);
         if let Some(r) = self.position(|s| silent(s) > self.timeout) {
@@ -205,11 +216,16 @@ impl GroupView {
 
     /// A group whose ranks stopped making progress while they still beat: the rank stuck in
     /// its own work is at fault, not those waiting for it in a collective. When every stuck
-    /// rank waits on the group, the longest-stuck one is named.
+    /// rank waits on the group, the longest-stuck one is named. A rank gone silent is judged
+    /// by its silence instead.
     fn assess_progress(&self, now: Instant, named: &dyn Fn(usize) -> String) -> Option<Verdict> {
-        let stalled = |s: &RankState| s.last.stalled + now.saturating_duration_since(s.heard);
+        let silent = |s: &RankState| now.saturating_duration_since(s.heard);
+        let stalled = |s: &RankState| s.last.stalled + silent(s);
         let stuck: Vec<usize> = (0..self.ranks.len())
-            .filter(|&r| stalled(&self.ranks[r]) > self.timeout)
+            .filter(|&r| {
+                let s = &self.ranks[r];
+                silent(s) <= self.suspect_after && stalled(s) > self.timeout
+            })
             .collect();
         let oldest = |ranks: &mut dyn Iterator<Item = usize>| {
             ranks.max_by_key(|&r| (stalled(&self.ranks[r]), std::cmp::Reverse(r)))
@@ -276,6 +292,15 @@ mod tests {
             view.assess(at(3.0)),
             Verdict::Suspect("rank 3 is suspected: no heartbeat for 2.5 s".into())
         );
+        // Had its last beat said it had been working for 2 s, it is still judged by its silence.
+        let mut working = GroupView::new(vec![None; 4], TIMEOUT, t0);
+        for r in 0..4 {
+            working.heard(beat(r, 2 * u64::from(r == 3), false, "stepping"), at(0.5));
+        }
+        for r in 0..3 {
+            working.heard(beat(r, 0, false, "stepping"), at(4.2));
+        }
+        assert!(matches!(working.assess(at(4.2)), Verdict::Suspect(_)));
         match view.assess(at(5.6)) {
             Verdict::Failed(why) => assert!(
                 why.starts_with("rank 3 stopped: no heartbeat for 5.1 s"),
@@ -296,6 +321,18 @@ mod tests {
         assert!(matches!(view.assess(resumed), Verdict::Failed(_)));
         view.restart_clocks(resumed);
         assert_eq!(view.assess(resumed), Verdict::Healthy);
+        // Meanwhile every engine looked stuck (they waited for the leader); they catch up.
+        for r in 0..3 {
+            view.heard(beat(r, 9, true, "in a collective"), resumed);
+        }
+        assert_eq!(
+            view.assess(resumed + Duration::from_secs(1)),
+            Verdict::Healthy
+        );
+        for r in 0..3 {
+            view.heard(beat(r, 0, false, "stepping"), resumed + SETTLE);
+        }
+        assert_eq!(view.assess(resumed + SETTLE), Verdict::Healthy);
     }
 
     #[test]
