@@ -410,6 +410,68 @@ fn a_killed_worker_with_peer_memory_mapped_stops_the_group() {
     eprintln!("killed rank 2 of a peer-memory group: it ended {ended:?} later");
 }
 
+/// On the device path a rank stopped under load holds the others in a peer-memory wait inside
+/// a layer: their step fails within `RACKFILL_PEER_WAIT_MS` with an error naming the stopped
+/// rank, and the leader answers every open request with it and stops the group, long before
+/// the heartbeat timeout. (Stopped between two layers' kernels instead, the others wait in a
+/// collective and the heartbeats name it; the test says which happened.)
+#[test]
+fn a_rank_stopped_mid_layer_on_the_device_path_fails_the_step_and_is_named() {
+    if !mpirun_available() || !emulator_available() {
+        return;
+    }
+    let flags = ["--model", "rackfill-tiny-moe", "--device", "emulator"];
+    let group = Group::start_with(
+        &["-x", "RACKFILL_PEER_WAIT_MS=1000"],
+        3,
+        &flags,
+        &["--watchdog-timeout", "8", "--health-grace", "1"],
+    );
+    let load = group.background_load_of(6, 4000);
+    std::thread::sleep(Duration::from_millis(1000));
+    let victim = group.rank_pid(2);
+    signal(victim, "STOP");
+    let stopped = Instant::now();
+    let mut failure = None;
+    while !group.exited() && stopped.elapsed() < Duration::from_secs(60) {
+        if let Some((503, body)) = group.health_answer() {
+            // Past the suspicion ("... unless it resumes"): the failure.
+            if !body.contains("unless it resumes") {
+                failure.get_or_insert((stopped.elapsed(), body));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, _) = group.wait_exit(Duration::from_secs(60));
+    let ended = stopped.elapsed();
+    signal(victim, "KILL");
+    assert!(!status.success());
+    let (at, body) = failure.unwrap_or_else(|| {
+        panic!(
+            "/health never answered 503 with the group's failure (ended after {ended:?}):\n{}",
+            group.log()
+        )
+    });
+    let named = match body.contains("engine step failed") {
+        true => "rank 2 stalled or died",
+        false => "rank 2 (pid",
+    };
+    assert!(body.contains(named), "{body}");
+    for outcome in load.join().expect("load thread") {
+        assert!(
+            outcome.starts_with("error: ") && outcome.contains(named),
+            "a stream did not end with an error naming rank 2: {outcome}"
+        );
+    }
+    eprintln!(
+        "SIGSTOP on rank 2 of a device group: failed after {at:?} ({}), ended after {ended:?}",
+        match named {
+            "rank 2 stalled or died" => "a peer-memory wait failed the step",
+            _ => "the heartbeats named it",
+        }
+    );
+}
+
 /// An idle group idles: its workers wait for the leader's next round without spinning in MPI
 /// (measured: 2.8% of one core for all four ranks together, against 200% before), and still
 /// answer the first request after the wait.

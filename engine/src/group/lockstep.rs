@@ -232,10 +232,7 @@ impl Lockstep {
                 let _waiting = self.progress.waiting_on_group();
                 self.control.send_report(&report)?;
                 if let Some(why) = failed {
-                    return Err(EngineError::Fabric(format!(
-                        "rank {}: engine step failed: {why}",
-                        self.control.rank()
-                    )));
+                    return Err(step_failed(self.control.rank(), &why));
                 }
             }
         }
@@ -458,6 +455,11 @@ impl Lockstep {
         let own = self.scheduler.take_index_changes();
         mirror(&mut self.leader_mut().cached[LEADER], own);
         for rank in 1..size {
+            // A failed step stops the group: the reports of the other ranks no longer matter,
+            // and a rank that stalled (the likely cause) would never send its own.
+            if let Some((rank, why)) = &failed {
+                return Err(step_failed(*rank, why));
+            }
             self.progress
                 .tick(format!("waiting for rank {rank}'s report"));
             let report = {
@@ -505,12 +507,15 @@ impl Lockstep {
             metrics::record_placement(self.runtime.data_path(), self.runtime.device_weight_bytes());
         }
         match failed {
-            Some((rank, why)) => Err(EngineError::Fabric(format!(
-                "rank {rank}: engine step failed: {why}"
-            ))),
+            Some((rank, why)) => Err(step_failed(rank, &why)),
             None => Ok(()),
         }
     }
+}
+
+/// The error of a step that failed on `rank`.
+fn step_failed(rank: usize, why: &str) -> EngineError {
+    EngineError::Fabric(format!("rank {rank}: engine step failed: {why}"))
 }
 
 /// Applies a rank's prefix-cache index changes to the leader's mirror of it.
