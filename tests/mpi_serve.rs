@@ -376,7 +376,12 @@ fn kill_rank_under_load(group: &Group, rank: usize) -> Duration {
     let (status, _) = group.wait_exit(Duration::from_secs(60));
     let ended = killed.elapsed();
     assert!(!status.success(), "mpirun exited 0 after a rank was killed");
-    assert!(group.all_ranks_gone(), "a rank outlived the group");
+    // mpirun may return while the kernel still tears a SIGKILLed rank down (its mappings).
+    let gone = Instant::now();
+    while !group.all_ranks_gone() && gone.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(group.all_ranks_gone(), "a rank outlived the group by 5 s");
     let named = format!("rank {rank} (pid {victim}) exited or was killed");
     let log = group.log();
     assert!(log.contains(&named), "the killed rank is not named:\n{log}");
@@ -408,6 +413,82 @@ fn a_killed_worker_with_peer_memory_mapped_stops_the_group() {
     );
     let ended = kill_rank_under_load(&group, 2);
     eprintln!("killed rank 2 of a peer-memory group: it ended {ended:?} later");
+}
+
+/// A worker whose engine thread alone is stopped (a debugger's ptrace on that one thread: the
+/// process, its watchdog thread included, still runs and beats): the leader names it from its
+/// heartbeats' stalled progress and its process state at `--watchdog-timeout`, not a healthy
+/// rank waiting for it.
+#[test]
+fn a_worker_whose_engine_thread_alone_is_stopped_is_named() {
+    if !mpirun_available() || !python_ptrace_available() {
+        return;
+    }
+    let group = Group::start(3, &[], &["--watchdog-timeout", "4", "--health-grace", "1"]);
+    let load = group.background_load_of(6, 4000);
+    std::thread::sleep(Duration::from_millis(500));
+    // A worker's engine loop runs on its main thread (thread id = process id).
+    let victim = group.rank_pid(2);
+    let mut tracer = std::process::Command::new("python3")
+        .args(["-c", PTRACE_STOP, &victim.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let stopped = Instant::now();
+    let (status, _) = group.wait_exit(Duration::from_secs(60));
+    let ended = stopped.elapsed();
+    let _ = tracer.kill();
+    let _ = tracer.wait();
+    assert!(!status.success());
+    let log = group.log();
+    let stops: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("stopping the group"))
+        .collect();
+    assert!(
+        !stops.is_empty(),
+        "no rank said why the group stopped:\n{log}"
+    );
+    for line in &stops {
+        assert!(
+            line.contains(&format!("rank 2 (pid {victim}) made no progress")),
+            "rank 2 is not the one named: {line}\n{log}"
+        );
+    }
+    for outcome in load.join().expect("load thread") {
+        assert!(
+            outcome.starts_with("error: ") && outcome.contains("rank 2 (pid"),
+            "a stream did not end with an error naming rank 2: {outcome}"
+        );
+    }
+    eprintln!("engine thread of rank 2 stopped under load: the group ended after {ended:?}");
+}
+
+/// Stops one thread (`argv[1]`, a thread id) with `PTRACE_SEIZE` + `PTRACE_INTERRUPT`, as a
+/// debugger does, and keeps it stopped until this process is killed.
+const PTRACE_STOP: &str = r#"
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+tid = int(sys.argv[1])
+for request in (0x4206, 0x4207):  # PTRACE_SEIZE, PTRACE_INTERRUPT
+    if libc.ptrace(request, tid, None, None) != 0:
+        sys.exit(f"ptrace {request:#x} on {tid}: errno {ctypes.get_errno()}")
+print("stopped", flush=True)
+time.sleep(300)
+"#;
+
+/// Whether `python3` can run the ptrace helper (it needs ctypes; ptrace itself needs the
+/// permission a test running as the servers' user has).
+fn python_ptrace_available() -> bool {
+    let found = std::process::Command::new("python3")
+        .args(["-c", "import ctypes; ctypes.CDLL(None).ptrace"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        eprintln!("skipped: python3 with ctypes is needed to stop one thread");
+    }
+    found
 }
 
 /// On the device path a rank stopped under load holds the others in a peer-memory wait inside

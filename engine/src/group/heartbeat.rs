@@ -230,19 +230,22 @@ impl GroupView {
         let oldest = |ranks: &mut dyn Iterator<Item = usize>| {
             ranks.max_by_key(|&r| (stalled(&self.ranks[r]), std::cmp::Reverse(r)))
         };
-        let working = oldest(
-            &mut stuck
-                .iter()
-                .copied()
-                .filter(|&r| !self.ranks[r].last.waiting),
-        );
-        let (r, others) = match working {
-            Some(r) => (r, "the other ranks wait for it"),
-            None => (
-                oldest(&mut stuck.iter().copied())?,
-                "every stuck rank waits on the group",
-            ),
-        };
+        let process_stopped = |r: &usize| self.ranks[*r].process == ProcessState::Stopped;
+        let working = |r: &usize| !self.ranks[*r].last.waiting;
+        // A process seen stopped holds the others up, wherever its engine thread stopped (a
+        // debugger may stop that thread alone, even inside a collective); else the rank stuck
+        // in its own work; else the longest-stuck.
+        let (r, others) =
+            if let Some(r) = oldest(&mut stuck.iter().copied().filter(process_stopped)) {
+                (r, "its process is stopped; the other ranks wait for it")
+            } else if let Some(r) = oldest(&mut stuck.iter().copied().filter(working)) {
+                (r, "the other ranks wait for it")
+            } else {
+                (
+                    oldest(&mut stuck.iter().copied())?,
+                    "every stuck rank waits on the group",
+                )
+            };
         let s = &self.ranks[r];
         Some(Verdict::Failed(format!(
             "{} made no progress for {:.1} s while {} ({others})",
@@ -352,12 +355,26 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+        // A process seen stopped is named, even when its engine thread was inside a collective.
+        let mut traced = GroupView::new(vec![None, None, Some(own_pid()), None], TIMEOUT, t0);
+        for (r, stalled) in [(0, 6), (1, 7), (2, 6), (3, 8)] {
+            traced.heard(beat(r, stalled, true, "stepping with the group"), now);
+        }
+        traced.ranks[2].process = ProcessState::Stopped;
+        match traced.assess(now) {
+            Verdict::Failed(why) => assert!(why.starts_with("rank 2 (pid"), "{why}"),
+            other => panic!("{other:?}"),
+        }
         // Everyone waiting (a lost message): the longest-stuck rank.
         view.heard(beat(2, 6, true, "stepping with the group"), now);
         match view.assess(now) {
             Verdict::Failed(why) => assert!(why.starts_with("rank 3 made no progress"), "{why}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    fn own_pid() -> u32 {
+        std::process::id()
     }
 
     #[test]
