@@ -230,15 +230,25 @@ impl GroupView {
         let oldest = |ranks: &mut dyn Iterator<Item = usize>| {
             ranks.max_by_key(|&r| (stalled(&self.ranks[r]), std::cmp::Reverse(r)))
         };
+        if stuck.is_empty() {
+            return None;
+        }
+        // Someone is stuck past the timeout: who holds the group up, among the ranks heard
+        // from? A process seen stopped (a debugger may stop its engine thread alone, even inside
+        // a collective); else a rank long busy with its own work while the others wait (its own
+        // figure may lag the waiters' by a heartbeat); else the longest-stuck.
+        let heard: Vec<usize> = (0..self.ranks.len())
+            .filter(|&r| silent(&self.ranks[r]) <= self.suspect_after)
+            .collect();
         let process_stopped = |r: &usize| self.ranks[*r].process == ProcessState::Stopped;
-        let working = |r: &usize| !self.ranks[*r].last.waiting;
-        // A process seen stopped holds the others up, wherever its engine thread stopped (a
-        // debugger may stop that thread alone, even inside a collective); else the rank stuck
-        // in its own work; else the longest-stuck.
+        let long_working = |r: &usize| {
+            let s = &self.ranks[*r];
+            !s.last.waiting && stalled(s) > self.timeout / 2
+        };
         let (r, others) =
-            if let Some(r) = oldest(&mut stuck.iter().copied().filter(process_stopped)) {
+            if let Some(r) = oldest(&mut heard.iter().copied().filter(process_stopped)) {
                 (r, "its process is stopped; the other ranks wait for it")
-            } else if let Some(r) = oldest(&mut stuck.iter().copied().filter(working)) {
+            } else if let Some(r) = oldest(&mut heard.iter().copied().filter(long_working)) {
                 (r, "the other ranks wait for it")
             } else {
                 (
@@ -363,6 +373,15 @@ mod tests {
         traced.ranks[2].process = ProcessState::Stopped;
         match traced.assess(now) {
             Verdict::Failed(why) => assert!(why.starts_with("rank 2 (pid"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // The culprit's own figure lags the waiters' by a heartbeat: still named.
+        let mut lagging = GroupView::new(vec![None; 3], TIMEOUT, t0);
+        lagging.heard(beat(0, 6, true, "waiting for rank 2's report"), now);
+        lagging.heard(beat(1, 6, true, "stepping with the group"), now);
+        lagging.heard(beat(2, 4, false, "stepping with the group"), now);
+        match lagging.assess(now) {
+            Verdict::Failed(why) => assert!(why.starts_with("rank 2 made no progress"), "{why}"),
             other => panic!("{other:?}"),
         }
         // Everyone waiting (a lost message): the longest-stuck rank.
