@@ -53,8 +53,8 @@ fn a_nixl_decode_agent_reads_registered_blocks_and_notifies() {
     }
     let agent = Agent::new(&lib, "prefill").expect("agent");
     // SAFETY: `host` outlives the registration.
-    let registered = unsafe { agent.register_host(host.as_ptr() as usize, host.len()) }
-        .expect("register");
+    let registered =
+        unsafe { agent.register_host(host.as_ptr() as usize, host.len()) }.expect("register");
     let dir = tempfile::tempdir().unwrap();
     let md = dir.path().join("prefill.md");
     std::fs::File::create(&md)
@@ -79,9 +79,13 @@ fn a_nixl_decode_agent_reads_registered_blocks_and_notifies() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let out = decode.wait_with_output().unwrap();
-    assert!(out.status.success(), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("READ OK"));
     assert_eq!(seen, vec![("decode".to_string(), b"req-1:1".to_vec())]);
     drop(registered);
-
 }

@@ -2,3 +2,4 @@
 //! engine over NIXL, in the protocol of vLLM's NixlConnector.
 
 pub mod nixl;
+pub mod side_channel;

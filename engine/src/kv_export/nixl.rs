@@ -45,8 +45,13 @@ struct Api {
     notif_map_size: unsafe extern "C" fn(Handle, *mut usize) -> Status,
     notif_map_get_agent_at: unsafe extern "C" fn(Handle, usize, *mut *const c_char) -> Status,
     notif_map_get_notifs_size: unsafe extern "C" fn(Handle, *const c_char, *mut usize) -> Status,
-    notif_map_get_notif:
-        unsafe extern "C" fn(Handle, *const c_char, usize, *mut *const c_void, *mut usize) -> Status,
+    notif_map_get_notif: unsafe extern "C" fn(
+        Handle,
+        *const c_char,
+        usize,
+        *mut *const c_void,
+        *mut usize,
+    ) -> Status,
     notif_map_clear: unsafe extern "C" fn(Handle) -> Status,
 }
 
@@ -107,9 +112,14 @@ pub fn find_library() -> Result<PathBuf, NixlError> {
         return Ok(PathBuf::from(path));
     }
     let out = std::process::Command::new("python3")
-        .args(["-c", "import site, sys; print('\\n'.join(site.getsitepackages()))"])
+        .args([
+            "-c",
+            "import site, sys; print('\\n'.join(site.getsitepackages()))",
+        ])
         .output()
-        .map_err(|e| NixlError::Missing(format!("cannot run python3 to find the nixl wheel: {e}")))?;
+        .map_err(|e| {
+            NixlError::Missing(format!("cannot run python3 to find the nixl wheel: {e}"))
+        })?;
     let dirs = String::from_utf8_lossy(&out.stdout).to_string();
     for dir in dirs.lines() {
         for wheel in [".nixl_cu13.mesonpy.libs", ".nixl_cu12.mesonpy.libs"] {
@@ -148,10 +158,13 @@ impl Agent {
     /// `path`.
     pub fn new(path: &Path, name: &str) -> Result<Self, NixlError> {
         let api = Api::load(path)?;
-        let cname = CString::new(name).map_err(|_| NixlError::Invalid("a NUL in the name".into()))?;
+        let cname =
+            CString::new(name).map_err(|_| NixlError::Invalid("a NUL in the name".into()))?;
         let mut agent = std::ptr::null_mut();
         // SAFETY: valid C string and out pointer.
-        check("create_agent", unsafe { (api.create_agent)(cname.as_ptr(), &mut agent) })?;
+        check("create_agent", unsafe {
+            (api.create_agent)(cname.as_ptr(), &mut agent)
+        })?;
         let mut params = std::ptr::null_mut();
         let mut backend = std::ptr::null_mut();
         let mut notifs = std::ptr::null_mut();
@@ -183,9 +196,16 @@ impl Agent {
     ///
     /// # Safety
     /// The memory must stay allocated while the registration lives.
-    pub unsafe fn register_host(&self, addr: usize, len: usize) -> Result<Registration<'_>, NixlError> {
+    pub unsafe fn register_host(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<Registration<'_>, NixlError> {
         let mut dlist = std::ptr::null_mut();
-        check("create_reg_dlist", (self.api.create_reg_dlist)(MEM_DRAM, &mut dlist, false))?;
+        check(
+            "create_reg_dlist",
+            (self.api.create_reg_dlist)(MEM_DRAM, &mut dlist, false),
+        )?;
         let added = check(
             "reg_dlist_add_desc",
             (self.api.reg_dlist_add_desc)(dlist, addr, len, 0, std::ptr::null(), 0),
@@ -209,7 +229,10 @@ impl Agent {
         let mut len = 0usize;
         // SAFETY: out pointers valid; the blob is malloc'd by NIXL and freed here.
         unsafe {
-            check("get_local_md", (self.api.get_local_md)(self.agent, &mut data, &mut len))?;
+            check(
+                "get_local_md",
+                (self.api.get_local_md)(self.agent, &mut data, &mut len),
+            )?;
             let bytes = std::slice::from_raw_parts(data as *const u8, len).to_vec();
             libc::free(data);
             Ok(bytes)
@@ -222,12 +245,21 @@ impl Agent {
         let mut out = Vec::new();
         // SAFETY: the map is ours; strings and buffers it hands out live until it is cleared.
         unsafe {
-            check("get_notifs", (api.get_notifs)(self.agent, self.notifs, std::ptr::null_mut()))?;
+            check(
+                "get_notifs",
+                (api.get_notifs)(self.agent, self.notifs, std::ptr::null_mut()),
+            )?;
             let mut agents = 0usize;
-            check("notif_map_size", (api.notif_map_size)(self.notifs, &mut agents))?;
+            check(
+                "notif_map_size",
+                (api.notif_map_size)(self.notifs, &mut agents),
+            )?;
             for a in 0..agents {
                 let mut name = std::ptr::null();
-                check("notif_map_get_agent_at", (api.notif_map_get_agent_at)(self.notifs, a, &mut name))?;
+                check(
+                    "notif_map_get_agent_at",
+                    (api.notif_map_get_agent_at)(self.notifs, a, &mut name),
+                )?;
                 let mut count = 0usize;
                 check(
                     "notif_map_get_notifs_size",
