@@ -21,6 +21,7 @@ pub mod fabric;
 #[cfg(feature = "mpi")]
 pub mod group;
 pub mod health;
+pub mod kv_export;
 pub mod metrics;
 pub mod model_device;
 pub mod model_weights;

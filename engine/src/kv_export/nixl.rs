@@ -1,0 +1,305 @@
+//! NIXL's C API (`libnixl_capi.so`, shipped in the `nixl-cu12` / `nixl-cu13` wheels), loaded at
+//! run time like the CUDA driver: a build needs no NIXL, and a host without it serves normally.
+//!
+//! Only what a prefill engine needs: one agent with the UCX backend, host memory registered
+//! for the decode side to READ, the agent's metadata blob for the side channel, and the
+//! notifications the decode side sends when it is done with a request's blocks.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+
+use libloading::Library;
+
+/// Why NIXL cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum NixlError {
+    #[error("NIXL is not available: {0}")]
+    Missing(String),
+    #[error("NIXL {call} failed with status {status}")]
+    Call { call: &'static str, status: c_int },
+    #[error("NIXL: {0}")]
+    Invalid(String),
+}
+
+type Handle = *mut c_void;
+type Status = c_int;
+
+/// The C API's entry points this engine calls.
+struct Api {
+    create_agent: unsafe extern "C" fn(*const c_char, *mut Handle) -> Status,
+    destroy_agent: unsafe extern "C" fn(Handle) -> Status,
+    create_params: unsafe extern "C" fn(*mut Handle) -> Status,
+    destroy_params: unsafe extern "C" fn(Handle) -> Status,
+    create_backend: unsafe extern "C" fn(Handle, *const c_char, Handle, *mut Handle) -> Status,
+    destroy_backend: unsafe extern "C" fn(Handle) -> Status,
+    create_reg_dlist: unsafe extern "C" fn(c_int, *mut Handle, bool) -> Status,
+    destroy_reg_dlist: unsafe extern "C" fn(Handle) -> Status,
+    reg_dlist_add_desc:
+        unsafe extern "C" fn(Handle, usize, usize, u64, *const c_void, usize) -> Status,
+    register_mem: unsafe extern "C" fn(Handle, Handle, Handle) -> Status,
+    deregister_mem: unsafe extern "C" fn(Handle, Handle, Handle) -> Status,
+    get_local_md: unsafe extern "C" fn(Handle, *mut *mut c_void, *mut usize) -> Status,
+    create_notif_map: unsafe extern "C" fn(*mut Handle) -> Status,
+    destroy_notif_map: unsafe extern "C" fn(Handle) -> Status,
+    get_notifs: unsafe extern "C" fn(Handle, Handle, Handle) -> Status,
+    notif_map_size: unsafe extern "C" fn(Handle, *mut usize) -> Status,
+    notif_map_get_agent_at: unsafe extern "C" fn(Handle, usize, *mut *const c_char) -> Status,
+    notif_map_get_notifs_size: unsafe extern "C" fn(Handle, *const c_char, *mut usize) -> Status,
+    notif_map_get_notif: unsafe extern "C" fn(
+        Handle,
+        *const c_char,
+        usize,
+        *mut *const c_void,
+        *mut usize,
+    ) -> Status,
+    notif_map_clear: unsafe extern "C" fn(Handle) -> Status,
+}
+
+/// `NIXL_CAPI_MEM_DRAM`.
+const MEM_DRAM: c_int = 0;
+
+fn check(call: &'static str, status: Status) -> Result<(), NixlError> {
+    match status {
+        0 => Ok(()),
+        status => Err(NixlError::Call { call, status }),
+    }
+}
+
+impl Api {
+    fn load(path: &Path) -> Result<Self, NixlError> {
+        // SAFETY: loading a shared library runs its initialisers; libnixl_capi's are NIXL's own.
+        let lib = unsafe { Library::new(path) }
+            .map_err(|e| NixlError::Missing(format!("cannot load {}: {e}", path.display())))?;
+        // Never unloaded: NIXL's and UCX's threads run its code until the process ends.
+        let lib: &'static Library = Box::leak(Box::new(lib));
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the signature is the one of `wrapper.h` for this symbol.
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| {
+                    NixlError::Missing(format!("{} lacks {}: {e}", path.display(), $name))
+                })?
+            };
+        }
+        Ok(Self {
+            create_agent: sym!("nixl_capi_create_agent"),
+            destroy_agent: sym!("nixl_capi_destroy_agent"),
+            create_params: sym!("nixl_capi_create_params"),
+            destroy_params: sym!("nixl_capi_destroy_params"),
+            create_backend: sym!("nixl_capi_create_backend"),
+            destroy_backend: sym!("nixl_capi_destroy_backend"),
+            create_reg_dlist: sym!("nixl_capi_create_reg_dlist"),
+            destroy_reg_dlist: sym!("nixl_capi_destroy_reg_dlist"),
+            reg_dlist_add_desc: sym!("nixl_capi_reg_dlist_add_desc"),
+            register_mem: sym!("nixl_capi_register_mem"),
+            deregister_mem: sym!("nixl_capi_deregister_mem"),
+            get_local_md: sym!("nixl_capi_get_local_md"),
+            create_notif_map: sym!("nixl_capi_create_notif_map"),
+            destroy_notif_map: sym!("nixl_capi_destroy_notif_map"),
+            get_notifs: sym!("nixl_capi_get_notifs"),
+            notif_map_size: sym!("nixl_capi_notif_map_size"),
+            notif_map_get_agent_at: sym!("nixl_capi_notif_map_get_agent_at"),
+            notif_map_get_notifs_size: sym!("nixl_capi_notif_map_get_notifs_size"),
+            notif_map_get_notif: sym!("nixl_capi_notif_map_get_notif"),
+            notif_map_clear: sym!("nixl_capi_notif_map_clear"),
+        })
+    }
+}
+
+/// Where `libnixl_capi.so` is: `$RACKFILL_NIXL_LIB` (the file), else the `nixl-cu13` or
+/// `nixl-cu12` wheel of `python3`'s site-packages.
+pub fn find_library() -> Result<PathBuf, NixlError> {
+    if let Some(path) = std::env::var_os("RACKFILL_NIXL_LIB") {
+        return Ok(PathBuf::from(path));
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import site, sys; print('\\n'.join(site.getsitepackages()))",
+        ])
+        .output()
+        .map_err(|e| {
+            NixlError::Missing(format!("cannot run python3 to find the nixl wheel: {e}"))
+        })?;
+    let dirs = String::from_utf8_lossy(&out.stdout).to_string();
+    for dir in dirs.lines() {
+        for wheel in [".nixl_cu13.mesonpy.libs", ".nixl_cu12.mesonpy.libs"] {
+            let path = Path::new(dir).join(wheel).join("libnixl_capi.so");
+            if path.is_file() {
+                return Ok(path);
+            }
+        }
+    }
+    Err(NixlError::Missing(
+        "no libnixl_capi.so: `pip install nixl-cu12` (or nixl-cu13), or set RACKFILL_NIXL_LIB"
+            .into(),
+    ))
+}
+
+/// One NIXL agent with the UCX backend.
+pub struct Agent {
+    api: Api,
+    agent: Handle,
+    backend: Handle,
+    notifs: Handle,
+}
+
+// SAFETY: NIXL agents are thread-safe (the C++ agent guards its state); the handles are owned.
+unsafe impl Send for Agent {}
+unsafe impl Sync for Agent {}
+
+/// Host memory registered with an agent; deregistered when dropped.
+pub struct Registration<'a> {
+    agent: &'a Agent,
+    dlist: Handle,
+}
+
+impl Agent {
+    /// An agent named `name` (what the decode side knows it by) over UCX, from the library at
+    /// `path`.
+    pub fn new(path: &Path, name: &str) -> Result<Self, NixlError> {
+        let api = Api::load(path)?;
+        let cname =
+            CString::new(name).map_err(|_| NixlError::Invalid("a NUL in the name".into()))?;
+        let mut agent = std::ptr::null_mut();
+        // SAFETY: valid C string and out pointer.
+        check("create_agent", unsafe {
+            (api.create_agent)(cname.as_ptr(), &mut agent)
+        })?;
+        let mut params = std::ptr::null_mut();
+        let mut backend = std::ptr::null_mut();
+        let mut notifs = std::ptr::null_mut();
+        // SAFETY: handles from the calls above, out pointers valid.
+        let made = unsafe {
+            check("create_params", (api.create_params)(&mut params))
+                .and_then(|()| {
+                    let ucx = c"UCX";
+                    let status = (api.create_backend)(agent, ucx.as_ptr(), params, &mut backend);
+                    (api.destroy_params)(params);
+                    check("create_backend UCX", status)
+                })
+                .and_then(|()| check("create_notif_map", (api.create_notif_map)(&mut notifs)))
+        };
+        if let Err(err) = made {
+            // SAFETY: the agent was created above.
+            unsafe { (api.destroy_agent)(agent) };
+            return Err(err);
+        }
+        Ok(Self {
+            api,
+            agent,
+            backend,
+            notifs,
+        })
+    }
+
+    /// Registers the host bytes `[addr, addr + len)` for remote READs.
+    ///
+    /// # Safety
+    /// The memory must stay allocated while the registration lives.
+    pub unsafe fn register_host(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<Registration<'_>, NixlError> {
+        let mut dlist = std::ptr::null_mut();
+        check(
+            "create_reg_dlist",
+            (self.api.create_reg_dlist)(MEM_DRAM, &mut dlist, false),
+        )?;
+        let added = check(
+            "reg_dlist_add_desc",
+            (self.api.reg_dlist_add_desc)(dlist, addr, len, 0, std::ptr::null(), 0),
+        )
+        .and_then(|()| {
+            check(
+                "register_mem",
+                (self.api.register_mem)(self.agent, dlist, std::ptr::null_mut()),
+            )
+        });
+        if let Err(err) = added {
+            (self.api.destroy_reg_dlist)(dlist);
+            return Err(err);
+        }
+        Ok(Registration { agent: self, dlist })
+    }
+
+    /// The agent's metadata: what the decode side loads (`add_remote_agent`) to reach it.
+    pub fn metadata(&self) -> Result<Vec<u8>, NixlError> {
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: out pointers valid; the blob is malloc'd by NIXL and freed here.
+        unsafe {
+            check(
+                "get_local_md",
+                (self.api.get_local_md)(self.agent, &mut data, &mut len),
+            )?;
+            let bytes = std::slice::from_raw_parts(data as *const u8, len).to_vec();
+            libc::free(data);
+            Ok(bytes)
+        }
+    }
+
+    /// The notifications received since the last call: `(sending agent, message)`.
+    pub fn take_notifications(&self) -> Result<Vec<(String, Vec<u8>)>, NixlError> {
+        let api = &self.api;
+        let mut out = Vec::new();
+        // SAFETY: the map is ours; strings and buffers it hands out live until it is cleared.
+        unsafe {
+            check(
+                "get_notifs",
+                (api.get_notifs)(self.agent, self.notifs, std::ptr::null_mut()),
+            )?;
+            let mut agents = 0usize;
+            check(
+                "notif_map_size",
+                (api.notif_map_size)(self.notifs, &mut agents),
+            )?;
+            for a in 0..agents {
+                let mut name = std::ptr::null();
+                check(
+                    "notif_map_get_agent_at",
+                    (api.notif_map_get_agent_at)(self.notifs, a, &mut name),
+                )?;
+                let mut count = 0usize;
+                check(
+                    "notif_map_get_notifs_size",
+                    (api.notif_map_get_notifs_size)(self.notifs, name, &mut count),
+                )?;
+                let agent = CStr::from_ptr(name).to_string_lossy().into_owned();
+                for i in 0..count {
+                    let (mut data, mut len) = (std::ptr::null(), 0usize);
+                    check(
+                        "notif_map_get_notif",
+                        (api.notif_map_get_notif)(self.notifs, name, i, &mut data, &mut len),
+                    )?;
+                    let bytes = std::slice::from_raw_parts(data as *const u8, len).to_vec();
+                    out.push((agent.clone(), bytes));
+                }
+            }
+            check("notif_map_clear", (api.notif_map_clear)(self.notifs))?;
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        let api = &self.agent.api;
+        // SAFETY: registered by `register_host` on this agent.
+        unsafe {
+            (api.deregister_mem)(self.agent.agent, self.dlist, std::ptr::null_mut());
+            (api.destroy_reg_dlist)(self.dlist);
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            (self.api.destroy_notif_map)(self.notifs);
+            (self.api.destroy_backend)(self.backend);
+            (self.api.destroy_agent)(self.agent);
+        }
+    }
+}
