@@ -34,6 +34,7 @@ mod forward_bench_cmd;
 #[cfg(feature = "cuda")]
 mod gpu_exec;
 mod kernels_cmd;
+mod kv_export_args;
 mod overhead_cmd;
 mod plan_cmd;
 mod report_file;
@@ -136,7 +137,7 @@ fn main() -> ExitCode {
         Command::Kernels(cmd) => kernels_cmd::run(cmd),
         Command::Simulate(args) => simulate_cmd::run(args),
     };
-    match result {
+    let code = match result {
         Ok(()) => ExitCode::SUCCESS,
         // Output went to a pipe that closed (`| head`): end quietly, as `outln!` does.
         Err(err) if is_broken_pipe(&err) => ExitCode::from(141),
@@ -145,5 +146,21 @@ fn main() -> ExitCode {
             note!("error: {err:#}");
             ExitCode::from(2)
         }
+    };
+    leave_without_nixl_teardown(code == ExitCode::SUCCESS);
+    code
+}
+
+/// A process that loaded NIXL ends here, once its own work is done and its output flushed:
+/// the libraries the NIXL 1.5 wheels bundle (libnl, through UCX's InfiniBand transport) crash
+/// in their exit-time destructors, which would turn a clean exit into a SIGSEGV.
+fn leave_without_nixl_teardown(success: bool) {
+    if !rackfill_engine::kv_export::nixl::loaded() {
+        return;
     }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: ends the process without running destructors, which is the point.
+    unsafe { libc::_exit(if success { 0 } else { 2 }) }
 }

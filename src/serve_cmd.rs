@@ -16,6 +16,7 @@ use rackfill_engine::{
 use rackfill_models::{ExpertSelection, ModelBundle};
 use rackfill_server::{AppState, ServerConfig};
 
+use crate::kv_export_args::KvExportArgs;
 use crate::flags::{parse_bytes, BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES};
 
 /// Arguments of `rackfill serve`.
@@ -107,6 +108,8 @@ pub struct ServeArgs {
     /// The model name clients use (default: the --model argument, or the built-in name).
     #[arg(long)]
     served_model_name: Option<String>,
+    #[command(flatten)]
+    kv_export: KvExportArgs,
     /// Where each rank's model and its MoE layers run: `auto` (the GPU where the binary has the
     /// GPU path and a device is visible, else the CPU), `cpu`, `cuda` (GPU 0, or the process's
     /// local rank under mpirun/srun modulo the GPUs visible: more processes than GPUs share
@@ -322,6 +325,12 @@ pub(crate) fn configs(args: &ServeArgs) -> Result<ServeConfig> {
             path: path.clone(),
             max_bytes: args.record_routing_max_bytes,
         }),
+        kv_export: args.kv_export.config(
+            args.served_model_name
+                .as_deref()
+                .or(args.model.as_deref())
+                .unwrap_or(rackfill_models::bundle::BUILTIN_MODEL_NAME),
+        )?,
     };
     let server = ServerConfig {
         api_key,

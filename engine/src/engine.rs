@@ -20,6 +20,7 @@ use crate::ep::{EpConfig, EpRuntime, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::fabric::LocalFabric;
 use crate::health::EngineHealth;
+use crate::kv_export::{self, KvExport, KvExportConfig, KvExportSupport};
 use crate::metrics;
 use crate::model_device::ModelDevice;
 use crate::model_weights::ModelWeights;
@@ -46,6 +47,8 @@ pub struct EngineConfig {
     pub max_request_tokens: usize,
     /// Record every step's per-layer load matrices, up to a byte cap (see [`RoutingRecorder`]).
     pub record_routing: Option<RoutingTraceConfig>,
+    /// Hand prompts' KV to decode engines over NIXL (see [`crate::kv_export`]).
+    pub kv_export: Option<KvExportConfig>,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             max_request_tokens: 1 << 19,
             record_routing: None,
+            kv_export: None,
         }
     }
 }
@@ -97,6 +101,8 @@ struct Shared {
     /// Sequences not yet admitted: in the channel or waiting in the scheduler.
     queued: Arc<AtomicUsize>,
     health: Arc<EngineHealth>,
+    /// This process's KV exporter, if it runs (the leader's, in a group).
+    kv_export: Option<Arc<KvExport>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -135,7 +141,9 @@ impl EngineHandle {
         )?;
         let scheduler = new_scheduler(config.ep.ep_size, &config, weights.config())?;
         let recorder = open_recorder(&config)?;
-        Self::start(weights.config(), tokenizer, eos, &config, move |thread| {
+        let kv_export =
+            kv_export::start_for_rank(config.kv_export.as_ref(), &config, weights.config(), 0);
+        Self::start(weights.config(), tokenizer, eos, &config, kv_export, move |thread| {
             EngineLoop {
                 runtime,
                 scheduler,
@@ -154,6 +162,7 @@ impl EngineHandle {
         tokenizer: Arc<Tokenizer>,
         eos: Vec<u32>,
         config: &EngineConfig,
+        (kv_export_support, kv_export): (KvExportSupport, Option<Arc<KvExport>>),
         body: impl FnOnce(EngineThread) + Send + 'static,
     ) -> Result<Self> {
         let max_model_len = model.max_position_embeddings;
@@ -166,6 +175,7 @@ impl EngineHandle {
                 max_sequences: config.max_waiting,
                 max_request_tokens: config.max_request_tokens,
                 max_token_bytes: tokenizer.max_token_bytes(),
+                kv_export: kv_export_support,
             },
         };
         let (tx, rx) = mpsc::sync_channel(config.max_waiting.max(1));
@@ -195,6 +205,7 @@ impl EngineHandle {
                 next_id: AtomicU64::new(1),
                 queued,
                 health,
+                kv_export,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -230,6 +241,16 @@ impl EngineHandle {
         self.shared.info.limits.validate(sequences)
     }
 
+    /// As [`EngineHandle::validate`] for one sequence whose prompt's KV is to be handed to a
+    /// decode engine when it finishes (`kv_transfer_params.do_remote_decode`): refused when
+    /// this engine cannot export (not configured, or NIXL missing), naming why.
+    pub fn validate_kv_export(
+        &self,
+        sequence: GenerateRequest,
+    ) -> Result<ValidatedRequest, RequestError> {
+        self.shared.info.limits.validate_kv_export(sequence)
+    }
+
     /// Queues every sequence of `request`, or none of them: `QueueFull` when the waiting queue
     /// cannot take them all now, `Unavailable` when the engine stopped. The streams are in the
     /// order of [`ValidatedRequest::sequences`]; never blocks.
@@ -237,6 +258,7 @@ impl EngineHandle {
         if !self.is_alive() {
             return Err(EngineError::Unavailable);
         }
+        let export_kv = request.exports_kv();
         let sequences = request.into_sequences();
         let needed = sequences.len();
         self.reserve_queue(needed)?;
@@ -255,6 +277,7 @@ impl EngineHandle {
                 tokenizer: Arc::clone(&self.shared.tokenizer),
                 eos: Arc::clone(&self.shared.info.eos),
                 events: tx,
+                kv_export: export_kv.then(|| self.shared.kv_export.clone()).flatten(),
             });
         }
         match self.shared.tx.try_send(Command::Submit(parts)) {

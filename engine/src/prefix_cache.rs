@@ -421,6 +421,7 @@ mod tests {
             layers: vec![BlockKv {
                 keys: t.clone(),
                 values: t,
+                latent: None,
             }],
         }
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+use crate::kv_export::KvTransferParams;
 use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// One sequence to generate (or score): a tokenized prompt and its sampling parameters. A
@@ -70,6 +71,9 @@ pub struct FinishEvent {
     pub usage: Usage,
     /// Time from submission to the first scheduled step.
     pub queue_time: Duration,
+    /// Where a decode engine finds the prompt's KV, when the request asked to export it
+    /// (`kv_transfer_params.do_remote_decode`).
+    pub kv_transfer: Option<KvTransferParams>,
 }
 
 /// Everything the engine tells a request's owner, in order: optional prompt logprobs, tokens,

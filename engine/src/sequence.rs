@@ -8,6 +8,7 @@ use rackfill_models::{DecodeStream, KvBlock, KvCache, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::error::Result;
+use crate::kv_export::KvExport;
 use crate::prefix_cache::{BlockHash, BlockHasher, BlockLogprobs};
 use crate::request::{
     Event, FinishEvent, FinishReason, GenerateRequest, StopReason, TokenEvent, Usage,
@@ -46,6 +47,8 @@ pub struct Sequence {
     /// count when sent): kept whole, since the blocks it covers may be cached with them.
     prompt_logprobs: Vec<Option<TokenLogprob>>,
     events: mpsc::UnboundedSender<Event>,
+    /// Where the prompt's KV goes when the sequence finishes, if the request asked for it.
+    kv_export: Option<Arc<KvExport>>,
     /// Set when the sequence has finished or its client is gone: the scheduler drops it.
     pub done: bool,
 }
@@ -62,6 +65,9 @@ pub struct SequenceParts {
     /// End-of-sequence ids of the model (ignored with `ignore_eos`).
     pub eos: Arc<[u32]>,
     pub events: mpsc::UnboundedSender<Event>,
+    /// This process's KV exporter, when the request asked to export its prompt's KV
+    /// (`kv_transfer_params.do_remote_decode`).
+    pub kv_export: Option<Arc<KvExport>>,
 }
 
 impl Sequence {
@@ -75,6 +81,7 @@ impl Sequence {
             tokenizer,
             eos,
             events,
+            kv_export,
         } = parts;
         let sampler = Sampler::from_checked(&params, &prompt, fallback_seed);
         let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
@@ -100,6 +107,7 @@ impl Sequence {
             stop_ids: stop_ids.into(),
             prompt_logprobs: Vec::new(),
             events,
+            kv_export,
             done: false,
             prompt,
             params,
@@ -354,6 +362,15 @@ impl Sequence {
         let queue_time = self
             .scheduled
             .map_or(Duration::ZERO, |at| at.duration_since(self.arrived));
+        let kv_transfer = match (&self.kv_export, reason) {
+            (Some(export), FinishReason::Stop | FinishReason::Length) => {
+                match export.export(self.id, &self.cache, self.prompt.len()) {
+                    Ok(params) => Some(params),
+                    Err(err) => return self.fail(err.to_string()),
+                }
+            }
+            _ => None,
+        };
         self.send(Event::Finished(FinishEvent {
             reason,
             text,
@@ -364,6 +381,7 @@ impl Sequence {
                 cached_tokens: self.cached_tokens,
             },
             queue_time,
+            kv_transfer,
         }));
         self.done = true;
     }

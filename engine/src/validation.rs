@@ -8,6 +8,7 @@ use std::fmt;
 
 use rackfill_models::model::{check_vocabulary, OutOfVocabulary};
 
+use crate::kv_export::KvExportSupport;
 use crate::request::GenerateRequest;
 use crate::sampling::{SamplingError, SamplingParams};
 
@@ -37,6 +38,8 @@ pub struct RequestLimits {
     /// ([`rackfill_models::Tokenizer::max_token_bytes`]), which bounds a text's token count from
     /// below ([`RequestLimits::check_text`]).
     pub max_token_bytes: usize,
+    /// Whether a request may ask for its prompt's KV to be exported.
+    pub kv_export: KvExportSupport,
 }
 
 impl RequestLimits {
@@ -122,7 +125,34 @@ impl RequestLimits {
                 limit: self.max_request_tokens,
             });
         }
-        Ok(ValidatedRequest { sequences })
+        Ok(ValidatedRequest {
+            sequences,
+            export_kv: false,
+        })
+    }
+
+    /// [`RequestLimits::validate`] for one sequence whose KV is to be exported, once this
+    /// engine can export.
+    pub(crate) fn validate_kv_export(
+        &self,
+        sequence: GenerateRequest,
+    ) -> Result<ValidatedRequest, RequestError> {
+        match &self.kv_export {
+            KvExportSupport::Ready => {}
+            KvExportSupport::Off => {
+                return Err(RequestError::KvExport(
+                    "this server does not export KV: start it with --kv-export".into(),
+                ))
+            }
+            KvExportSupport::Unavailable(why) => {
+                return Err(RequestError::KvExport(format!(
+                    "this server cannot export KV: {why}"
+                )))
+            }
+        }
+        let mut validated = self.validate(vec![sequence])?;
+        validated.export_kv = true;
+        Ok(validated)
     }
 }
 
@@ -132,12 +162,19 @@ impl RequestLimits {
 #[derive(Debug, Clone)]
 pub struct ValidatedRequest {
     sequences: Vec<GenerateRequest>,
+    /// Whether the prompt's KV is exported when the sequence finishes.
+    export_kv: bool,
 }
 
 impl ValidatedRequest {
     /// The sequences, in submission order (the order of the streams `enqueue` returns).
     pub fn sequences(&self) -> &[GenerateRequest] {
         &self.sequences
+    }
+
+    /// Whether the prompt's KV is exported when the sequence finishes.
+    pub fn exports_kv(&self) -> bool {
+        self.export_kv
     }
 
     pub(crate) fn into_sequences(self) -> Vec<GenerateRequest> {
@@ -220,6 +257,10 @@ pub enum RequestError {
          engine queues at once (--max-waiting)"
     )]
     TooManySequences { sequences: usize, limit: usize },
+    /// The request asks for its KV to be exported (`kv_transfer_params.do_remote_decode`),
+    /// which this engine cannot do; the message says why.
+    #[error("kv_transfer_params.do_remote_decode: {0}")]
+    KvExport(String),
 }
 
 impl std::error::Error for ContextLength {}
@@ -236,6 +277,7 @@ mod tests {
             max_sequences: 8,
             max_request_tokens: 120,
             max_token_bytes: 5,
+            kv_export: KvExportSupport::Off,
         }
     }
 

@@ -103,6 +103,7 @@ impl Bench {
             tokenizer: Arc::clone(&self.tokenizer),
             eos: Arc::from(Vec::new()),
             events: tx,
+            kv_export: None,
         };
         let cache = self.runtime.new_cache(self.scheduler.block_tokens());
         self.scheduler.enqueue(Sequence::new(parts, cache));

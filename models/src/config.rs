@@ -210,6 +210,9 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// How the checkpoint's weights are quantized, if they are.
     pub quantization: Option<Quantization>,
+    /// The checkpoint's own dtype (`dtype`, or `torch_dtype` of older transformers), as
+    /// written (`"bfloat16"`): what a decode engine of the same model keeps its KV cache in.
+    pub dtype: Option<String>,
 }
 
 impl ModelConfig {
@@ -623,6 +626,10 @@ impl Raw<'_> {
             bos_token_id: self.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: self.token_ids("eos_token_id")?,
             quantization: self.quantization()?,
+            dtype: self
+                .first(&["dtype", "torch_dtype"])
+                .and_then(|(_, v)| v.as_str())
+                .map(str::to_owned),
         })
     }
 

@@ -202,6 +202,7 @@ impl ApiError {
                 Self::invalid(field.of_sequence(sequence), message)
             }
             RequestError::TooManySequences { .. } => Self::invalid("n", message),
+            RequestError::KvExport(_) => Self::invalid("kv_transfer_params", message),
             RequestError::NoSequences
             | RequestError::OutOfVocabulary { .. }
             | RequestError::TooManyTokens { .. } => Self::invalid(field.name(), message),

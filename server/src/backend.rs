@@ -53,6 +53,12 @@ pub trait Backend: Send + Sync + 'static {
     /// limits; the only checks of sampling parameters, token ids and lengths. Cheap.
     fn validate(&self, sequences: Vec<GenerateRequest>) -> Result<ValidatedRequest, RequestError>;
 
+    /// As `validate`, for one sequence whose prompt's KV is handed to a decode engine when it
+    /// finishes (`kv_transfer_params.do_remote_decode`); refused, naming why, where the engine
+    /// cannot export.
+    fn validate_kv_export(&self, sequence: GenerateRequest)
+        -> Result<ValidatedRequest, RequestError>;
+
     /// Queues every sequence of a validated request or none; never blocks. The streams are in
     /// the request's order; dropping one cancels its sequence.
     fn submit(&self, request: ValidatedRequest) -> Result<Vec<RequestStream>, EngineError>;
@@ -154,6 +160,13 @@ impl Backend for EngineBackend {
 
     fn validate(&self, sequences: Vec<GenerateRequest>) -> Result<ValidatedRequest, RequestError> {
         self.engine.validate(sequences)
+    }
+
+    fn validate_kv_export(
+        &self,
+        sequence: GenerateRequest,
+    ) -> Result<ValidatedRequest, RequestError> {
+        self.engine.validate_kv_export(sequence)
     }
 
     fn submit(&self, request: ValidatedRequest) -> Result<Vec<RequestStream>, EngineError> {

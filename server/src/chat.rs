@@ -171,7 +171,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let field = PromptField::Messages;
     let (_, prompt) = prompt_text::tokenize(&state, text, false, bound_max_tokens, field).await?;
     plan.resolved.params.max_tokens = plan.max_tokens_for(&state, prompt.len());
-    let seqs = generate::submit(&state, plan.sequences(&prompt), field)?;
+    let seqs = generate::submit(&state, plan.sequences(&prompt), field, plan.resolved.export_kv)?;
     counter!(m::PROMPT_TOKENS).increment(prompt.len() as u64);
     let format = ChatFormat::new(&state, &plan, prompt.len());
     if plan.resolved.stream {
@@ -242,6 +242,7 @@ impl ChatFormat {
 
     /// The whole (non-streamed) response.
     fn response(&self, outputs: Vec<Output>) -> ChatResponse {
+        let kv_transfer_params = outputs.first().and_then(|o| o.finish.kv_transfer.clone());
         let completion_tokens = outputs
             .iter()
             .map(|o| o.finish.usage.completion_tokens)
@@ -263,6 +264,7 @@ impl ChatFormat {
             object: "chat.completion",
             system_fingerprint: None,
             usage: Usage::new(self.prompt_tokens, completion_tokens, cached),
+            kv_transfer_params,
         }
     }
 
@@ -308,6 +310,7 @@ impl ChatFormat {
             object: "chat.completion.chunk",
             system_fingerprint: None,
             usage,
+            kv_transfer_params: None,
         }
     }
 }
@@ -359,7 +362,7 @@ impl ChunkFormat for ChatFormat {
         self.generated[index] = finish.usage.completion_tokens;
         self.cached[index] = finish.usage.cached_tokens;
         let content = (!finish.text.is_empty()).then(|| finish.text.clone());
-        self.chunk(ChatChunkChoice {
+        let mut chunk = self.chunk(ChatChunkChoice {
             delta: Delta {
                 content,
                 role: None,
@@ -370,7 +373,9 @@ impl ChunkFormat for ChatFormat {
                 content: Vec::new(),
             }),
             stop_reason: Some(ApiStopReason(finish.stop.clone())),
-        })
+        });
+        chunk.kv_transfer_params = finish.kv_transfer.clone();
+        chunk
     }
 
     fn closing_usage(&mut self) -> Option<ChatChunk> {
@@ -381,6 +386,7 @@ impl ChunkFormat for ChatFormat {
             model: self.model.clone(),
             object: "chat.completion.chunk",
             system_fingerprint: None,
+            kv_transfer_params: None,
             usage: ChunkUsage::Counts(Usage::new(
                 self.prompt_tokens,
                 self.generated.iter().sum(),
@@ -413,6 +419,7 @@ mod tests {
             object: "chat.completion.chunk",
             system_fingerprint: None,
             usage: ChunkUsage::Null,
+            kv_transfer_params: None,
         };
         assert_eq!(
             serde_json::to_string(&chunk).unwrap(),

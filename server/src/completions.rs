@@ -257,7 +257,7 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let max_tokens = plan.resolved.params.max_tokens as usize;
     let inputs = std::mem::take(&mut plan.inputs);
     let prompts = tokenize(&state, inputs, max_tokens, field).await?;
-    let seqs = generate::submit(&state, plan.sequences(&prompts), field)?;
+    let seqs = generate::submit(&state, plan.sequences(&prompts), field, plan.resolved.export_kv)?;
     let prompts = if plan.echo {
         decode_for_echo(&state, prompts).await?
     } else {
@@ -377,6 +377,7 @@ impl CompletionFormat {
 
     /// The whole (non-streamed) response.
     fn response(&self, outputs: Vec<Output>) -> CompletionResponse {
+        let kv_transfer_params = outputs.first().and_then(|o| o.finish.kv_transfer.clone());
         let completion_tokens = outputs
             .iter()
             .map(|o| o.finish.usage.completion_tokens)
@@ -397,6 +398,7 @@ impl CompletionFormat {
             model: self.model.clone(),
             object: "text_completion",
             usage: Usage::new(self.prompt_tokens(), completion_tokens, cached),
+            kv_transfer_params,
         }
     }
 
@@ -447,6 +449,7 @@ impl CompletionFormat {
             model: self.model.clone(),
             object: "text_completion",
             usage,
+            kv_transfer_params: None,
         }
     }
 
@@ -514,13 +517,15 @@ impl ChunkFormat for CompletionFormat {
     fn finish(&mut self, index: usize, finish: &FinishEvent) -> CompletionChunk {
         self.generated[index] = finish.usage.completion_tokens;
         self.cached[index] = finish.usage.cached_tokens;
-        self.chunk(CompletionChoice {
+        let mut chunk = self.chunk(CompletionChoice {
             finish_reason: Some(finish_reason(finish.reason)),
             index,
             logprobs: self.logprobs.then(LegacyLogprobs::default),
             stop_reason: Some(ApiStopReason(finish.stop.clone())),
             text: finish.text.clone(),
-        })
+        });
+        chunk.kv_transfer_params = finish.kv_transfer.clone();
+        chunk
     }
 
     fn closing_usage(&mut self) -> Option<CompletionChunk> {
@@ -530,6 +535,7 @@ impl ChunkFormat for CompletionFormat {
             id: self.id.clone(),
             model: self.model.clone(),
             object: "text_completion",
+            kv_transfer_params: None,
             usage: ChunkUsage::Counts(Usage::new(
                 self.prompt_tokens(),
                 self.generated.iter().sum(),
@@ -564,6 +570,7 @@ mod tests {
             model: "m".into(),
             object: "text_completion",
             usage: Usage::new(3, 1, 0),
+            kv_transfer_params: None,
         };
         assert_eq!(
             serde_json::to_string(&response).unwrap(),

@@ -34,13 +34,24 @@ pub(crate) struct Seq {
 /// the prompts). Choice `i` of the response reads `seqs[i]`.
 pub(crate) fn submit(
     state: &AppState,
-    sequences: Vec<GenerateRequest>,
+    mut sequences: Vec<GenerateRequest>,
     field: PromptField,
+    export_kv: bool,
 ) -> Result<Vec<Seq>, ApiError> {
     let backend = state.backend();
-    let validated = backend
-        .validate(sequences)
-        .map_err(|e| ApiError::from_request(e, field))?;
+    let validated = if export_kv {
+        if sequences.len() != 1 {
+            return Err(ApiError::invalid(
+                "kv_transfer_params",
+                "`kv_transfer_params.do_remote_decode` needs exactly one sequence (one prompt, \
+                 n = 1): the KV of one prompt goes to one decode request",
+            ));
+        }
+        backend.validate_kv_export(sequences.remove(0))
+    } else {
+        backend.validate(sequences)
+    };
+    let validated = validated.map_err(|e| ApiError::from_request(e, field))?;
     let streams = backend
         .submit(validated)
         .map_err(|e| ApiError::from_engine(e, field))?;
@@ -148,6 +159,7 @@ pub(crate) async fn collect_all(
                 stop: None,
                 usage: Default::default(),
                 queue_time: Default::default(),
+                kv_transfer: None,
             },
         };
         loop {

@@ -75,6 +75,8 @@ pub(crate) struct Resolved {
     pub n: usize,
     pub stream: bool,
     pub usage: StreamUsage,
+    /// `kv_transfer_params.do_remote_decode`: hand the prompt's KV to a decode engine.
+    pub export_kv: bool,
 }
 
 /// Which usage a stream reports (`stream_options`).
@@ -162,8 +164,37 @@ impl CommonParams<'_> {
             n,
             stream,
             usage,
+            export_kv: kv_transfer(self.other.get("kv_transfer_params"))?,
         })
     }
+}
+
+/// Reads vLLM's `kv_transfer_params` (what a disaggregation proxy sends a prefill instance):
+/// whether the prompt's KV is to be exported (`do_remote_decode`). The proxy's other keys
+/// (`remote_*: null`) are accepted; asking this prefill engine to pull KV is refused.
+fn kv_transfer(value: Option<&Value>) -> Result<bool, ApiError> {
+    const FIELD: &str = "kv_transfer_params";
+    let map = match value {
+        None | Some(Value::Null) => return Ok(false),
+        Some(Value::Object(map)) => map,
+        Some(_) => return Err(ApiError::invalid(FIELD, "`kv_transfer_params` must be an object")),
+    };
+    let flag = |key: &str| match map.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(
+            FIELD,
+            format!("`kv_transfer_params.{key}` must be a boolean"),
+        )),
+    };
+    if flag("do_remote_prefill")? {
+        return Err(ApiError::invalid(
+            FIELD,
+            "`kv_transfer_params.do_remote_prefill`: rackfill is a prefill engine and does not \
+             pull KV from another engine",
+        ));
+    }
+    flag("do_remote_decode")
 }
 
 /// `value` as `f32`, except that a positive value below `f32`'s range becomes its smallest

@@ -1,5 +1,6 @@
 //! Starting `rackfill serve` under `mpirun` (or as one process) for the multi-process tests, and
-//! talking to it over real HTTP.
+//! talking to it over real HTTP. Each test file uses part of it.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -121,11 +122,17 @@ impl Served {
 
     /// `rackfill serve --port 0 FLAGS` as one process, once it listens.
     pub fn single(flags: &[&str]) -> Self {
+        Self::single_with_env(flags, &[])
+    }
+
+    /// [`Served::single`] with the environment variables `env` set.
+    pub fn single_with_env(flags: &[&str], env: &[(&str, &str)]) -> Self {
         let log = log_path("single");
         let mut cmd = Command::new(BIN);
         cmd.args(["serve", "--port", "0"])
             .args(short_grace(flags, &[]))
-            .args(flags);
+            .args(flags)
+            .envs(env.iter().copied());
         Self::spawn(cmd, log, false)
     }
 

@@ -28,6 +28,7 @@ use crate::engine::{fallback_seed, record_routing, Command};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::health::EngineHealth;
+use crate::kv_export::KvExport;
 use crate::metrics;
 use crate::prefix_cache::{
     choose_rank, reusable_tokens, BlockHash, IndexChange, PrefixCacheStats, RankOffer,
@@ -50,6 +51,7 @@ pub struct Lockstep {
     health: Arc<EngineHealth>,
     tokenizer: Arc<Tokenizer>,
     eos: Arc<[u32]>,
+    kv_export: Option<Arc<KvExport>>,
     /// Workers: the event streams of the sequences they run for the leader, by id.
     outboxes: BTreeMap<u64, events::UnboundedReceiver<Event>>,
     /// The leader's state; `None` on workers.
@@ -66,6 +68,8 @@ pub struct Stepper {
     pub control: ControlPlane,
     pub progress: Arc<Progress>,
     pub health: Arc<EngineHealth>,
+    /// This process's KV exporter, if it runs.
+    pub kv_export: Option<Arc<KvExport>>,
 }
 
 /// What only the leader keeps.
@@ -150,6 +154,7 @@ impl Lockstep {
             control,
             progress,
             health,
+            kv_export,
         } = stepper;
         let mut scheduler = scheduler;
         scheduler.journal_index_changes();
@@ -159,6 +164,7 @@ impl Lockstep {
             control,
             progress,
             health,
+            kv_export,
             tokenizer,
             eos: eos.into(),
             outboxes: BTreeMap::new(),
@@ -305,6 +311,7 @@ impl Lockstep {
                         id: parts.id,
                         request: parts.request,
                         waited: parts.arrived.elapsed(),
+                        export_kv: parts.kv_export.is_some(),
                     });
                 }
             }
@@ -364,6 +371,17 @@ impl Lockstep {
             let arrived = Instant::now()
                 .checked_sub(handoff.waited)
                 .unwrap_or_else(Instant::now);
+            self.outboxes.insert(handoff.id, rx);
+            let kv_export = match (handoff.export_kv, &self.kv_export) {
+                (false, _) => None,
+                (true, Some(export)) => Some(Arc::clone(export)),
+                (true, None) => {
+                    // The group agreed at start that every rank exports; kept as an answer
+                    // rather than a silent response without its KV.
+                    let _ = tx.send(Event::Error(format!("rank {me} cannot export KV")));
+                    continue;
+                }
+            };
             let parts = SequenceParts {
                 id: handoff.id,
                 request: handoff.request,
@@ -372,8 +390,8 @@ impl Lockstep {
                 tokenizer: Arc::clone(&self.tokenizer),
                 eos: Arc::clone(&self.eos),
                 events: tx,
+                kv_export,
             };
-            self.outboxes.insert(handoff.id, rx);
             let cache = self.runtime.new_cache(self.scheduler.block_tokens());
             self.scheduler.enqueue(Sequence::new(parts, cache));
         }
@@ -410,6 +428,11 @@ impl Lockstep {
             reserved_tokens: self.scheduler.reserved_tokens(),
             fabric_bytes: self.runtime.bytes_moved(),
             prefix: PrefixCacheStats::merged(&self.scheduler.prefix_stats()),
+            kv_export: self
+                .kv_export
+                .as_ref()
+                .map(|export| export.stats())
+                .unwrap_or_default(),
         }
     }
 
@@ -538,11 +561,14 @@ fn record_ranks(ranks: &[RankGauges]) {
     gauge!(metrics::GROUP_RANKS).set(ranks.len() as f64);
     metrics::record_fabric(ranks.iter().map(|g| g.fabric_bytes).sum());
     metrics::record_prefix_cache(&ranks.iter().map(|g| g.prefix).collect::<Vec<_>>());
-    for (rank, g) in ranks.iter().enumerate() {
-        let rank = rank.to_string();
+    for (index, g) in ranks.iter().enumerate() {
+        let rank = index.to_string();
         gauge!(metrics::RANK_FABRIC_BYTES, "rank" => rank.clone()).set(g.fabric_bytes as f64);
         gauge!(metrics::RANK_WAITING, "rank" => rank.clone()).set(g.waiting as f64);
         gauge!(metrics::RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
         gauge!(metrics::RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);
+        if g.kv_export != Default::default() {
+            metrics::record_kv_export(index, &g.kv_export);
+        }
     }
 }

@@ -35,6 +35,7 @@ use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
 use crate::health::EngineHealth;
+use crate::kv_export::{self, KvExport, KvExportSupport};
 use crate::model_weights::ModelWeights;
 use lockstep::{Leader, Lockstep, Stepper};
 use progress::Progress;
@@ -59,11 +60,16 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
     let joined = join(world, &served, Arc::default())?;
     let recorder = open_recorder(&served.config)?;
     let (tokenizer, eos) = (Arc::clone(&served.tokenizer), served.eos.clone());
+    let kv_export = (
+        joined.kv_export_support.clone(),
+        joined.stepper.kv_export.clone(),
+    );
     EngineHandle::start(
         served.model.config(),
         tokenizer,
         eos,
         &served.config,
+        kv_export,
         move |thread| {
             // Moved whole (not field by field): `Joined` is what is Send.
             let joined = joined;
@@ -71,6 +77,7 @@ pub fn start_leader(world: &MpiWorld, served: GroupModel) -> Result<EngineHandle
                 mut stepper,
                 heart,
                 pids,
+                ..
             } = joined;
             // The server watches the handle's health: the group reports through it.
             stepper.health = thread.health;
@@ -108,6 +115,7 @@ pub fn run_worker(world: &MpiWorld, served: GroupModel) -> Result<()> {
         stepper,
         heart,
         pids,
+        ..
     } = join(world, &served, Arc::clone(&health))?;
     let progress = Arc::clone(&stepper.progress);
     let watchdog = watchdog::spawn(heart, progress, health, pids, served.group)
@@ -122,6 +130,8 @@ struct Joined {
     stepper: Stepper,
     heart: mpi::topology::SimpleCommunicator,
     pids: Vec<Option<u32>>,
+    /// Whether every rank can export KV (what the leader validates requests against).
+    kv_export_support: KvExportSupport,
 }
 
 // SAFETY: MPI runs at MPI_THREAD_MULTIPLE (checked when the world is joined), and `heart` moves
@@ -173,6 +183,7 @@ fn join(world: &MpiWorld, served: &GroupModel, health: Arc<EngineHealth>) -> Res
         &served.config,
         served.model.config(),
     )?;
+    let (kv_export_support, kv_export) = start_kv_export(&control, served);
     Ok(Joined {
         stepper: Stepper {
             runtime,
@@ -180,10 +191,40 @@ fn join(world: &MpiWorld, served: &GroupModel, health: Arc<EngineHealth>) -> Res
             control,
             progress,
             health,
+            kv_export,
         },
         heart,
         pids,
+        kv_export_support,
     })
+}
+
+/// Starts every process's KV exporter (collective): export is ready only where every rank's
+/// started, so a request is never handed to a rank that cannot export it.
+fn start_kv_export(
+    control: &ControlPlane,
+    served: &GroupModel,
+) -> (KvExportSupport, Option<Arc<KvExport>>) {
+    let config = served.config.kv_export.as_ref();
+    let rank = control.rank();
+    let (support, export) =
+        kv_export::start_for_rank(config, &served.config, served.model.config(), rank);
+    let ready = u64::from(support == KvExportSupport::Ready);
+    let without: Vec<usize> = control
+        .all_gather(&[ready])
+        .iter()
+        .enumerate()
+        .filter(|(_, row)| row[0] == 0)
+        .map(|(rank, _)| rank)
+        .collect();
+    if config.is_none() || without.is_empty() {
+        return (support, export);
+    }
+    let reason = match support {
+        KvExportSupport::Unavailable(why) => why,
+        _ => format!("rank(s) {without:?} could not start it (their logs say why)"),
+    };
+    (KvExportSupport::Unavailable(reason), export)
 }
 
 /// Every rank's process id where the leader can read its state: ranks in the leader's PID

@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
+use crate::kv_export::ExportStats;
 use crate::prefix_cache::{IndexChange, PrefixCacheStats};
 use crate::request::{Event, GenerateRequest};
 
@@ -27,6 +28,8 @@ pub struct HandOff {
     pub request: GenerateRequest,
     /// How long it has waited since it was submitted (its queue time continues on the rank).
     pub waited: Duration,
+    /// Whether the rank exports the prompt's KV when the sequence finishes.
+    pub export_kv: bool,
 }
 
 /// What every process applies at the start of a round, sent by the leader.
@@ -52,6 +55,8 @@ pub struct RankGauges {
     pub fabric_bytes: u64,
     /// The rank's prefix-cache counters and KV block states.
     pub prefix: PrefixCacheStats,
+    /// The rank's KV export arena.
+    pub kv_export: ExportStats,
 }
 
 /// What a worker tells the leader at the end of a round.

@@ -65,6 +65,16 @@ fn check(call: &'static str, status: Status) -> Result<(), NixlError> {
     }
 }
 
+/// Set once `libnixl_capi` is loaded into this process.
+static LOADED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process loaded NIXL. The wheels' bundled libraries (libnl, through UCX's
+/// InfiniBand transport) crash in their exit-time destructors (NIXL 1.5.1), so a process that
+/// loaded it ends with `_exit` once its own work is done (see `rackfill serve`).
+pub fn loaded() -> bool {
+    LOADED.load(std::sync::atomic::Ordering::Acquire)
+}
+
 impl Api {
     fn load(path: &Path) -> Result<Self, NixlError> {
         // SAFETY: loading a shared library runs its initialisers; libnixl_capi's are NIXL's own.
@@ -72,6 +82,7 @@ impl Api {
             .map_err(|e| NixlError::Missing(format!("cannot load {}: {e}", path.display())))?;
         // Never unloaded: NIXL's and UCX's threads run its code until the process ends.
         let lib: &'static Library = Box::leak(Box::new(lib));
+        LOADED.store(true, std::sync::atomic::Ordering::Release);
         macro_rules! sym {
             ($name:literal) => {
                 // SAFETY: the signature is the one of `wrapper.h` for this symbol.
@@ -141,17 +152,14 @@ pub struct Agent {
     agent: Handle,
     backend: Handle,
     notifs: Handle,
+    /// Registered memory descriptor lists, deregistered when the agent is dropped.
+    registered: std::sync::Mutex<Vec<Handle>>,
 }
 
 // SAFETY: NIXL agents are thread-safe (the C++ agent guards its state); the handles are owned.
 unsafe impl Send for Agent {}
 unsafe impl Sync for Agent {}
 
-/// Host memory registered with an agent; deregistered when dropped.
-pub struct Registration<'a> {
-    agent: &'a Agent,
-    dlist: Handle,
-}
 
 impl Agent {
     /// An agent named `name` (what the decode side knows it by) over UCX, from the library at
@@ -189,18 +197,16 @@ impl Agent {
             agent,
             backend,
             notifs,
+            registered: std::sync::Mutex::new(Vec::new()),
         })
     }
 
-    /// Registers the host bytes `[addr, addr + len)` for remote READs.
+    /// Registers the host bytes `[addr, addr + len)` for remote READs, until the agent is
+    /// dropped.
     ///
     /// # Safety
-    /// The memory must stay allocated while the registration lives.
-    pub unsafe fn register_host(
-        &self,
-        addr: usize,
-        len: usize,
-    ) -> Result<Registration<'_>, NixlError> {
+    /// The memory must stay allocated while the agent lives.
+    pub unsafe fn register_host(&self, addr: usize, len: usize) -> Result<(), NixlError> {
         let mut dlist = std::ptr::null_mut();
         check(
             "create_reg_dlist",
@@ -220,7 +226,10 @@ impl Agent {
             (self.api.destroy_reg_dlist)(dlist);
             return Err(err);
         }
-        Ok(Registration { agent: self, dlist })
+        if let Ok(mut registered) = self.registered.lock() {
+            registered.push(dlist);
+        }
+        Ok(())
     }
 
     /// The agent's metadata: what the decode side loads (`add_remote_agent`) to reach it.
@@ -282,21 +291,15 @@ impl Agent {
     }
 }
 
-impl Drop for Registration<'_> {
-    fn drop(&mut self) {
-        let api = &self.agent.api;
-        // SAFETY: registered by `register_host` on this agent.
-        unsafe {
-            (api.deregister_mem)(self.agent.agent, self.dlist, std::ptr::null_mut());
-            (api.destroy_reg_dlist)(self.dlist);
-        }
-    }
-}
-
 impl Drop for Agent {
     fn drop(&mut self) {
-        // SAFETY: created in `new`, destroyed once.
+        let registered = self.registered.get_mut().map(std::mem::take).unwrap_or_default();
+        // SAFETY: created in `new` and `register_host`, destroyed once.
         unsafe {
+            for dlist in registered {
+                (self.api.deregister_mem)(self.agent, dlist, std::ptr::null_mut());
+                (self.api.destroy_reg_dlist)(dlist);
+            }
             (self.api.destroy_notif_map)(self.notifs);
             (self.api.destroy_backend)(self.backend);
             (self.api.destroy_agent)(self.agent);

@@ -32,7 +32,9 @@ pub(crate) enum QueryProjection {
 }
 
 /// Multi-head latent attention. The KV cache holds the expanded per-head keys and values: on a
-/// CPU host the expansion costs more than the memory it would save.
+/// CPU host the expansion costs more than the memory it would save. It also keeps the
+/// compressed rows (normalised latent, rotated shared key), which a KV export hands to an MLA
+/// decode engine.
 pub(crate) struct MlaAttention {
     pub(crate) query: QueryProjection,
     pub(crate) kv_a: Linear,
@@ -148,9 +150,11 @@ impl Attention for MlaAttention {
             let kv = Self::heads_first(&kv.narrow(0, row, n)?, self.heads)?;
             let k_nope = kv.narrow(2, 0, nope)?;
             let values = kv.narrow(2, nope, d.v_head_dim)?.contiguous()?;
+            let compressed = Tensor::cat(&[&latent.narrow(0, row, n)?, &k_rot.squeeze(0)?], 1)?;
             let k_rot = k_rot.broadcast_as((self.heads, n, rot))?;
             let keys = Tensor::cat(&[&k_nope, &k_rot], 2)?;
             let (keys, values) = chunk.cache.append(keys, values)?;
+            chunk.cache.append_latent(compressed)?;
             outputs.push(causal_attention(&q, &keys, &values, self.scale)?);
             row += n;
         }

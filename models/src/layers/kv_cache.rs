@@ -23,6 +23,10 @@ pub const KV_BLOCK_TOKENS: usize = 16;
 pub struct BlockKv {
     pub keys: Tensor,
     pub values: Tensor,
+    /// Multi-head latent attention's compressed KV, `[tokens, kv_lora_rank + rope_dim]`: the
+    /// normalised latent and the rotated shared key, what an MLA decode engine caches (and a KV
+    /// export hands it); `None` for other attention.
+    pub latent: Option<Tensor>,
 }
 
 /// One full block across every layer: what a prefix cache keeps and hands to the next sequence
@@ -63,6 +67,12 @@ impl LayerCache {
         self.len() == 0
     }
 
+    /// Every cached position's keys and values, `[kv_heads, len, dim]` each (reused blocks
+    /// included): what a KV export copies out.
+    pub fn keys_values(&self) -> Option<&BlockKv> {
+        self.kv.as_ref()
+    }
+
     /// Appends `[kv_heads, n, dim]` keys and values; returns the whole cache, `[kv_heads,
     /// len, dim]` each, for the attention over it.
     pub fn append(&mut self, keys: Tensor, values: Tensor) -> Result<(Tensor, Tensor)> {
@@ -70,11 +80,30 @@ impl LayerCache {
             Some(old) => BlockKv {
                 keys: Tensor::cat(&[&old.keys, &keys], 1)?,
                 values: Tensor::cat(&[&old.values, &values], 1)?,
+                latent: old.latent,
             },
-            None => BlockKv { keys, values },
+            None => BlockKv {
+                keys,
+                values,
+                latent: None,
+            },
         };
         self.kv = Some(kv.clone());
         Ok((kv.keys, kv.values))
+    }
+
+    /// Appends `[n, width]` rows of MLA's compressed KV for the positions the last
+    /// [`LayerCache::append`] added.
+    pub fn append_latent(&mut self, rows: Tensor) -> Result<()> {
+        let kv = self
+            .kv
+            .as_mut()
+            .ok_or_else(|| ModelError::Input("a latent appended before its keys".into()))?;
+        kv.latent = Some(match kv.latent.take() {
+            Some(old) => Tensor::cat(&[&old, &rows], 0)?,
+            None => rows,
+        });
+        Ok(())
     }
 
     /// Full block `index`: the reused block itself, or a copy of its positions (a narrowed view
@@ -98,9 +127,14 @@ fn no_block(index: usize) -> ModelError {
 /// Positions `start..start + len` of `[kv_heads, positions, dim]` keys and values, copied into
 /// their own storage.
 fn slice(kv: &BlockKv, start: usize, len: usize) -> Result<BlockKv> {
+    let latent = match &kv.latent {
+        Some(latent) => Some(latent.narrow(0, start, len)?.contiguous()?),
+        None => None,
+    };
     Ok(BlockKv {
         keys: kv.keys.narrow(1, start, len)?.contiguous()?,
         values: kv.values.narrow(1, start, len)?.contiguous()?,
+        latent,
     })
 }
 
@@ -206,9 +240,11 @@ impl KvCache {
             }
             let keys: Vec<&Tensor> = pieces.iter().map(|p| &p.keys).collect();
             let values: Vec<&Tensor> = pieces.iter().map(|p| &p.values).collect();
+            let latents: Option<Vec<&Tensor>> = pieces.iter().map(|p| p.latent.as_ref()).collect();
             cache.kv = Some(BlockKv {
                 keys: Tensor::cat(&keys, 1)?,
                 values: Tensor::cat(&values, 1)?,
+                latent: latents.map(|l| Tensor::cat(&l, 0)).transpose()?,
             });
         }
         Ok(())

@@ -2,6 +2,7 @@
 //! `logprobs` objects.
 
 use serde::{Deserialize, Serialize};
+use rackfill_engine::kv_export::KvTransferParams;
 use serde_json::{Map, Value};
 
 use super::common::{ApiStopReason, ChunkUsage, StreamOptions, Usage};
@@ -107,6 +108,10 @@ pub struct ChatResponse {
     pub object: &'static str,
     pub system_fingerprint: Option<String>,
     pub usage: Usage,
+    /// vLLM's disaggregation field: where a decode engine pulls the prompt's KV (only for a
+    /// request with `kv_transfer_params.do_remote_decode`; on a stream, its finishing chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// One whole choice.
@@ -163,6 +168,10 @@ pub struct ChatChunk {
     pub system_fingerprint: Option<String>,
     #[serde(skip_serializing_if = "ChunkUsage::is_omitted")]
     pub usage: ChunkUsage,
+    /// vLLM's disaggregation field: where a decode engine pulls the prompt's KV (only for a
+    /// request with `kv_transfer_params.do_remote_decode`; on a stream, its finishing chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// One choice's delta in a chunk.

@@ -2,6 +2,7 @@
 //! `logprobs` object.
 
 use std::collections::BTreeMap;
+use rackfill_engine::kv_export::KvTransferParams;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -78,6 +79,10 @@ pub struct CompletionResponse {
     pub model: String,
     pub object: &'static str,
     pub usage: Usage,
+    /// vLLM's disaggregation field: where a decode engine pulls the prompt's KV (only for a
+    /// request with `kv_transfer_params.do_remote_decode`; on a stream, its finishing chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// One choice, whole or as a stream chunk's delta.
@@ -103,6 +108,10 @@ pub struct CompletionChunk {
     pub object: &'static str,
     #[serde(skip_serializing_if = "ChunkUsage::is_omitted")]
     pub usage: ChunkUsage,
+    /// vLLM's disaggregation field: where a decode engine pulls the prompt's KV (only for a
+    /// request with `kv_transfer_params.do_remote_decode`; on a stream, its finishing chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// OpenAI's legacy `logprobs`: parallel lists, one entry per token. A position with nothing

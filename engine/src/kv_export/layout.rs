@@ -1,0 +1,204 @@
+//! The bytes of an exported block: exactly what a vLLM 0.33 decode instance of the same model
+//! keeps in one block of its KV cache, so its READ lands them where its attention reads them.
+//!
+//! Every layer is one region of blocks; a block holds `heads` runs of `block_size` rows, and
+//! positions past the prompt's end in its last block are zero:
+//! - attention with K and V per head (FLASH_ATTN, layout `LBHNC`): `[num_blocks, kv_heads,
+//!   block_size, 2 * head_size]`, each row K then V;
+//! - multi-head latent attention (DeepSeek-V3): `[num_blocks, block_size, kv_lora_rank +
+//!   qk_rope_head_dim]`, each row the normalised latent then the rotated shared key (one
+//!   "head").
+
+use candle_core::{DType, Tensor};
+use rackfill_models::BlockKv;
+
+use super::KvExportError;
+
+/// The element type of the exported KV: the checkpoint's dtype unless configured otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl KvDtype {
+    /// From a `config.json` dtype or a flag value (`bfloat16`, `torch.float16`, `fp32`...).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.trim_start_matches("torch.") {
+            "float32" | "fp32" | "float" => Some(Self::F32),
+            "bfloat16" | "bf16" => Some(Self::Bf16),
+            "float16" | "fp16" | "half" => Some(Self::F16),
+            _ => None,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+
+    /// The name vLLM's compatibility hash uses (`str(torch.dtype)`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "torch.float32",
+            Self::Bf16 => "torch.bfloat16",
+            Self::F16 => "torch.float16",
+        }
+    }
+
+    fn candle(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+}
+
+/// The shape of one exported block, the same in every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLayout {
+    pub layers: usize,
+    /// KV heads (1 for MLA).
+    pub heads: usize,
+    /// Elements of one token's row in one head: `2 * head_dim` (K then V), or MLA's
+    /// `kv_lora_rank + qk_rope_head_dim`.
+    pub row: usize,
+    /// Whether the rows are MLA's compressed KV.
+    pub mla: bool,
+    /// Tokens per block (the engine's `--kv-block-tokens`, which a decode's `--block-size`
+    /// must equal).
+    pub block_tokens: usize,
+    pub dtype: KvDtype,
+}
+
+impl BlockLayout {
+    /// Bytes of one block of one layer.
+    pub fn block_bytes(&self) -> usize {
+        self.heads * self.block_tokens * self.row * self.dtype.size()
+    }
+
+    /// Blocks that hold `tokens` positions.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_tokens)
+    }
+
+    /// One layer's rows as the blocks hold them, `[heads, len, row]`: keys then values per
+    /// head, or MLA's compressed rows.
+    pub fn rows(&self, kv: &BlockKv) -> Result<Tensor, KvExportError> {
+        if !self.mla {
+            return Ok(Tensor::cat(&[&kv.keys, &kv.values], 2)?);
+        }
+        let latent = kv.latent.as_ref().ok_or_else(|| {
+            KvExportError::Layout("the cache holds no compressed MLA rows".into())
+        })?;
+        Ok(latent.unsqueeze(0)?)
+    }
+
+    /// Writes positions `0..tokens` of one layer's `rows` (`[heads, len, row]`, `len >=
+    /// tokens`, see [`BlockLayout::rows`]) into `blocks`, one `block_bytes()` slice per block
+    /// in order.
+    pub fn write_layer(
+        &self,
+        rows: &Tensor,
+        tokens: usize,
+        blocks: &mut [&mut [u8]],
+    ) -> Result<(), KvExportError> {
+        let (heads, len, width) = rows.dims3()?;
+        if (heads, width) != (self.heads, self.row) || len < tokens {
+            return Err(KvExportError::Layout(format!(
+                "the cache holds [{heads}, {len}, {width}] rows, the export expects [{}, >= \
+                 {tokens}, {}]",
+                self.heads, self.row
+            )));
+        }
+        let rows = rows
+            .narrow(1, 0, tokens)?
+            .to_dtype(self.dtype.candle())?
+            .contiguous()?;
+        let bytes = tensor_bytes(&rows)?;
+        let row = width * self.dtype.size();
+        for (b, block) in blocks.iter_mut().enumerate() {
+            block.fill(0);
+            let first = b * self.block_tokens;
+            let here = tokens.saturating_sub(first).min(self.block_tokens);
+            for h in 0..heads {
+                let src = (h * tokens + first) * row;
+                let dst = h * self.block_tokens * row;
+                block[dst..dst + here * row].copy_from_slice(&bytes[src..src + here * row]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The raw little-endian bytes of a contiguous CPU tensor.
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, KvExportError> {
+    Ok(match t.dtype() {
+        DType::F32 => bytemuck::cast_slice(&t.flatten_all()?.to_vec1::<f32>()?).to_vec(),
+        DType::BF16 => {
+            let v = t.flatten_all()?.to_vec1::<half::bf16>()?;
+            v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+        }
+        DType::F16 => {
+            let v = t.flatten_all()?.to_vec1::<half::f16>()?;
+            v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+        }
+        other => return Err(KvExportError::Layout(format!("a {other:?} cache"))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn blocks_hold_each_head_then_each_token_k_before_v_and_zeros_past_the_end() {
+        let layout = BlockLayout {
+            layers: 1,
+            heads: 2,
+            row: 4,
+            mla: false,
+            block_tokens: 2,
+            dtype: KvDtype::F32,
+        };
+        // keys[h][t][c] = 100h + 10t + c, values = keys + 1000; three tokens: two blocks.
+        let k: Vec<f32> = (0..2)
+            .flat_map(|h| (0..3).flat_map(move |t| (0..2).map(move |c| (100 * h + 10 * t + c) as f32)))
+            .collect();
+        let keys = Tensor::from_vec(k.clone(), (2, 3, 2), &Device::Cpu).unwrap();
+        let values = (keys.clone() + 1000.0).unwrap();
+        let mut a = vec![0xffu8; layout.block_bytes()];
+        let mut b = vec![0xffu8; layout.block_bytes()];
+        let kv = BlockKv {
+            keys,
+            values,
+            latent: None,
+        };
+        let rows = layout.rows(&kv).unwrap();
+        layout.write_layer(&rows, 3, &mut [&mut a, &mut b]).unwrap();
+        let floats = |x: &[u8]| bytemuck::cast_slice::<u8, f32>(x).to_vec();
+        assert_eq!(
+            floats(&a),
+            [0., 1., 1000., 1001., 10., 11., 1010., 1011., 100., 101., 1100., 1101., 110., 111., 1110., 1111.]
+        );
+        assert_eq!(
+            floats(&b),
+            [20., 21., 1020., 1021., 0., 0., 0., 0., 120., 121., 1120., 1121., 0., 0., 0., 0.]
+        );
+    }
+
+    #[test]
+    fn dtypes_parse_from_config_and_flag_spellings() {
+        assert_eq!(KvDtype::parse("bfloat16"), Some(KvDtype::Bf16));
+        assert_eq!(KvDtype::parse("torch.float16"), Some(KvDtype::F16));
+        assert_eq!(KvDtype::parse("float32"), Some(KvDtype::F32));
+        assert_eq!(KvDtype::parse("int8"), None);
+        assert_eq!(KvDtype::Bf16.torch_name(), "torch.bfloat16");
+    }
+}
