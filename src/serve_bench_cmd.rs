@@ -12,10 +12,11 @@ use rackfill_bench::serve::dataset::{
     self, EvalParams, MultiTurnParams, RandomParams, ShareGptParams, Synthesis,
 };
 use rackfill_bench::serve::plots::{write_plots, PlotFormat};
+use rackfill_bench::serve::remote_decode::{peak_held_bytes, RemoteDecode, RemoteDecodeSummary};
 use rackfill_bench::serve::report::ReportOptions;
 use rackfill_bench::serve::runner::{warmup, RunOptions, Target, TargetConfig};
 use rackfill_bench::serve::table::{format_sweep, format_table};
-use rackfill_bench::serve::{run_sweep, RateReport, SweepPlan, Workload};
+use rackfill_bench::serve::{run_sweep, RateReport, ServeBenchError, SweepPlan, Workload};
 
 /// Dataset kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -177,6 +178,16 @@ pub struct ServeBenchArgs {
     /// Skip the unmeasured first request that checks the endpoint before the run.
     #[arg(long)]
     pub no_warmup: bool,
+    /// Play the decode tier of disaggregated prefill: every request asks for its KV
+    /// (kv_transfer_params.do_remote_decode, a server started with --kv-export), which is pulled
+    /// over NIXL as a vLLM decode instance does (needs the nixl wheel); reports what was pulled
+    /// and the peak KV the server held waiting.
+    #[arg(long)]
+    pub remote_decode: bool,
+    /// Seconds after each response before its KV is pulled (a decode tier that picks requests
+    /// up late; the server holds their blocks meanwhile).
+    #[arg(long, default_value_t = 0.0, requires = "remote_decode")]
+    pub remote_decode_delay: f64,
     /// Seconds one request may take, connection to end of stream.
     #[arg(long, default_value_t = 3600.0, value_name = "SECONDS")]
     pub request_timeout: f64,
@@ -220,9 +231,12 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let plan = sweep_plan(&args, arrivals, duration, stop_rx);
     plan.check(&workload)?;
     let outputs = Outputs::check(&args)?;
-    let reports = run_sweep_interruptible(&args, config, &workload, &plan, stop)?;
+    let (reports, pulled) = run_sweep_interruptible(&args, config, &workload, &plan, stop)?;
     let interrupted = plan.run.stopped();
     print_reports(&reports);
+    if let Some(pulled) = &pulled {
+        print_remote_decode(pulled);
+    }
     outputs.write(&reports)?;
     if interrupted {
         use std::io::Write as _;
@@ -271,6 +285,16 @@ fn target_config(
             block_size: args.block_size,
             seed: args.seed,
         },
+        remote_decode: args
+            .remote_decode
+            .then(|| {
+                let delay = match args.remote_decode_delay {
+                    0.0 => Duration::ZERO,
+                    delay => seconds("--remote-decode-delay", delay)?,
+                };
+                anyhow::Ok(RemoteDecode::new(delay)?)
+            })
+            .transpose()?,
     })
 }
 
@@ -310,11 +334,12 @@ fn run_sweep_interruptible(
     workload: &Workload,
     plan: &SweepPlan,
     stop: tokio::sync::watch::Sender<bool>,
-) -> anyhow::Result<Vec<RateReport>> {
+) -> anyhow::Result<(Vec<RateReport>, Option<RemoteDecodeSummary>)> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    let decode = config.remote_decode.clone();
     let reports = runtime.block_on(async {
         let target = Target::connect(config).await?;
         if !args.no_warmup {
@@ -341,9 +366,46 @@ fn run_sweep_interruptible(
                 std::process::exit(130);
             }
         });
-        run_sweep(&target, workload, plan).await
+        let reports = run_sweep(&target, workload, plan).await?;
+        let pulled = match &decode {
+            Some(decode) => Some(remote_decode_summary(decode, &args.base_url).await),
+            None => None,
+        };
+        Ok::<_, ServeBenchError>((reports, pulled))
     })?;
     Ok(reports)
+}
+
+/// Waits for the decode side's pulls, and reads the server's peak of KV held waiting.
+async fn remote_decode_summary(decode: &RemoteDecode, base_url: &str) -> RemoteDecodeSummary {
+    let mut summary = decode.finish().await;
+    let url = format!("{}/metrics", base_url.trim_end_matches('/'));
+    if let Ok(response) = reqwest::get(url).await {
+        if let Ok(text) = response.text().await {
+            summary.server_peak_held_bytes = peak_held_bytes(&text);
+        }
+    }
+    summary
+}
+
+/// The decode side's line.
+fn print_remote_decode(summary: &RemoteDecodeSummary) {
+    let peak = summary.server_peak_held_bytes.map_or(
+        "unknown (no rackfill:kv_export_peak_held_bytes)".into(),
+        |b| format!("{:.2} MB", b / 1e6),
+    );
+    out!(
+        "\nRemote decode: {} pulled, {} failed; {:.2} MB at {:.2} GB/s (READ); mean pickup \
+         {:.1} ms; the server's peak KV held for pickup: {peak}",
+        summary.pulled,
+        summary.failed,
+        summary.bytes as f64 / 1e6,
+        summary.read_gbps,
+        summary.mean_pickup_ms
+    );
+    if let Some(error) = &summary.first_error {
+        out!("first pull error: {error}");
+    }
 }
 
 /// One table per run, then the sweep's table when there were several.

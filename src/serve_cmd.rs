@@ -16,8 +16,8 @@ use rackfill_engine::{
 use rackfill_models::{ExpertSelection, ModelBundle};
 use rackfill_server::{AppState, ServerConfig};
 
-use crate::kv_export_args::KvExportArgs;
 use crate::flags::{parse_bytes, BALANCER_ALIASES, EP_SIZE_ALIASES, REDUNDANT_SLOTS_ALIASES};
+use crate::kv_export_args::KvExportArgs;
 
 /// Arguments of `rackfill serve`.
 #[derive(Debug, clap::Args)]

@@ -211,7 +211,9 @@ impl Drop for Decode {
 /// `pulled` equals `want` within [`KV_TOLERANCE`] plus the export dtype's rounding.
 fn assert_kv_equal(what: &str, pulled: &[(Vec<usize>, Vec<f32>)], want: &Reference, rounding: f32) {
     assert_eq!(pulled.len(), want.layers.len(), "{what}: layers");
-    for (layer, ((got_shape, got), (want_shape, want))) in pulled.iter().zip(&want.layers).enumerate() {
+    for (layer, ((got_shape, got), (want_shape, want))) in
+        pulled.iter().zip(&want.layers).enumerate()
+    {
         assert_eq!(got_shape, want_shape, "{what}: layer {layer} shape");
         let worst = got
             .iter()
@@ -254,7 +256,10 @@ fn export_events(text: &str, event: &str) -> f64 {
     let tail = format!(",event=\"{event}\"}} ");
     text.lines()
         .filter(|l| l.starts_with("rackfill:kv_export_requests_total{"))
-        .filter_map(|l| l.split_once(&tail).and_then(|(_, v)| v.trim().parse::<f64>().ok()))
+        .filter_map(|l| {
+            l.split_once(&tail)
+                .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+        })
         .sum()
 }
 
@@ -274,14 +279,23 @@ fn metrics_when(served: &Served, what: &str, ready: impl Fn(&str) -> bool) -> St
         if ready(&text) {
             return text;
         }
-        assert!(started.elapsed() < Duration::from_secs(20), "{what} never held:\n{text}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{what} never held:\n{text}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 fn serve_flags<'a>(model: &'a str, port: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut flags = vec![
-        "--model", model, "--kv-export", "--kv-export-port", port, "--kv-block-tokens", BLOCK,
+        "--model",
+        model,
+        "--kv-export",
+        "--kv-export-port",
+        port,
+        "--kv-block-tokens",
+        BLOCK,
     ];
     flags.extend_from_slice(extra);
     flags
@@ -303,7 +317,12 @@ fn every_family_exports_kv_that_a_vllm_decode_pulls_equal_to_transformers() {
         for (i, reference) in refs.iter().enumerate() {
             let response = export(&served, &reference.ids);
             let pulled = decode.pull(&response["kv_transfer_params"], &format!("p{i}"));
-            assert_kv_equal(&format!("{family} prompt {i}"), &pulled, reference, rounding);
+            assert_kv_equal(
+                &format!("{family} prompt {i}"),
+                &pulled,
+                reference,
+                rounding,
+            );
         }
         // The same prompt again: its KV comes from the prefix cache, and exports the same.
         let last = refs.last().unwrap();
@@ -313,7 +332,12 @@ fn every_family_exports_kv_that_a_vllm_decode_pulls_equal_to_transformers() {
             "{family}: the repeated prompt hit no prefix cache: {again}"
         );
         let pulled = decode.pull(&again["kv_transfer_params"], "again");
-        assert_kv_equal(&format!("{family} from the prefix cache"), &pulled, last, rounding);
+        assert_kv_equal(
+            &format!("{family} from the prefix cache"),
+            &pulled,
+            last,
+            rounding,
+        );
         // Every notification freed its blocks.
         let n = refs.len() as f64 + 1.0;
         metrics_when(&served, "every export released", |t| {
@@ -343,9 +367,15 @@ fn a_stream_carries_kv_transfer_params_on_its_finishing_chunk() {
         .filter(|l| *l != "[DONE]")
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let carrying: Vec<&Value> = chunks.iter().filter(|c| c.get("kv_transfer_params").is_some()).collect();
+    let carrying: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| c.get("kv_transfer_params").is_some())
+        .collect();
     assert_eq!(carrying.len(), 1, "{body}");
-    assert!(carrying[0]["choices"][0]["finish_reason"].is_string(), "{body}");
+    assert!(
+        carrying[0]["choices"][0]["finish_reason"].is_string(),
+        "{body}"
+    );
     let decode = Decode::new(&python, &model, &model_str, "stream");
     let pulled = decode.pull(&carrying[0]["kv_transfer_params"], "stream");
     assert_kv_equal("streamed", &pulled, reference, dtype_rounding(&model));
@@ -360,19 +390,44 @@ fn leases_free_unread_blocks_and_a_killed_decode_side_loses_nothing() {
     let (model, _) = tokenizer_fixture("qwen3_moe");
     let model_str = model.to_str().unwrap().to_owned();
     let port = free_ports(1).to_string();
-    let served = Served::single(&serve_flags(&model_str, &port, &["--kv-export-timeout", "2"]));
+    let served = Served::single(&serve_flags(
+        &model_str,
+        &port,
+        &["--kv-export-timeout", "2"],
+    ));
     let decode = Decode::new(&python, &model, &model_str, "lease");
     let refs = references("qwen3_moe");
     // A decode side killed after the handshake, and one that reads but never notifies.
     let killed = export(&served, &refs[0].ids);
-    let (out, _) = decode.run(&killed["kv_transfer_params"], "killed", &["--die-after", "handshake"]);
-    assert!(!out.status.success(), "the killed decode side exited {:?}", out.status);
+    let (out, _) = decode.run(
+        &killed["kv_transfer_params"],
+        "killed",
+        &["--die-after", "handshake"],
+    );
+    assert!(
+        !out.status.success(),
+        "the killed decode side exited {:?}",
+        out.status
+    );
     let silent = export(&served, &refs[1].ids);
-    let (out, _) = decode.run(&silent["kv_transfer_params"], "silent", &["--notify", "none"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (out, _) = decode.run(
+        &silent["kv_transfer_params"],
+        "silent",
+        &["--notify", "none"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Meanwhile the server serves, and a well-behaved decode side pulls correct KV.
     let pulled = decode.pull(&export(&served, &refs[2].ids)["kv_transfer_params"], "good");
-    assert_kv_equal("beside a killed decode", &pulled, &refs[2], dtype_rounding(&model));
+    assert_kv_equal(
+        "beside a killed decode",
+        &pulled,
+        &refs[2],
+        dtype_rounding(&model),
+    );
     let plain = served
         .try_complete(&json!({"prompt": refs[0].ids, "max_tokens": 2}))
         .expect("answers");
@@ -385,8 +440,16 @@ fn leases_free_unread_blocks_and_a_killed_decode_side_loses_nothing() {
     assert_eq!(export_events(&text, "released"), 1.0, "{text}");
     assert_eq!(export_events(&text, "exported"), 3.0, "{text}");
     // A notification for an expired request is counted, not obeyed.
-    let (out, _) = decode.run(&silent["kv_transfer_params"], "late", &["--notify", "standalone"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (out, _) = decode.run(
+        &silent["kv_transfer_params"],
+        "late",
+        &["--notify", "standalone"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     metrics_when(&served, "the late notification counted", |t| {
         export_events(t, "unknown_notification") == 1.0
     });
@@ -416,7 +479,10 @@ fn a_decode_side_that_disagrees_gets_a_handshake_error_never_wrong_kv() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{what}: {stderr}");
         assert!(stderr.starts_with("handshake error: "), "{what}: {stderr}");
-        assert!(!file.exists(), "{what}: KV was written despite the mismatch");
+        assert!(
+            !file.exists(),
+            "{what}: KV was written despite the mismatch"
+        );
     }
     // The blocks still wait for a decode side that agrees.
     decode.pull(&params, "agreeing");
@@ -430,7 +496,10 @@ fn without_nixl_or_export_a_do_remote_decode_request_gets_400_naming_why() {
         let (status, text) = served.try_complete(body).expect("answers");
         assert_eq!(status, 400, "{text}");
         let error: Value = serde_json::from_str(&text).unwrap();
-        let message = error["error"]["message"].as_str().unwrap_or_default().to_owned();
+        let message = error["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
         assert!(message.contains(needle), "{needle:?} not in {text}");
         assert_eq!(error["error"]["param"], "kv_transfer_params", "{text}");
     };
@@ -458,7 +527,9 @@ fn without_nixl_or_export_a_do_remote_decode_request_gets_400_naming_why() {
     two["n"] = json!(2);
     refused(&without, &two, "exactly one sequence");
     assert_eq!(
-        without.try_complete(&json!({"prompt": ids, "max_tokens": 2})).map(|r| r.0),
+        without
+            .try_complete(&json!({"prompt": ids, "max_tokens": 2}))
+            .map(|r| r.0),
         Some(200)
     );
     without.stop_with_sigterm();
@@ -494,7 +565,10 @@ fn under_mpirun_each_rank_exports_the_kv_of_its_own_sequences() {
         for (i, response) in responses.iter().enumerate() {
             let params = &response["kv_transfer_params"];
             let rank_port = params["remote_port"].as_u64().expect("remote_port");
-            assert!((port as u64..port as u64 + 3).contains(&rank_port), "{params}");
+            assert!(
+                (port as u64..port as u64 + 3).contains(&rank_port),
+                "{params}"
+            );
             let engine = params["remote_engine_id"].as_str().unwrap().to_owned();
             assert_eq!(
                 engines.entry(rank_port).or_insert_with(|| engine.clone()),
@@ -504,9 +578,17 @@ fn under_mpirun_each_rank_exports_the_kv_of_its_own_sequences() {
             ports.insert(rank_port);
             let pulled = decode.pull(params, &format!("m{i}"));
             let reference = &refs[i % refs.len()];
-            assert_kv_equal(&format!("{family} request {i} (port {rank_port})"), &pulled, reference, rounding);
+            assert_kv_equal(
+                &format!("{family} request {i} (port {rank_port})"),
+                &pulled,
+                reference,
+                rounding,
+            );
         }
-        assert!(ports.len() > 1, "{family}: every sequence ran on one rank: {ports:?}");
+        assert!(
+            ports.len() > 1,
+            "{family}: every sequence ran on one rank: {ports:?}"
+        );
         let n = requests.len() as f64;
         metrics_when(&group, "every rank released its exports", |t| {
             export_events(t, "released") == n && held_blocks(t) == 0.0

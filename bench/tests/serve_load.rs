@@ -83,6 +83,7 @@ fn config(base: &str, endpoint: &str) -> TargetConfig {
             block_size: 16,
             seed: 0,
         },
+        remote_decode: None,
     }
 }
 

@@ -141,18 +141,24 @@ impl EngineHandle {
         )?;
         let scheduler = new_scheduler(config.ep.ep_size, &config, weights.config())?;
         let recorder = open_recorder(&config)?;
-        let kv_export =
-            kv_export::start_for_rank(config.kv_export.as_ref(), &config, weights.config(), 0);
-        Self::start(weights.config(), tokenizer, eos, &config, kv_export, move |thread| {
-            EngineLoop {
-                runtime,
-                scheduler,
-                recorder,
-                queued: thread.queued,
-                step: 0,
-            }
-            .run(thread.commands);
-        })
+        let kv_export = start_kv_export(&config, weights.config(), 0);
+        Self::start(
+            weights.config(),
+            tokenizer,
+            eos,
+            &config,
+            kv_export,
+            move |thread| {
+                EngineLoop {
+                    runtime,
+                    scheduler,
+                    recorder,
+                    queued: thread.queued,
+                    step: 0,
+                }
+                .run(thread.commands);
+            },
+        )
     }
 
     /// Starts `body` on the engine thread, with the handle's end of the command channel; the
@@ -369,6 +375,23 @@ pub(crate) fn new_scheduler(
 }
 
 /// Opens the routing trace `config` asks for, if any.
+/// This process's KV exporter for rank `rank`, when `config` asks for one (see
+/// [`kv_export::start_for_rank`]).
+pub(crate) fn start_kv_export(
+    config: &EngineConfig,
+    model: &ModelConfig,
+    rank: usize,
+) -> (KvExportSupport, Option<Arc<KvExport>>) {
+    let scheduler = &config.scheduler;
+    kv_export::start_for_rank(
+        config.kv_export.as_ref(),
+        config.device != ModelDevice::Cpu,
+        model,
+        (scheduler.block_tokens, scheduler.kv_blocks_per_rank()),
+        rank,
+    )
+}
+
 pub(crate) fn open_recorder(config: &EngineConfig) -> Result<Option<RoutingRecorder>> {
     config
         .record_routing

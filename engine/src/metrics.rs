@@ -6,6 +6,7 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 use std::time::Duration;
 
 use crate::ep::StepOutput;
+use crate::kv_export::pool as kv_export;
 use crate::prefix_cache::PrefixCacheStats;
 
 /// Per-layer rank-load imbalance before balancing (`max L0 / mean L0`).
@@ -71,17 +72,6 @@ pub const MOE_DATA_PATH: &str = "rackfill:moe_data_path";
 /// Bytes of the model on this process's device (`part` label: `uploaded`, written from the
 /// host while loading; `home_experts`, the routed experts this process's ranks home).
 pub const DEVICE_WEIGHT_BYTES: &str = "rackfill:device_weight_bytes";
-/// Blocks of the KV export arena held for a decode side (`rank` label).
-pub const KV_EXPORT_HELD_BLOCKS: &str = "rackfill:kv_export_held_blocks";
-/// Bytes those blocks take, every layer (`rank` label).
-pub const KV_EXPORT_HELD_BYTES: &str = "rackfill:kv_export_held_bytes";
-/// The most bytes held at once since start (`rank` label).
-pub const KV_EXPORT_PEAK_HELD_BYTES: &str = "rackfill:kv_export_peak_held_bytes";
-/// Requests by what happened to their exported KV (`rank`; `event` = exported, released
-/// (the decode side read it), expired (no notification within --kv-export-timeout), refused
-/// (the arena was full), unknown_notification).
-pub const KV_EXPORT_REQUESTS: &str = "rackfill:kv_export_requests_total";
-
 /// Gives every engine metric its `# HELP` text in the installed recorder (call once, after
 /// installing it), so a scraper's users see what each series means.
 pub fn describe() {
@@ -193,19 +183,19 @@ pub fn describe() {
          loading, each tensor once) and home_experts (the routed experts its ranks home)."
     );
     describe_gauge!(
-        KV_EXPORT_HELD_BLOCKS,
+        kv_export::KV_EXPORT_HELD_BLOCKS,
         "Blocks of the KV export arena held until a decode side reads them, per rank."
     );
     describe_gauge!(
-        KV_EXPORT_HELD_BYTES,
+        kv_export::KV_EXPORT_HELD_BYTES,
         "Bytes of exported KV held until a decode side reads them, per rank."
     );
     describe_gauge!(
-        KV_EXPORT_PEAK_HELD_BYTES,
+        kv_export::KV_EXPORT_PEAK_HELD_BYTES,
         "The most exported KV bytes held at once since start, per rank."
     );
     describe_counter!(
-        KV_EXPORT_REQUESTS,
+        kv_export::KV_EXPORT_REQUESTS,
         "KV exports by event: exported, released (read and notified), expired, refused, \
          unknown_notification."
     );
@@ -276,23 +266,6 @@ pub fn record_prefix_cache(ranks: &[PrefixCacheStats]) {
             gauge!(KV_BLOCKS, "rank" => rank.clone(), "state" => state).set(blocks as f64);
         }
         counter!(KV_BLOCKS_EVICTED, "rank" => rank).absolute(stats.blocks_evicted);
-    }
-}
-
-/// Records rank `rank`'s KV export arena.
-pub fn record_kv_export(rank: usize, stats: &crate::kv_export::ExportStats) {
-    let rank = rank.to_string();
-    gauge!(KV_EXPORT_HELD_BLOCKS, "rank" => rank.clone()).set(stats.held_blocks as f64);
-    gauge!(KV_EXPORT_HELD_BYTES, "rank" => rank.clone()).set(stats.held_bytes as f64);
-    gauge!(KV_EXPORT_PEAK_HELD_BYTES, "rank" => rank.clone()).set(stats.peak_held_bytes as f64);
-    for (event, count) in [
-        ("exported", stats.exported),
-        ("released", stats.released),
-        ("expired", stats.expired),
-        ("refused", stats.refused),
-        ("unknown_notification", stats.unknown_notifications),
-    ] {
-        counter!(KV_EXPORT_REQUESTS, "rank" => rank.clone(), "event" => event).absolute(count);
     }
 }
 

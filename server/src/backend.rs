@@ -56,8 +56,10 @@ pub trait Backend: Send + Sync + 'static {
     /// As `validate`, for one sequence whose prompt's KV is handed to a decode engine when it
     /// finishes (`kv_transfer_params.do_remote_decode`); refused, naming why, where the engine
     /// cannot export.
-    fn validate_kv_export(&self, sequence: GenerateRequest)
-        -> Result<ValidatedRequest, RequestError>;
+    fn validate_kv_export(
+        &self,
+        sequence: GenerateRequest,
+    ) -> Result<ValidatedRequest, RequestError>;
 
     /// Queues every sequence of a validated request or none; never blocks. The streams are in
     /// the request's order; dropping one cancels its sequence.

@@ -171,7 +171,12 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let field = PromptField::Messages;
     let (_, prompt) = prompt_text::tokenize(&state, text, false, bound_max_tokens, field).await?;
     plan.resolved.params.max_tokens = plan.max_tokens_for(&state, prompt.len());
-    let seqs = generate::submit(&state, plan.sequences(&prompt), field, plan.resolved.export_kv)?;
+    let seqs = generate::submit(
+        &state,
+        plan.sequences(&prompt),
+        field,
+        plan.resolved.export_kv,
+    )?;
     counter!(m::PROMPT_TOKENS).increment(prompt.len() as u64);
     let format = ChatFormat::new(&state, &plan, prompt.len());
     if plan.resolved.stream {

@@ -257,7 +257,12 @@ async fn run(state: AppState, body: Result<Bytes, BytesRejection>) -> Result<Res
     let max_tokens = plan.resolved.params.max_tokens as usize;
     let inputs = std::mem::take(&mut plan.inputs);
     let prompts = tokenize(&state, inputs, max_tokens, field).await?;
-    let seqs = generate::submit(&state, plan.sequences(&prompts), field, plan.resolved.export_kv)?;
+    let seqs = generate::submit(
+        &state,
+        plan.sequences(&prompts),
+        field,
+        plan.resolved.export_kv,
+    )?;
     let prompts = if plan.echo {
         decode_for_echo(&state, prompts).await?
     } else {

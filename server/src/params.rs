@@ -177,7 +177,12 @@ fn kv_transfer(value: Option<&Value>) -> Result<bool, ApiError> {
     let map = match value {
         None | Some(Value::Null) => return Ok(false),
         Some(Value::Object(map)) => map,
-        Some(_) => return Err(ApiError::invalid(FIELD, "`kv_transfer_params` must be an object")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                FIELD,
+                "`kv_transfer_params` must be an object",
+            ))
+        }
     };
     let flag = |key: &str| match map.get(key) {
         None | Some(Value::Null) => Ok(false),

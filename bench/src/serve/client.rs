@@ -272,6 +272,9 @@ pub struct Outcome {
     pub text: Option<String>,
     /// Chunks that carried output text (the output-token count when there is no usage).
     pub text_chunks: usize,
+    /// The `kv_transfer_params` a prefill server put on the stream (disaggregated prefill:
+    /// where a decode engine pulls the prompt's KV).
+    pub kv_transfer_params: Option<serde_json::Value>,
     /// Why the request failed; `None` when it succeeded.
     pub error: Option<String>,
 }
@@ -285,6 +288,8 @@ struct Chunk {
     usage: Option<Usage>,
     #[serde(default)]
     error: Option<serde_json::Value>,
+    #[serde(default)]
+    kv_transfer_params: Option<serde_json::Value>,
 }
 
 fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ChoiceChunk>, D::Error> {
@@ -387,6 +392,9 @@ async fn read_stream(
             }
             if !chunk.choices.is_empty() {
                 choice_chunks += 1;
+            }
+            if let Some(params) = chunk.kv_transfer_params.filter(|p| !p.is_null()) {
+                outcome.kv_transfer_params = Some(params);
             }
             if let Some(usage) = chunk.usage {
                 outcome.prompt_tokens = usage.prompt_tokens.or(outcome.prompt_tokens);

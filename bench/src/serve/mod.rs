@@ -13,6 +13,8 @@
 //! - [`report`]: the summary (TTFT, TPOT, ITL, E2EL statistics, throughputs, prefix-cache hits)
 //!   and its table;
 //! - [`plots`]: TTFT versus achieved requests/s and TTFT CDFs of a rate sweep;
+//! - [`remote_decode`]: `--remote-decode`, the decode tier of disaggregated prefill (pulls
+//!   each response's KV over NIXL);
 //! - [`run_sweep`] runs them in that order for a [`Workload`] and a [`SweepPlan`].
 //!
 //! ```no_run
@@ -30,6 +32,7 @@
 //!     ignore_eos: true,
 //!     temperature: 0.0,
 //!     synthesis: dataset::Synthesis::default(),
+//!     remote_decode: None,
 //! })
 //! .await?;
 //! let params = dataset::RandomParams { input_len: 256, output_len: 32, range_ratio: 0.0 };
@@ -46,6 +49,7 @@ pub mod client;
 pub mod dataset;
 mod error;
 pub mod plots;
+pub mod remote_decode;
 pub mod report;
 pub mod runner;
 mod sweep;

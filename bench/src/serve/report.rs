@@ -464,6 +464,7 @@ mod tests {
                 text: None,
                 itls,
                 e2el,
+                kv_transfer_params: None,
                 error: error.map(String::from),
             },
         }

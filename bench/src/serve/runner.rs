@@ -18,6 +18,7 @@ use tokio::sync::Semaphore;
 use super::client::{Api, OpenAiClient, Outcome};
 use super::dataset::{Prompt, RequestSpec, Synthesis};
 use super::error::ServeBenchError;
+use super::remote_decode::RemoteDecode;
 
 /// Where and how requests are sent.
 #[derive(Debug, Clone)]
@@ -37,6 +38,9 @@ pub struct TargetConfig {
     pub temperature: f64,
     /// How synthetic prompts are made.
     pub synthesis: Synthesis,
+    /// Play the decode side of disaggregated prefill: every request asks for its KV
+    /// (`kv_transfer_params.do_remote_decode`), which this pulls over NIXL.
+    pub remote_decode: Option<Arc<RemoteDecode>>,
 }
 
 /// A target ready for requests: endpoint checked, model resolved.
@@ -135,15 +139,21 @@ impl Target {
     }
 
     fn body_of(&self, spec: &RequestSpec, prompt: PromptJson<'_>) -> Vec<u8> {
-        let common = Common {
-            model: &self.model,
-            temperature: self.config.temperature,
-            stream: true,
-            stream_options: StreamOptions {
-                include_usage: true,
-            },
-            ignore_eos: self.config.ignore_eos.then_some(true),
-        };
+        let common =
+            Common {
+                model: &self.model,
+                temperature: self.config.temperature,
+                stream: true,
+                stream_options: StreamOptions {
+                    include_usage: true,
+                },
+                ignore_eos: self.config.ignore_eos.then_some(true),
+                kv_transfer_params: self.config.remote_decode.is_some().then_some(
+                    KvTransferRequest {
+                        do_remote_decode: true,
+                    },
+                ),
+            };
         let scored = matches!(spec.prompt, Prompt::Scored { .. });
         let body = match self.api {
             Api::Completions => serde_json::to_vec(&CompletionBody {
@@ -166,9 +176,18 @@ impl Target {
         body.unwrap_or_default()
     }
 
-    /// Sends `spec` and reads its stream.
+    /// Sends `spec` and reads its stream (and with `remote_decode`, has its KV pulled).
     pub async fn send(&self, spec: &RequestSpec) -> Outcome {
-        let outcome = self.client.stream(&self.url, self.body(spec)).await;
+        let mut outcome = self.client.stream(&self.url, self.body(spec)).await;
+        if let (Some(decode), None) = (&self.config.remote_decode, &outcome.error) {
+            match outcome.kv_transfer_params.take() {
+                Some(params) => decode.pull_later(params),
+                None => {
+                    outcome.error =
+                        Some("--remote-decode: the response carried no kv_transfer_params".into())
+                }
+            }
+        }
         scored(spec, outcome)
     }
 
@@ -247,6 +266,14 @@ struct Common<'a> {
     stream_options: StreamOptions,
     #[serde(skip_serializing_if = "Option::is_none")]
     ignore_eos: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_transfer_params: Option<KvTransferRequest>,
+}
+
+/// What a disaggregation proxy asks a prefill server for.
+#[derive(Serialize)]
+struct KvTransferRequest {
+    do_remote_decode: bool,
 }
 
 #[derive(Serialize)]

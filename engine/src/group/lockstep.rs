@@ -568,7 +568,7 @@ fn record_ranks(ranks: &[RankGauges]) {
         gauge!(metrics::RANK_RUNNING, "rank" => rank.clone()).set(g.running as f64);
         gauge!(metrics::RANK_KV_USAGE, "rank" => rank).set(g.kv_usage);
         if g.kv_export != Default::default() {
-            metrics::record_kv_export(index, &g.kv_export);
+            crate::kv_export::pool::record_metrics(index, &g.kv_export);
         }
     }
 }

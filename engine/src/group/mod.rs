@@ -30,12 +30,12 @@ pub use progress::request_drain;
 pub use watchdog::GroupConfig;
 pub use world::MpiWorld;
 
-use crate::engine::{new_scheduler, open_recorder, EngineConfig, EngineHandle};
+use crate::engine::{new_scheduler, open_recorder, start_kv_export, EngineConfig, EngineHandle};
 use crate::ep::EpRuntime;
 use crate::error::{EngineError, Result};
 use crate::fabric::{self, Fabric, FabricKind};
 use crate::health::EngineHealth;
-use crate::kv_export::{self, KvExport, KvExportSupport};
+use crate::kv_export::{KvExport, KvExportSupport};
 use crate::model_weights::ModelWeights;
 use lockstep::{Leader, Lockstep, Stepper};
 use progress::Progress;
@@ -183,7 +183,7 @@ fn join(world: &MpiWorld, served: &GroupModel, health: Arc<EngineHealth>) -> Res
         &served.config,
         served.model.config(),
     )?;
-    let (kv_export_support, kv_export) = start_kv_export(&control, served);
+    let (kv_export_support, kv_export) = start_group_kv_export(&control, served);
     Ok(Joined {
         stepper: Stepper {
             runtime,
@@ -201,14 +201,13 @@ fn join(world: &MpiWorld, served: &GroupModel, health: Arc<EngineHealth>) -> Res
 
 /// Starts every process's KV exporter (collective): export is ready only where every rank's
 /// started, so a request is never handed to a rank that cannot export it.
-fn start_kv_export(
+fn start_group_kv_export(
     control: &ControlPlane,
     served: &GroupModel,
 ) -> (KvExportSupport, Option<Arc<KvExport>>) {
     let config = served.config.kv_export.as_ref();
     let rank = control.rank();
-    let (support, export) =
-        kv_export::start_for_rank(config, &served.config, served.model.config(), rank);
+    let (support, export) = start_kv_export(&served.config, served.model.config(), rank);
     let ready = u64::from(support == KvExportSupport::Ready);
     let without: Vec<usize> = control
         .all_gather(&[ready])

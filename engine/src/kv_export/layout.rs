@@ -12,7 +12,7 @@
 use candle_core::{DType, Tensor};
 use rackfill_models::BlockKv;
 
-use super::KvExportError;
+use super::error::KvExportError;
 
 /// The element type of the exported KV: the checkpoint's dtype unless configured otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,7 +169,9 @@ mod tests {
         };
         // keys[h][t][c] = 100h + 10t + c, values = keys + 1000; three tokens: two blocks.
         let k: Vec<f32> = (0..2)
-            .flat_map(|h| (0..3).flat_map(move |t| (0..2).map(move |c| (100 * h + 10 * t + c) as f32)))
+            .flat_map(|h| {
+                (0..3).flat_map(move |t| (0..2).map(move |c| (100 * h + 10 * t + c) as f32))
+            })
             .collect();
         let keys = Tensor::from_vec(k.clone(), (2, 3, 2), &Device::Cpu).unwrap();
         let values = (keys.clone() + 1000.0).unwrap();
@@ -185,7 +187,10 @@ mod tests {
         let floats = |x: &[u8]| bytemuck::cast_slice::<u8, f32>(x).to_vec();
         assert_eq!(
             floats(&a),
-            [0., 1., 1000., 1001., 10., 11., 1010., 1011., 100., 101., 1100., 1101., 110., 111., 1110., 1111.]
+            [
+                0., 1., 1000., 1001., 10., 11., 1010., 1011., 100., 101., 1100., 1101., 110., 111.,
+                1110., 1111.
+            ]
         );
         assert_eq!(
             floats(&b),

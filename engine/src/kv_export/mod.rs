@@ -11,21 +11,25 @@
 //! Every process of a group runs its own agent and side channel for the sequences it owns (on
 //! port `--kv-export-port + rank`); the leader's response names the owner's.
 
+mod error;
 pub mod layout;
 pub mod nixl;
 pub mod pool;
+pub mod puller;
 pub mod side_channel;
+mod transfer_params;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rackfill_models::{KvCache, ModelConfig};
-use serde::{Deserialize, Serialize};
 
+pub use error::KvExportError;
 pub use layout::{BlockLayout, KvDtype};
 pub use pool::ExportStats;
+pub use transfer_params::KvTransferParams;
 
-use nixl::{Agent, NixlError};
+use nixl::Agent;
 use pool::ExportPool;
 use side_channel::{AgentMetadata, SideChannel};
 
@@ -65,55 +69,6 @@ pub enum KvExportSupport {
     Ready,
     /// Configured, but it could not start: the reason names what is missing.
     Unavailable(String),
-}
-
-/// Why KV could not be exported.
-#[derive(Debug, thiserror::Error)]
-pub enum KvExportError {
-    #[error(transparent)]
-    Nixl(#[from] NixlError),
-    #[error("KV export side channel: {0}")]
-    SideChannel(String),
-    #[error("KV export: {0}")]
-    Config(String),
-    #[error("KV export layout: {0}")]
-    Layout(String),
-    #[error("KV export: {0}")]
-    Tensor(#[from] candle_core::Error),
-    #[error(
-        "KV export arena full: this prompt needs {needed} blocks, {free} are free and {held} \
-         requests wait for their decode side (raise --kv-export-blocks, or lower \
-         --kv-export-timeout)"
-    )]
-    Full {
-        needed: usize,
-        free: usize,
-        held: usize,
-    },
-    #[error("KV export: {0}")]
-    Unsupported(String),
-}
-
-/// What the prefill side returns so that a vLLM decode instance pulls the KV: the top-level
-/// `kv_transfer_params` of the OpenAI response, in vLLM 0.33's fields.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct KvTransferParams {
-    pub do_remote_prefill: bool,
-    pub do_remote_decode: bool,
-    /// One list per KV-cache group (one group here): the block ids holding the prompt.
-    pub remote_block_ids: Vec<Vec<u32>>,
-    pub remote_engine_id: String,
-    /// What the decode side's notification names.
-    pub remote_request_id: String,
-    pub remote_host: String,
-    pub remote_port: u16,
-    pub remote_num_tokens: usize,
-    pub tp_size: u32,
-    pub pp_size: u32,
-    pub dcp_size: u32,
-    pub remote_blocks_expiry_time: Option<f64>,
-    pub remote_registration_generation: u32,
-    pub transfer_mode: String,
 }
 
 /// This process's exporter: its NIXL agent, the registered arena, and the side channel.
@@ -177,7 +132,11 @@ impl KvExport {
             // The model's (vLLM's `get_total_num_kv_heads`), for MLA too.
             num_kv_heads: model.num_kv_heads,
             // vLLM's head size: one of K's and V's (they are equal), or MLA's whole row.
-            head_size: if layout.mla { layout.row } else { layout.row / 2 },
+            head_size: if layout.mla {
+                layout.row
+            } else {
+                layout.row / 2
+            },
             num_hidden_layers: layout.layers,
             attn_backend_name: attn_backend,
         });
@@ -238,12 +197,15 @@ impl KvExport {
                     .layers
                     .get(layer)
                     .and_then(|l| l.keys_values())
-                    .ok_or_else(|| KvExportError::Layout(format!("no KV cached in layer {layer}")))?;
-                self.layout.write_layer(&self.layout.rows(kv)?, tokens, blocks)
+                    .ok_or_else(|| {
+                        KvExportError::Layout(format!("no KV cached in layer {layer}"))
+                    })?;
+                self.layout
+                    .write_layer(&self.layout.rows(kv)?, tokens, blocks)
             });
             let stats = pool.stats();
             drop(pool);
-            crate::metrics::record_kv_export(self.rank, &stats);
+            pool::record_metrics(self.rank, &stats);
             blocks?
         };
         Ok(KvTransferParams {
@@ -292,7 +254,7 @@ impl KvExport {
         let stats = pool.stats();
         drop(pool);
         if stats != before {
-            crate::metrics::record_kv_export(self.rank, &stats);
+            pool::record_metrics(self.rank, &stats);
         }
     }
 }
@@ -300,28 +262,24 @@ impl KvExport {
 /// Starts this process's exporter for rank `rank` when `config` asks for one: what request
 /// validation is told, and the exporter. A host without NIXL (or a configuration this engine
 /// cannot export) still serves; `do_remote_decode` requests then get an error naming why.
+/// `on_device`: the model runs on a GPU (its cache is not exported yet); `block_tokens` and
+/// `default_blocks` as in [`KvExport::start`].
 pub fn start_for_rank(
     config: Option<&KvExportConfig>,
-    engine: &crate::engine::EngineConfig,
+    on_device: bool,
     model: &ModelConfig,
+    (block_tokens, default_blocks): (usize, usize),
     rank: usize,
 ) -> (KvExportSupport, Option<Arc<KvExport>>) {
     let Some(config) = config else {
         return (KvExportSupport::Off, None);
     };
-    let started = if engine.device != crate::model_device::ModelDevice::Cpu {
+    let started = if on_device {
         Err(KvExportError::Unsupported(
             "the device engine does not export its KV yet (serve with --device cpu)".into(),
         ))
     } else {
-        let scheduler = &engine.scheduler;
-        KvExport::start(
-            config,
-            model,
-            scheduler.block_tokens,
-            scheduler.kv_blocks_per_rank(),
-            rank,
-        )
+        KvExport::start(config, model, block_tokens, default_blocks, rank)
     };
     match started {
         Ok(export) => (KvExportSupport::Ready, Some(export)),

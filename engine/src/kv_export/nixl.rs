@@ -53,6 +53,28 @@ struct Api {
         *mut usize,
     ) -> Status,
     notif_map_clear: unsafe extern "C" fn(Handle) -> Status,
+    load_remote_md: unsafe extern "C" fn(Handle, *const c_void, usize, *mut *mut c_char) -> Status,
+    invalidate_remote_md: unsafe extern "C" fn(Handle, *const c_char) -> Status,
+    create_xfer_dlist: unsafe extern "C" fn(c_int, *mut Handle, bool) -> Status,
+    destroy_xfer_dlist: unsafe extern "C" fn(Handle) -> Status,
+    xfer_dlist_add_desc: unsafe extern "C" fn(Handle, usize, usize, u64) -> Status,
+    create_opt_args: unsafe extern "C" fn(*mut Handle) -> Status,
+    destroy_opt_args: unsafe extern "C" fn(Handle) -> Status,
+    opt_args_set_notif_msg: unsafe extern "C" fn(Handle, *const c_void, usize) -> Status,
+    opt_args_set_has_notif: unsafe extern "C" fn(Handle, bool) -> Status,
+    create_xfer_req: unsafe extern "C" fn(
+        Handle,
+        c_int,
+        Handle,
+        Handle,
+        *const c_char,
+        *mut Handle,
+        Handle,
+    ) -> Status,
+    post_xfer_req: unsafe extern "C" fn(Handle, Handle, Handle) -> Status,
+    get_xfer_status: unsafe extern "C" fn(Handle, Handle) -> Status,
+    release_xfer_req: unsafe extern "C" fn(Handle, Handle) -> Status,
+    destroy_xfer_req: unsafe extern "C" fn(Handle) -> Status,
 }
 
 /// `NIXL_CAPI_MEM_DRAM`.
@@ -112,6 +134,20 @@ impl Api {
             notif_map_get_notifs_size: sym!("nixl_capi_notif_map_get_notifs_size"),
             notif_map_get_notif: sym!("nixl_capi_notif_map_get_notif"),
             notif_map_clear: sym!("nixl_capi_notif_map_clear"),
+            load_remote_md: sym!("nixl_capi_load_remote_md"),
+            invalidate_remote_md: sym!("nixl_capi_invalidate_remote_md"),
+            create_xfer_dlist: sym!("nixl_capi_create_xfer_dlist"),
+            destroy_xfer_dlist: sym!("nixl_capi_destroy_xfer_dlist"),
+            xfer_dlist_add_desc: sym!("nixl_capi_xfer_dlist_add_desc"),
+            create_opt_args: sym!("nixl_capi_create_opt_args"),
+            destroy_opt_args: sym!("nixl_capi_destroy_opt_args"),
+            opt_args_set_notif_msg: sym!("nixl_capi_opt_args_set_notif_msg"),
+            opt_args_set_has_notif: sym!("nixl_capi_opt_args_set_has_notif"),
+            create_xfer_req: sym!("nixl_capi_create_xfer_req"),
+            post_xfer_req: sym!("nixl_capi_post_xfer_req"),
+            get_xfer_status: sym!("nixl_capi_get_xfer_status"),
+            release_xfer_req: sym!("nixl_capi_release_xfer_req"),
+            destroy_xfer_req: sym!("nixl_capi_destroy_xfer_req"),
         })
     }
 }
@@ -159,7 +195,6 @@ pub struct Agent {
 // SAFETY: NIXL agents are thread-safe (the C++ agent guards its state); the handles are owned.
 unsafe impl Send for Agent {}
 unsafe impl Sync for Agent {}
-
 
 impl Agent {
     /// An agent named `name` (what the decode side knows it by) over UCX, from the library at
@@ -291,9 +326,158 @@ impl Agent {
     }
 }
 
+/// `NIXL_CAPI_XFER_OP_READ`.
+const OP_READ: c_int = 0;
+
+/// `NIXL_CAPI_IN_PROG`: a transfer still running.
+const IN_PROGRESS: Status = 1;
+
+impl Agent {
+    /// Loads a remote agent's metadata (what its side channel hands out); its name, which
+    /// transfers and notifications address.
+    pub fn add_remote(&self, metadata: &[u8]) -> Result<String, NixlError> {
+        let mut name = std::ptr::null_mut();
+        // SAFETY: valid buffer and out pointer; NIXL `strdup`s the name, freed here.
+        unsafe {
+            check(
+                "load_remote_md",
+                (self.api.load_remote_md)(
+                    self.agent,
+                    metadata.as_ptr().cast(),
+                    metadata.len(),
+                    &mut name,
+                ),
+            )?;
+            let owned = CStr::from_ptr(name).to_string_lossy().into_owned();
+            libc::free(name.cast());
+            Ok(owned)
+        }
+    }
+
+    /// Forgets a remote agent loaded by [`Agent::add_remote`].
+    pub fn remove_remote(&self, name: &str) {
+        if let Ok(name) = CString::new(name) {
+            // SAFETY: valid C string.
+            unsafe { (self.api.invalidate_remote_md)(self.agent, name.as_ptr()) };
+        }
+    }
+
+    /// READs `remote` (`(address, bytes)` of agent `remote_agent`'s registered host memory)
+    /// into `local` (this agent's registered host memory, the same lengths in order), then has
+    /// NIXL send `notification` to the remote agent; returns once the data has landed.
+    pub fn read(
+        &self,
+        local: &[(usize, usize)],
+        remote: &[(usize, usize)],
+        remote_agent: &str,
+        notification: &[u8],
+        timeout: std::time::Duration,
+    ) -> Result<(), NixlError> {
+        let api = &self.api;
+        let remote_name = CString::new(remote_agent)
+            .map_err(|_| NixlError::Invalid("a NUL in the agent name".into()))?;
+        let descs = |list: &[(usize, usize)]| -> Result<Handle, NixlError> {
+            let mut dlist = std::ptr::null_mut();
+            // SAFETY: out pointer valid; the third argument (`sorted`, NIXL 1.5) is false.
+            unsafe {
+                check(
+                    "create_xfer_dlist",
+                    (api.create_xfer_dlist)(MEM_DRAM, &mut dlist, false),
+                )?;
+                for &(addr, len) in list {
+                    if let Err(err) = check(
+                        "xfer_dlist_add_desc",
+                        (api.xfer_dlist_add_desc)(dlist, addr, len, 0),
+                    ) {
+                        (api.destroy_xfer_dlist)(dlist);
+                        return Err(err);
+                    }
+                }
+            }
+            Ok(dlist)
+        };
+        let local = descs(local)?;
+        let remote = match descs(remote) {
+            Ok(remote) => remote,
+            Err(err) => {
+                // SAFETY: made above.
+                unsafe { (api.destroy_xfer_dlist)(local) };
+                return Err(err);
+            }
+        };
+        let mut args = std::ptr::null_mut();
+        let mut req = std::ptr::null_mut();
+        // SAFETY: every handle is made here and destroyed once below; buffers outlive the calls.
+        let result = unsafe {
+            check("create_opt_args", (api.create_opt_args)(&mut args))
+                .and_then(|()| {
+                    check(
+                        "opt_args_set_notif_msg",
+                        (api.opt_args_set_notif_msg)(
+                            args,
+                            notification.as_ptr().cast(),
+                            notification.len(),
+                        ),
+                    )
+                })
+                .and_then(|()| {
+                    check(
+                        "opt_args_set_has_notif",
+                        (api.opt_args_set_has_notif)(args, true),
+                    )
+                })
+                .and_then(|()| {
+                    check(
+                        "create_xfer_req",
+                        (api.create_xfer_req)(
+                            self.agent,
+                            OP_READ,
+                            local,
+                            remote,
+                            remote_name.as_ptr(),
+                            &mut req,
+                            args,
+                        ),
+                    )
+                })
+                .and_then(|()| {
+                    let started = std::time::Instant::now();
+                    let mut status = (api.post_xfer_req)(self.agent, req, args);
+                    while status == IN_PROGRESS {
+                        if started.elapsed() > timeout {
+                            return Err(NixlError::Invalid(format!(
+                                "the READ did not finish within {timeout:?}"
+                            )));
+                        }
+                        std::thread::yield_now();
+                        status = (api.get_xfer_status)(self.agent, req);
+                    }
+                    check("transfer", status)
+                })
+        };
+        // SAFETY: as above; a request still running is released by NIXL (it aborts it).
+        unsafe {
+            if !req.is_null() {
+                (api.release_xfer_req)(self.agent, req);
+                (api.destroy_xfer_req)(req);
+            }
+            if !args.is_null() {
+                (api.destroy_opt_args)(args);
+            }
+            (api.destroy_xfer_dlist)(local);
+            (api.destroy_xfer_dlist)(remote);
+        }
+        result
+    }
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
-        let registered = self.registered.get_mut().map(std::mem::take).unwrap_or_default();
+        let registered = self
+            .registered
+            .get_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
         // SAFETY: created in `new` and `register_host`, destroyed once.
         unsafe {
             for dlist in registered {

@@ -14,7 +14,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::KvExportError;
+use metrics::{counter, gauge};
+
+use super::error::KvExportError;
 
 /// Counters and gauges of the arena (exported as metrics, per rank in a group).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -35,6 +37,34 @@ pub struct ExportStats {
     pub unknown_notifications: u64,
     /// Exports refused because the arena had no free blocks.
     pub refused: u64,
+}
+
+/// Blocks of the KV export arena held for a decode side (`rank` label).
+pub const KV_EXPORT_HELD_BLOCKS: &str = "rackfill:kv_export_held_blocks";
+/// Bytes those blocks take, every layer (`rank` label).
+pub const KV_EXPORT_HELD_BYTES: &str = "rackfill:kv_export_held_bytes";
+/// The most bytes held at once since start (`rank` label).
+pub const KV_EXPORT_PEAK_HELD_BYTES: &str = "rackfill:kv_export_peak_held_bytes";
+/// Requests by what happened to their exported KV (`rank`; `event` = exported, released
+/// (the decode side read it), expired (no notification within --kv-export-timeout), refused
+/// (the arena was full), unknown_notification).
+pub const KV_EXPORT_REQUESTS: &str = "rackfill:kv_export_requests_total";
+
+/// Records rank `rank`'s KV export arena.
+pub fn record_metrics(rank: usize, stats: &ExportStats) {
+    let rank = rank.to_string();
+    gauge!(KV_EXPORT_HELD_BLOCKS, "rank" => rank.clone()).set(stats.held_blocks as f64);
+    gauge!(KV_EXPORT_HELD_BYTES, "rank" => rank.clone()).set(stats.held_bytes as f64);
+    gauge!(KV_EXPORT_PEAK_HELD_BYTES, "rank" => rank.clone()).set(stats.peak_held_bytes as f64);
+    for (event, count) in [
+        ("exported", stats.exported),
+        ("released", stats.released),
+        ("expired", stats.expired),
+        ("refused", stats.refused),
+        ("unknown_notification", stats.unknown_notifications),
+    ] {
+        counter!(KV_EXPORT_REQUESTS, "rank" => rank.clone(), "event" => event).absolute(count);
+    }
 }
 
 /// One request's held blocks.
@@ -120,7 +150,9 @@ impl ExportPool {
         mut write: impl FnMut(usize, &mut [&mut [u8]]) -> Result<(), KvExportError>,
     ) -> Result<Vec<u32>, KvExportError> {
         if self.leases.contains_key(id) {
-            return Err(KvExportError::Config(format!("request {id} is already held")));
+            return Err(KvExportError::Config(format!(
+                "request {id} is already held"
+            )));
         }
         if count > self.free.len() {
             self.stats.refused += 1;
@@ -287,9 +319,15 @@ mod tests {
         p.hold("a", 1, now, fill(1)).unwrap();
         p.hold("b", 1, now, fill(2)).unwrap();
         p.notify("HB:b,zzz", now + Duration::from_secs(25));
-        assert_eq!(p.expire(now + Duration::from_secs(31)), vec!["a".to_string()]);
+        assert_eq!(
+            p.expire(now + Duration::from_secs(31)),
+            vec!["a".to_string()]
+        );
         assert!(p.holds("b"));
-        assert_eq!(p.expire(now + Duration::from_secs(46)), vec!["b".to_string()]);
+        assert_eq!(
+            p.expire(now + Duration::from_secs(46)),
+            vec!["b".to_string()]
+        );
         assert_eq!((p.stats().expired, p.stats().unknown_notifications), (2, 1));
     }
 
@@ -298,8 +336,20 @@ mod tests {
         let mut p = pool(2);
         let now = Instant::now();
         let err = p.hold("a", 3, now, fill(1)).unwrap_err();
-        assert!(matches!(err, KvExportError::Full { needed: 3, free: 2, .. }), "{err}");
-        let failed = p.hold("b", 2, now, |_, _| Err(KvExportError::Layout("boom".into())));
+        assert!(
+            matches!(
+                err,
+                KvExportError::Full {
+                    needed: 3,
+                    free: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let failed = p.hold("b", 2, now, |_, _| {
+            Err(KvExportError::Layout("boom".into()))
+        });
         assert!(failed.is_err());
         assert_eq!(p.stats().held_blocks, 0);
         assert_eq!(p.hold("c", 2, now, fill(3)).unwrap(), vec![0, 1]);

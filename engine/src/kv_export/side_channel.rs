@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use super::{KvDtype, KvExportError};
+use super::error::KvExportError;
+use super::layout::KvDtype;
 
 /// The vLLM release whose NixlConnector this side channel speaks.
 pub const VLLM_VERSION: &str = "0.33.0";
@@ -220,7 +221,11 @@ impl SideChannel {
     ) -> Result<(), KvExportError> {
         let payload = encode_payload(metadata, compatibility_hash)
             .map_err(|e| KvExportError::SideChannel(e.to_string()))?;
-        let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
         let endpoint = format!("tcp://{host}:{port}");
         let (bound_tx, bound_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -314,7 +319,10 @@ mod tests {
             num_hidden_layers: 28,
             attn_backend_name: "FLASH_ATTN",
         });
-        assert!(hash.starts_with("cde24c48") && hash.ends_with("e549"), "{hash}");
+        assert!(
+            hash.starts_with("cde24c48") && hash.ends_with("e549"),
+            "{hash}"
+        );
     }
 
     #[test]
@@ -327,7 +335,8 @@ mod tests {
     fn metadata_requests_of_three_and_four_fields_parse_and_others_do_not() {
         let three = rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META), 0u32, 0u32)).unwrap();
         assert_eq!(parse_request(&three), Some((0, 0)));
-        let four = rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META), 1u32, 0u32, 2u32)).unwrap();
+        let four =
+            rmp_serde::to_vec(&(serde_bytes::Bytes::new(GET_META), 1u32, 0u32, 2u32)).unwrap();
         assert_eq!(parse_request(&four), Some((1, 2)));
         assert_eq!(parse_request(b"\x93garbage"), None);
         let other = rmp_serde::to_vec(&(serde_bytes::Bytes::new(b"nope"), 0u32, 0u32)).unwrap();

@@ -1,8 +1,8 @@
 //! `POST /v1/chat/completions`: the request, the response, its stream chunks and the chat
 //! `logprobs` objects.
 
-use serde::{Deserialize, Serialize};
 use rackfill_engine::kv_export::KvTransferParams;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::common::{ApiStopReason, ChunkUsage, StreamOptions, Usage};

@@ -1,8 +1,8 @@
 //! `POST /v1/completions`: the request, the response, its stream chunks and OpenAI's legacy
 //! `logprobs` object.
 
-use std::collections::BTreeMap;
 use rackfill_engine::kv_export::KvTransferParams;
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
