@@ -596,3 +596,33 @@ fn under_mpirun_each_rank_exports_the_kv_of_its_own_sequences() {
         group.stop_with_sigterm();
     }
 }
+
+#[test]
+fn bench_serve_remote_decode_pulls_every_response_and_reports_the_peak_held() {
+    if decode_python().is_none() {
+        return;
+    }
+    let port = free_ports(1).to_string();
+    let served = Served::single(&["--kv-export", "--kv-export-port", &port]);
+    let base = served.url("");
+    let out = Command::new(env!("CARGO_BIN_EXE_rackfill"))
+        .args(["bench", "serve", "--base-url", &base, "--num-prompts", "6"])
+        .args(["--random-input-len", "96", "--random-output-len", "1", "--request-rate", "inf"])
+        .args(["--remote-decode", "--remote-decode-delay", "0.3", "--no-progress"])
+        .output()
+        .expect("bench serve runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    // Six requests and the warm-up, each pulled; the server held some KV meanwhile.
+    assert!(stdout.contains("Remote decode: 7 pulled, 0 failed"), "{stdout}");
+    let peak = stdout
+        .split("peak KV held for pickup: ")
+        .nth(1)
+        .and_then(|rest| rest.split(" MB").next()?.parse::<f64>().ok())
+        .expect("a peak in MB");
+    assert!(peak > 0.0, "{stdout}");
+    metrics_when(&served, "every pull released", |t| {
+        export_events(t, "released") == 7.0 && held_blocks(t) == 0.0
+    });
+    served.stop_with_sigterm();
+}

@@ -273,7 +273,8 @@ impl Served {
         );
     }
 
-    fn url(&self, path: &str) -> String {
+    /// `http://127.0.0.1:PORT` and `path`.
+    pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 

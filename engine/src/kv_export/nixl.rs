@@ -26,7 +26,8 @@ type Status = c_int;
 
 /// The C API's entry points this engine calls.
 struct Api {
-    create_agent: unsafe extern "C" fn(*const c_char, *mut Handle) -> Status,
+    create_configured_agent:
+        unsafe extern "C" fn(*const c_char, *const AgentConfig, *mut Handle) -> Status,
     destroy_agent: unsafe extern "C" fn(Handle) -> Status,
     create_params: unsafe extern "C" fn(*mut Handle) -> Status,
     destroy_params: unsafe extern "C" fn(Handle) -> Status,
@@ -77,6 +78,27 @@ struct Api {
     destroy_xfer_req: unsafe extern "C" fn(Handle) -> Status,
 }
 
+/// `nixl_capi_agent_config_t`. NIXL releases differ in the width of `listen_port` (an `int`,
+/// later a `uint16_t`), which moves `thread_sync` and `num_workers`; every field this engine sets
+/// sits where both layouts put it, and the others are zero in both (no listener, the default
+/// thread sync, the default workers).
+#[repr(C)]
+#[derive(Default)]
+struct AgentConfig {
+    enable_prog_thread: bool,
+    enable_listen_thread: bool,
+    /// `listen_port`, `thread_sync` and `num_workers` in either layout: zero.
+    _zero: [u8; 14],
+    pthr_delay_us: u64,
+    lthr_delay_us: u64,
+    capture_telemetry: bool,
+}
+
+/// How long NIXL's progress thread sleeps between polls. Its default (0) spins a whole core
+/// for as long as the process lives, measured on an idle server; the READs a decode side
+/// makes of host memory are one-sided, and notifications wait at most this long.
+const PROGRESS_DELAY_US: u64 = 1000;
+
 /// `NIXL_CAPI_MEM_DRAM`.
 const MEM_DRAM: c_int = 0;
 
@@ -114,7 +136,7 @@ impl Api {
             };
         }
         Ok(Self {
-            create_agent: sym!("nixl_capi_create_agent"),
+            create_configured_agent: sym!("nixl_capi_create_configured_agent"),
             destroy_agent: sym!("nixl_capi_destroy_agent"),
             create_params: sym!("nixl_capi_create_params"),
             destroy_params: sym!("nixl_capi_destroy_params"),
@@ -205,8 +227,13 @@ impl Agent {
             CString::new(name).map_err(|_| NixlError::Invalid("a NUL in the name".into()))?;
         let mut agent = std::ptr::null_mut();
         // SAFETY: valid C string and out pointer.
-        check("create_agent", unsafe {
-            (api.create_agent)(cname.as_ptr(), &mut agent)
+        let config = AgentConfig {
+            enable_prog_thread: true,
+            pthr_delay_us: PROGRESS_DELAY_US,
+            ..AgentConfig::default()
+        };
+        check("create_configured_agent", unsafe {
+            (api.create_configured_agent)(cname.as_ptr(), &config, &mut agent)
         })?;
         let mut params = std::ptr::null_mut();
         let mut backend = std::ptr::null_mut();
@@ -449,7 +476,8 @@ impl Agent {
                                 "the READ did not finish within {timeout:?}"
                             )));
                         }
-                        std::thread::yield_now();
+                        // Polled, not spun: the transfer progresses in NIXL's threads.
+                        std::thread::sleep(std::time::Duration::from_micros(20));
                         status = (api.get_xfer_status)(self.agent, req);
                     }
                     check("transfer", status)

@@ -112,11 +112,18 @@ impl Puller {
         let (agent, remote) = {
             let remote = &state.remotes[&params.remote_engine_id];
             let m = &remote.metadata;
-            let mut descs = Vec::with_capacity(m.kv_caches_base_addr.len() * blocks.len());
+            let mut descs: Vec<(usize, usize)> =
+                Vec::with_capacity(m.kv_caches_base_addr.len() * blocks.len());
             for (region, &base) in m.kv_caches_base_addr.iter().enumerate() {
-                let (len, stride) = (m.block_lens[region], m.block_strides[region]);
+                let (len, stride) = (m.block_lens[region] as usize, m.block_strides[region]);
                 for &block in &blocks {
-                    descs.push(((base + u64::from(block) * stride) as usize, len as usize));
+                    let addr = (base + u64::from(block) * stride) as usize;
+                    // Consecutive blocks of a packed region are one descriptor (the local side
+                    // is contiguous too): far fewer for NIXL to match and post.
+                    match descs.last_mut() {
+                        Some(last) if last.0 + last.1 == addr => last.1 += len,
+                        _ => descs.push((addr, len)),
+                    }
                 }
             }
             (remote.agent.clone(), descs)
