@@ -5,7 +5,7 @@ Given the top-level `kv_transfer_params` a prefill server returned, this pulls t
 cache over NIXL (the official `nixl` package, UCX backend, host memory) exactly as vLLM's
 NixlPullConnectorWorker would, and writes what it pulled as float32. File references are to the
 vLLM 0.33.0 wheel, `vllm/distributed/kv_transfer/kv_connector/v1/nixl/` unless said otherwise
-(notes/issue-36/README.md has the details).
+(docs/disaggregation.md has the protocol).
 
  1. Params (`pull_scheduler.py:59-65,135-184`, `metadata.py:320-346`): `do_remote_prefill` plus
     remote_engine_id/request_id/host/port/block_ids are required; `remote_block_ids` holds one

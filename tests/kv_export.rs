@@ -301,18 +301,25 @@ fn serve_flags<'a>(model: &'a str, port: &'a str, extra: &[&'a str]) -> Vec<&'a 
     flags
 }
 
+/// `rackfill serve --kv-export` as one process on `family`'s fixture with `extra` flags, and a
+/// decode side for that model (`tag` names its scratch directory).
+fn exporting_server(python: &str, family: &str, extra: &[&str], tag: &str) -> (Served, Decode) {
+    let (model, _) = tokenizer_fixture(family);
+    let model_str = model.to_str().unwrap().to_owned();
+    let port = free_ports(1).to_string();
+    let served = Served::single(&serve_flags(&model_str, &port, extra));
+    let decode = Decode::new(python, &model, &model_str, tag);
+    (served, decode)
+}
+
 #[test]
 fn every_family_exports_kv_that_a_vllm_decode_pulls_equal_to_transformers() {
     let Some(python) = decode_python() else {
         return;
     };
     for family in FAMILIES {
-        let (model, _) = tokenizer_fixture(family);
-        let model_str = model.to_str().unwrap().to_owned();
-        let port = free_ports(1).to_string();
-        let served = Served::single(&serve_flags(&model_str, &port, &["--ep-size", "2"]));
-        let decode = Decode::new(&python, &model, &model_str, family);
-        let rounding = dtype_rounding(&model);
+        let (served, decode) = exporting_server(&python, family, &["--ep-size", "2"], family);
+        let rounding = dtype_rounding(&decode.model);
         let refs = references(family);
         for (i, reference) in refs.iter().enumerate() {
             let response = export(&served, &reference.ids);
@@ -352,10 +359,7 @@ fn a_stream_carries_kv_transfer_params_on_its_finishing_chunk() {
     let Some(python) = decode_python() else {
         return;
     };
-    let (model, _) = tokenizer_fixture("qwen3_moe");
-    let model_str = model.to_str().unwrap().to_owned();
-    let port = free_ports(1).to_string();
-    let served = Served::single(&serve_flags(&model_str, &port, &[]));
+    let (served, decode) = exporting_server(&python, "qwen3_moe", &[], "stream");
     let reference = &references("qwen3_moe")[1];
     let mut request = export_request(&reference.ids);
     request["stream"] = json!(true);
@@ -376,9 +380,13 @@ fn a_stream_carries_kv_transfer_params_on_its_finishing_chunk() {
         carrying[0]["choices"][0]["finish_reason"].is_string(),
         "{body}"
     );
-    let decode = Decode::new(&python, &model, &model_str, "stream");
     let pulled = decode.pull(&carrying[0]["kv_transfer_params"], "stream");
-    assert_kv_equal("streamed", &pulled, reference, dtype_rounding(&model));
+    assert_kv_equal(
+        "streamed",
+        &pulled,
+        reference,
+        dtype_rounding(&decode.model),
+    );
     served.stop_with_sigterm();
 }
 
@@ -387,15 +395,8 @@ fn leases_free_unread_blocks_and_a_killed_decode_side_loses_nothing() {
     let Some(python) = decode_python() else {
         return;
     };
-    let (model, _) = tokenizer_fixture("qwen3_moe");
-    let model_str = model.to_str().unwrap().to_owned();
-    let port = free_ports(1).to_string();
-    let served = Served::single(&serve_flags(
-        &model_str,
-        &port,
-        &["--kv-export-timeout", "2"],
-    ));
-    let decode = Decode::new(&python, &model, &model_str, "lease");
+    let (served, decode) =
+        exporting_server(&python, "qwen3_moe", &["--kv-export-timeout", "2"], "lease");
     let refs = references("qwen3_moe");
     // A decode side killed after the handshake, and one that reads but never notifies.
     let killed = export(&served, &refs[0].ids);
@@ -426,7 +427,7 @@ fn leases_free_unread_blocks_and_a_killed_decode_side_loses_nothing() {
         "beside a killed decode",
         &pulled,
         &refs[2],
-        dtype_rounding(&model),
+        dtype_rounding(&decode.model),
     );
     let plain = served
         .try_complete(&json!({"prompt": refs[0].ids, "max_tokens": 2}))
@@ -462,11 +463,7 @@ fn a_decode_side_that_disagrees_gets_a_handshake_error_never_wrong_kv() {
     let Some(python) = decode_python() else {
         return;
     };
-    let (model, _) = tokenizer_fixture("mixtral");
-    let model_str = model.to_str().unwrap().to_owned();
-    let port = free_ports(1).to_string();
-    let served = Served::single(&serve_flags(&model_str, &port, &[]));
-    let decode = Decode::new(&python, &model, &model_str, "disagree");
+    let (served, decode) = exporting_server(&python, "mixtral", &[], "disagree");
     let ids = &references("mixtral")[2].ids;
     let params = export(&served, ids)["kv_transfer_params"].clone();
     let cases: [(&str, &[&str]); 3] = [
@@ -607,14 +604,33 @@ fn bench_serve_remote_decode_pulls_every_response_and_reports_the_peak_held() {
     let base = served.url("");
     let out = Command::new(env!("CARGO_BIN_EXE_rackfill"))
         .args(["bench", "serve", "--base-url", &base, "--num-prompts", "6"])
-        .args(["--random-input-len", "96", "--random-output-len", "1", "--request-rate", "inf"])
-        .args(["--remote-decode", "--remote-decode-delay", "0.3", "--no-progress"])
+        .args([
+            "--random-input-len",
+            "96",
+            "--random-output-len",
+            "1",
+            "--request-rate",
+            "inf",
+        ])
+        .args([
+            "--remote-decode",
+            "--remote-decode-delay",
+            "0.3",
+            "--no-progress",
+        ])
         .output()
         .expect("bench serve runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Six requests and the warm-up, each pulled; the server held some KV meanwhile.
-    assert!(stdout.contains("Remote decode: 7 pulled, 0 failed"), "{stdout}");
+    assert!(
+        stdout.contains("Remote decode: 7 pulled, 0 failed"),
+        "{stdout}"
+    );
     let peak = stdout
         .split("peak KV held for pickup: ")
         .nth(1)

@@ -194,6 +194,10 @@ pub fn describe() {
         kv_export::KV_EXPORT_PEAK_HELD_BYTES,
         "The most exported KV bytes held at once since start, per rank."
     );
+    describe_histogram!(
+        kv_export::KV_EXPORT_COPY_SECONDS,
+        "Seconds the engine thread spends copying one request's KV into the export arena."
+    );
     describe_counter!(
         kv_export::KV_EXPORT_REQUESTS,
         "KV exports by event: exported, released (read and notified), expired, refused, \

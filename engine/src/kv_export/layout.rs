@@ -49,14 +49,6 @@ impl KvDtype {
             Self::F16 => "torch.float16",
         }
     }
-
-    fn candle(self) -> DType {
-        match self {
-            Self::F32 => DType::F32,
-            Self::Bf16 => DType::BF16,
-            Self::F16 => DType::F16,
-        }
-    }
 }
 
 /// The shape of one exported block, the same in every layer.
@@ -87,69 +79,90 @@ impl BlockLayout {
         tokens.div_ceil(self.block_tokens)
     }
 
-    /// One layer's rows as the blocks hold them, `[heads, len, row]`: keys then values per
-    /// head, or MLA's compressed rows.
-    pub fn rows(&self, kv: &BlockKv) -> Result<Tensor, KvExportError> {
+    /// One layer's rows as the blocks hold them, as pieces `[heads, len, width]` laid side by
+    /// side in each row: keys then values per head, or MLA's compressed rows as one head.
+    pub fn rows(&self, kv: &BlockKv) -> Result<Vec<Tensor>, KvExportError> {
         if !self.mla {
-            return Ok(Tensor::cat(&[&kv.keys, &kv.values], 2)?);
+            return Ok(vec![kv.keys.clone(), kv.values.clone()]);
         }
         let latent = kv.latent.as_ref().ok_or_else(|| {
             KvExportError::Layout("the cache holds no compressed MLA rows".into())
         })?;
-        Ok(latent.unsqueeze(0)?)
+        Ok(vec![latent.unsqueeze(0)?])
     }
 
-    /// Writes positions `0..tokens` of one layer's `rows` (`[heads, len, row]`, `len >=
-    /// tokens`, see [`BlockLayout::rows`]) into `blocks`, one `block_bytes()` slice per block
-    /// in order.
+    /// Writes positions `0..tokens` of one layer's rows (`parts`, see [`BlockLayout::rows`],
+    /// each `[heads, len >= tokens, width]`) into `blocks`, one `block_bytes()` slice per block
+    /// in order, converting to the export dtype on the way (one read of the cache, no
+    /// intermediate tensors).
     pub fn write_layer(
         &self,
-        rows: &Tensor,
+        parts: &[Tensor],
         tokens: usize,
         blocks: &mut [&mut [u8]],
     ) -> Result<(), KvExportError> {
-        let (heads, len, width) = rows.dims3()?;
-        if (heads, width) != (self.heads, self.row) || len < tokens {
+        let mut pieces = Vec::with_capacity(parts.len());
+        for part in parts {
+            let (heads, len, width) = part.dims3()?;
+            if heads != self.heads || len < tokens {
+                return Err(KvExportError::Layout(format!(
+                    "the cache holds [{heads}, {len}, {width}], the export expects [{}, >= \
+                     {tokens}, _]",
+                    self.heads
+                )));
+            }
+            let values = part
+                .narrow(1, 0, tokens)?
+                .to_dtype(DType::F32)?
+                .contiguous()?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            pieces.push((encode(self.dtype, &values), width));
+        }
+        let row: usize = pieces.iter().map(|(_, width)| width).sum();
+        if row != self.row {
             return Err(KvExportError::Layout(format!(
-                "the cache holds [{heads}, {len}, {width}] rows, the export expects [{}, >= \
-                 {tokens}, {}]",
-                self.heads, self.row
+                "rows of {row} values, the export expects {}",
+                self.row
             )));
         }
-        let rows = rows
-            .narrow(1, 0, tokens)?
-            .to_dtype(self.dtype.candle())?
-            .contiguous()?;
-        let bytes = tensor_bytes(&rows)?;
-        let row = width * self.dtype.size();
+        let size = self.dtype.size();
         for (b, block) in blocks.iter_mut().enumerate() {
             block.fill(0);
             let first = b * self.block_tokens;
             let here = tokens.saturating_sub(first).min(self.block_tokens);
-            for h in 0..heads {
-                let src = (h * tokens + first) * row;
-                let dst = h * self.block_tokens * row;
-                block[dst..dst + here * row].copy_from_slice(&bytes[src..src + here * row]);
+            for h in 0..self.heads {
+                for t in 0..here {
+                    let mut dst = (h * self.block_tokens + t) * row * size;
+                    for (bytes, width) in &pieces {
+                        let len = width * size;
+                        let src = (h * tokens + first + t) * len;
+                        block[dst..dst + len].copy_from_slice(&bytes[src..src + len]);
+                        dst += len;
+                    }
+                }
             }
         }
         Ok(())
     }
 }
 
-/// The raw little-endian bytes of a contiguous CPU tensor.
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, KvExportError> {
-    Ok(match t.dtype() {
-        DType::F32 => bytemuck::cast_slice(&t.flatten_all()?.to_vec1::<f32>()?).to_vec(),
-        DType::BF16 => {
-            let v = t.flatten_all()?.to_vec1::<half::bf16>()?;
-            v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+/// `values` as little-endian `dtype` elements, converted in one pass over the slice.
+fn encode(dtype: KvDtype, values: &[f32]) -> Vec<u8> {
+    use half::slice::HalfFloatSliceExt;
+    match dtype {
+        KvDtype::F32 => bytemuck::cast_slice(values).to_vec(),
+        KvDtype::Bf16 => {
+            let mut out = vec![half::bf16::ZERO; values.len()];
+            out.convert_from_f32_slice(values);
+            bytemuck::cast_slice(out.reinterpret_cast()).to_vec()
         }
-        DType::F16 => {
-            let v = t.flatten_all()?.to_vec1::<half::f16>()?;
-            v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+        KvDtype::F16 => {
+            let mut out = vec![half::f16::ZERO; values.len()];
+            out.convert_from_f32_slice(values);
+            bytemuck::cast_slice(out.reinterpret_cast()).to_vec()
         }
-        other => return Err(KvExportError::Layout(format!("a {other:?} cache"))),
-    })
+    }
 }
 
 #[cfg(test)]
@@ -196,6 +209,23 @@ mod tests {
             floats(&b),
             [20., 21., 1020., 1021., 0., 0., 0., 0., 120., 121., 1120., 1121., 0., 0., 0., 0.]
         );
+    }
+
+    #[test]
+    fn half_precision_blocks_hold_the_rounded_values_little_endian() {
+        let layout = BlockLayout {
+            layers: 1,
+            heads: 1,
+            row: 2,
+            mla: true,
+            block_tokens: 2,
+            dtype: KvDtype::Bf16,
+        };
+        let latent = Tensor::from_vec(vec![1.0f32, -2.0], (1, 1, 2), &Device::Cpu).unwrap();
+        let mut block = vec![0xffu8; layout.block_bytes()];
+        layout.write_layer(&[latent], 1, &mut [&mut block]).unwrap();
+        // bf16 1.0 = 0x3f80, -2.0 = 0xc000; the second position is past the prompt: zero.
+        assert_eq!(block, [0x80, 0x3f, 0x00, 0xc0, 0, 0, 0, 0]);
     }
 
     #[test]

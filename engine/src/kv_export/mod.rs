@@ -190,6 +190,7 @@ impl KvExport {
         }
         let request_id = format!("rackfill-{id}");
         let count = self.layout.blocks_for(tokens);
+        let started = Instant::now();
         let blocks = {
             let mut pool = self.pool.lock().map_err(|_| poisoned())?;
             let blocks = pool.hold(&request_id, count, Instant::now(), |layer, blocks| {
@@ -208,6 +209,7 @@ impl KvExport {
             pool::record_metrics(self.rank, &stats);
             blocks?
         };
+        pool::record_copy(started.elapsed());
         Ok(KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,

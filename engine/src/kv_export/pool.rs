@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, histogram};
 
 use super::error::KvExportError;
 
@@ -65,6 +65,14 @@ pub fn record_metrics(rank: usize, stats: &ExportStats) {
     ] {
         counter!(KV_EXPORT_REQUESTS, "rank" => rank.clone(), "event" => event).absolute(count);
     }
+}
+
+/// Seconds the engine thread spends copying one request's KV into the arena.
+pub const KV_EXPORT_COPY_SECONDS: &str = "rackfill:kv_export_copy_seconds";
+
+/// Records one export's copy time.
+pub fn record_copy(took: Duration) {
+    histogram!(KV_EXPORT_COPY_SECONDS).record(took.as_secs_f64());
 }
 
 /// One request's held blocks.
