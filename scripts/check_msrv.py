@@ -14,7 +14,9 @@ import sys
 
 
 def version(text):
-    return tuple(int(part) for part in text.split("."))
+    """`1.89` and `1.89.0` alike: three parts, missing ones zero."""
+    parts = [int(part) for part in text.split(".")]
+    return tuple(parts + [0] * (3 - len(parts)))
 
 
 def main():
