@@ -354,6 +354,49 @@ fn every_family_exports_kv_that_a_vllm_decode_pulls_equal_to_transformers() {
     }
 }
 
+/// How far transformers in bf16 is from its f32 KV, per layer, on the qwen3_moe fixture's
+/// reference prompts (max abs over K and V; `scripts/kv_bf16_error.py qwen3_moe`, transformers
+/// 5.23.0, torch 2.15.0): the bound for a bf16 path.
+const TRANSFORMERS_BF16_KV_ERROR: [f32; 3] = [0.0235, 0.0938, 0.2714];
+
+#[test]
+fn the_device_path_exports_kv_no_further_from_f32_than_transformers_bf16() {
+    let Some(python) = decode_python() else {
+        return;
+    };
+    let emulator = Command::new(std::env::var("CXX").unwrap_or_else(|_| "c++".into()))
+        .arg("--version")
+        .output()
+        .is_ok();
+    if !emulator {
+        eprintln!("skipped: no C++ compiler for the GPU path's host emulator");
+        return;
+    }
+    let flags = ["--device", "emulator", "--ep-size", "2"];
+    let (served, decode) = exporting_server(&python, "qwen3_moe", &flags, "device");
+    for (i, reference) in references("qwen3_moe").iter().enumerate() {
+        let response = export(&served, &reference.ids);
+        let pulled = decode.pull(&response["kv_transfer_params"], &format!("d{i}"));
+        for (layer, ((_, got), (_, want))) in pulled.iter().zip(&reference.layers).enumerate() {
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                worst <= TRANSFORMERS_BF16_KV_ERROR[layer],
+                "prompt {i} layer {layer}: the device's KV is {worst} from f32, transformers \
+                 in bf16 {}",
+                TRANSFORMERS_BF16_KV_ERROR[layer]
+            );
+        }
+    }
+    metrics_when(&served, "every device export released", |t| {
+        export_events(t, "released") == 3.0 && held_blocks(t) == 0.0
+    });
+    served.stop_with_sigterm();
+}
+
 #[test]
 fn a_stream_carries_kv_transfer_params_on_its_finishing_chunk() {
     let Some(python) = decode_python() else {

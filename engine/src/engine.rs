@@ -385,7 +385,6 @@ pub(crate) fn start_kv_export(
     let scheduler = &config.scheduler;
     kv_export::start_for_rank(
         config.kv_export.as_ref(),
-        config.device != ModelDevice::Cpu,
         model,
         (scheduler.block_tokens, scheduler.kv_blocks_per_rank()),
         rank,

@@ -25,6 +25,4 @@ pub enum KvExportError {
         free: usize,
         held: usize,
     },
-    #[error("KV export: {0}")]
-    Unsupported(String),
 }

@@ -183,24 +183,28 @@ impl KvExport {
         cache: &KvCache,
         tokens: usize,
     ) -> Result<KvTransferParams, KvExportError> {
-        if cache.device.is_some() {
-            return Err(KvExportError::Unsupported(
-                "the device engine does not export its KV yet; serve with --device cpu".into(),
-            ));
-        }
         let request_id = format!("rackfill-{id}");
         let count = self.layout.blocks_for(tokens);
         let started = Instant::now();
+        // A device's cache is read back to the host first (the GPU path's bf16 KV).
+        let device_layers = match &cache.device {
+            Some(device) => Some(
+                device
+                    .read_back()
+                    .map_err(|e| KvExportError::Layout(format!("reading the device's KV: {e}")))?,
+            ),
+            None => None,
+        };
         let blocks = {
             let mut pool = self.pool.lock().map_err(|_| poisoned())?;
             let blocks = pool.hold(&request_id, count, Instant::now(), |layer, blocks| {
-                let kv = cache
-                    .layers
-                    .get(layer)
-                    .and_then(|l| l.keys_values())
-                    .ok_or_else(|| {
-                        KvExportError::Layout(format!("no KV cached in layer {layer}"))
-                    })?;
+                let kv = match &device_layers {
+                    Some(layers) => layers.get(layer),
+                    None => cache.layers.get(layer).and_then(|l| l.keys_values()),
+                };
+                let kv = kv.ok_or_else(|| {
+                    KvExportError::Layout(format!("no KV cached in layer {layer}"))
+                })?;
                 self.layout
                     .write_layer(&self.layout.rows(kv)?, tokens, blocks)
             });
@@ -264,11 +268,9 @@ impl KvExport {
 /// Starts this process's exporter for rank `rank` when `config` asks for one: what request
 /// validation is told, and the exporter. A host without NIXL (or a configuration this engine
 /// cannot export) still serves; `do_remote_decode` requests then get an error naming why.
-/// `on_device`: the model runs on a GPU (its cache is not exported yet); `block_tokens` and
-/// `default_blocks` as in [`KvExport::start`].
+/// `block_tokens` and `default_blocks` as in [`KvExport::start`].
 pub fn start_for_rank(
     config: Option<&KvExportConfig>,
-    on_device: bool,
     model: &ModelConfig,
     (block_tokens, default_blocks): (usize, usize),
     rank: usize,
@@ -276,14 +278,7 @@ pub fn start_for_rank(
     let Some(config) = config else {
         return (KvExportSupport::Off, None);
     };
-    let started = if on_device {
-        Err(KvExportError::Unsupported(
-            "the device engine does not export its KV yet (serve with --device cpu)".into(),
-        ))
-    } else {
-        KvExport::start(config, model, block_tokens, default_blocks, rank)
-    };
-    match started {
+    match KvExport::start(config, model, block_tokens, default_blocks, rank) {
         Ok(export) => (KvExportSupport::Ready, Some(export)),
         Err(err) => {
             tracing::warn!(

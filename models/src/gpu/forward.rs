@@ -149,7 +149,7 @@ impl GpuModel {
         if rows == 0 {
             return Ok(());
         }
-        let (weights, cache) = (&self.weights.layers[layer], &self.caches[layer]);
+        let (weights, cache) = (&self.weights.layers[layer], &self.caches.layers[layer]);
         let normed = ops.exec.alloc_zeroed(rows * h * 2)?;
         let norm = &weights.input_norm;
         ops.rms_norm_to_bf16(&batch.x, h, &norm.weight, norm.eps, rows, h, &normed, h)?;

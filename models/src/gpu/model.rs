@@ -4,6 +4,8 @@
 use rackfill_kernels::cuda::grouped_gemm::ExpertGemms;
 use std::sync::{Arc, Mutex};
 
+use candle_core::{Device, Tensor};
+
 use rackfill_kernels::cuda::exec::{DeviceBuffer, Executor};
 use rackfill_kernels::flash::AttentionShape;
 use rackfill_kernels::kv_blocks::{BlockPool, BlockTable};
@@ -11,7 +13,7 @@ use rackfill_kernels::kv_blocks::{BlockPool, BlockTable};
 use super::weights::{Experts, GpuAttention, GpuWeights};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::kv_cache::DeviceCache;
+use crate::layers::kv_cache::{BlockKv, DeviceCache};
 use crate::layers::router::Routing;
 use crate::model::LogitsFor;
 
@@ -24,6 +26,8 @@ pub const BLOCK_TOKENS: usize = crate::layers::kv_cache::KV_BLOCK_TOKENS;
 pub struct GpuSequence {
     pub(super) table: BlockTable,
     pub(super) pool: Arc<Mutex<BlockPool>>,
+    /// The model's caches, for reading this sequence's KV back.
+    pub(super) caches: Arc<ModelCaches>,
 }
 
 impl GpuSequence {
@@ -45,6 +49,57 @@ impl DeviceCache for GpuSequence {
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
+    }
+
+    fn read_back(&self) -> Result<Vec<BlockKv>> {
+        let caches = &self.caches;
+        let len = self.table.len();
+        let blocks = self.table.blocks();
+        caches
+            .layers
+            .iter()
+            .map(|cache| {
+                let (heads, dim) = (cache.heads, cache.dim);
+                let row = heads * dim;
+                let block_bytes = BLOCK_TOKENS * row * 2;
+                // The table's blocks in order are the sequence's tokens in order, each token's
+                // row `[heads, dim]` bf16: the first `len` rows, as f32.
+                let read = |buffer: &DeviceBuffer| -> Result<Vec<f32>> {
+                    let mut bytes = vec![0u8; blocks.len() * block_bytes];
+                    for (chunk, &block) in bytes.chunks_exact_mut(block_bytes).zip(blocks) {
+                        caches
+                            .exec
+                            .read(buffer, block as usize * block_bytes, chunk)?;
+                    }
+                    Ok(bytes
+                        .chunks_exact(2)
+                        .take(len * row)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect())
+                };
+                let heads_first = |rows: Vec<f32>| -> Result<Tensor> {
+                    Ok(Tensor::from_vec(rows, (len, heads, dim), &Device::Cpu)?
+                        .transpose(0, 1)?
+                        .contiguous()?)
+                };
+                let keys = read(&cache.keys)?;
+                match &cache.values {
+                    Some(values) => Ok(BlockKv {
+                        keys: heads_first(keys)?,
+                        values: heads_first(read(values)?)?,
+                        latent: None,
+                    }),
+                    None => {
+                        let latent = Tensor::from_vec(keys, (len, dim), &Device::Cpu)?;
+                        Ok(BlockKv {
+                            keys: latent.unsqueeze(0)?,
+                            values: latent.unsqueeze(0)?,
+                            latent: Some(latent),
+                        })
+                    }
+                }
+            })
+            .collect()
     }
 }
 
@@ -78,6 +133,25 @@ pub struct GpuStep {
 pub(super) struct LayerCache {
     pub(super) keys: DeviceBuffer,
     pub(super) values: Option<DeviceBuffer>,
+    /// KV heads (1 for MLA's latent rows).
+    heads: usize,
+    /// Elements per head and token (MLA: the latent row, `kv_lora + rot`).
+    dim: usize,
+}
+
+/// Every layer's cache and the executor that owns them, shared by the model and its
+/// sequences (a sequence reads its own KV back through them).
+pub(super) struct ModelCaches {
+    pub(super) exec: Arc<dyn Executor>,
+    pub(super) layers: Vec<LayerCache>,
+}
+
+impl std::fmt::Debug for ModelCaches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelCaches")
+            .field("layers", &self.layers.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A model uploaded to one device with its paged KV cache.
@@ -86,7 +160,7 @@ pub struct GpuModel {
     pub(super) exec: Arc<dyn Executor>,
     pub(super) config: ModelConfig,
     pub(super) weights: GpuWeights,
-    pub(super) caches: Vec<LayerCache>,
+    pub(super) caches: Arc<ModelCaches>,
     pub(super) pool: Arc<Mutex<BlockPool>>,
     /// How [`GpuModel::forward`] runs the routed experts.
     pub(super) expert_gemms: ExpertGemms,
@@ -115,16 +189,18 @@ impl GpuModel {
             .layers
             .iter()
             .map(|layer| {
-                let (row, values) = match &layer.attention {
-                    GpuAttention::Gqa(a) => (a.kv_heads * a.head_dim, true),
-                    GpuAttention::Mla(a) => (a.kv_lora + a.rot, false),
+                let (heads, dim, values) = match &layer.attention {
+                    GpuAttention::Gqa(a) => (a.kv_heads, a.head_dim, true),
+                    GpuAttention::Mla(a) => (1, a.kv_lora + a.rot, false),
                 };
                 let bytes = blocks
-                    .checked_mul(BLOCK_TOKENS * row * 2)
+                    .checked_mul(BLOCK_TOKENS * heads * dim * 2)
                     .ok_or_else(too_many)?;
                 Ok(LayerCache {
                     keys: exec.alloc_zeroed(bytes)?,
                     values: values.then(|| exec.alloc_zeroed(bytes)).transpose()?,
+                    heads,
+                    dim,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -132,6 +208,10 @@ impl GpuModel {
             u32::try_from(blocks).map_err(|_| too_many())?,
             BLOCK_TOKENS as u32,
         )?;
+        let caches = Arc::new(ModelCaches {
+            exec: Arc::clone(&exec),
+            layers: caches,
+        });
         Ok(Self {
             experts,
             exec,
@@ -176,6 +256,7 @@ impl GpuModel {
         GpuSequence {
             table: BlockTable::new(),
             pool: Arc::clone(&self.pool),
+            caches: Arc::clone(&self.caches),
         }
     }
 

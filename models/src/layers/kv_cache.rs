@@ -151,6 +151,11 @@ pub trait DeviceCache: Send + std::fmt::Debug {
 
     /// The concrete cache, for the device model that made it.
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+
+    /// Every cached position read back to host memory, one [`BlockKv`] per layer as the host
+    /// path holds it (f32 `[kv_heads, len, dim]` keys and values, and MLA's compressed rows
+    /// in `latent`): what a KV export copies out. Waits for the device's work so far.
+    fn read_back(&self) -> Result<Vec<BlockKv>>;
 }
 
 /// A sequence's KV cache across all layers: host blocks on the CPU path, or the sequence's
