@@ -66,10 +66,20 @@ impl DeviceCache for GpuSequence {
                 // row `[heads, dim]` bf16: the first `len` rows, as f32.
                 let read = |buffer: &DeviceBuffer| -> Result<Vec<f32>> {
                     let mut bytes = vec![0u8; blocks.len() * block_bytes];
-                    for (chunk, &block) in bytes.chunks_exact_mut(block_bytes).zip(blocks) {
-                        caches
-                            .exec
-                            .read(buffer, block as usize * block_bytes, chunk)?;
+                    // One copy per run of consecutive block ids (a sequence's blocks mostly
+                    // are), not one per block.
+                    let mut start = 0;
+                    while start < blocks.len() {
+                        let mut end = start + 1;
+                        while end < blocks.len() && blocks[end] == blocks[end - 1] + 1 {
+                            end += 1;
+                        }
+                        caches.exec.read(
+                            buffer,
+                            blocks[start] as usize * block_bytes,
+                            &mut bytes[start * block_bytes..end * block_bytes],
+                        )?;
+                        start = end;
                     }
                     Ok(bytes
                         .chunks_exact(2)
