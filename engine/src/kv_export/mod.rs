@@ -165,11 +165,6 @@ impl KvExport {
         Ok(export)
     }
 
-    /// The engine id decode sides know this process by.
-    pub fn engine_id(&self) -> &str {
-        &self.engine_id
-    }
-
     /// The arena's counters and gauges.
     pub fn stats(&self) -> ExportStats {
         self.pool.lock().map(|p| p.stats()).unwrap_or_default()

@@ -139,10 +139,6 @@ impl ExportPool {
         (0..self.layers as u64).map(|l| base + l * region).collect()
     }
 
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
     pub fn stats(&self) -> ExportStats {
         self.stats
     }

@@ -62,15 +62,6 @@ pub struct HandshakePayload {
     pub agent_metadata_bytes: Vec<u8>,
 }
 
-/// Why a side-channel message was refused or could not be served.
-#[derive(Debug, thiserror::Error)]
-pub enum SideChannelError {
-    #[error("side channel: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
-    #[error("side channel: cannot encode the metadata: {0}")]
-    Encode(#[from] rmp_serde::encode::Error),
-}
-
 /// The ranks' `(pp_rank, tp_rank)` a request asks for, if it is a metadata request.
 pub fn parse_request(frame: &[u8]) -> Option<(u32, u32)> {
     let value: rmpv::Value = rmpv::decode::read_value(&mut &frame[..]).ok()?;
@@ -92,12 +83,15 @@ pub fn parse_request(frame: &[u8]) -> Option<(u32, u32)> {
 pub fn encode_payload(
     metadata: &AgentMetadata,
     compatibility_hash: &str,
-) -> Result<Vec<u8>, SideChannelError> {
+) -> Result<Vec<u8>, KvExportError> {
+    let encode = |e: rmp_serde::encode::Error| {
+        KvExportError::SideChannel(format!("cannot encode the metadata: {e}"))
+    };
     let payload = HandshakePayload {
         compatibility_hash: compatibility_hash.into(),
-        agent_metadata_bytes: rmp_serde::to_vec_named(metadata)?,
+        agent_metadata_bytes: rmp_serde::to_vec_named(metadata).map_err(encode)?,
     };
-    Ok(rmp_serde::to_vec_named(&payload)?)
+    rmp_serde::to_vec_named(&payload).map_err(encode)
 }
 
 /// The inputs of vLLM's NIXL compatibility hash that depend on the model and the decode's
@@ -219,8 +213,7 @@ impl SideChannel {
         tick: Duration,
         every_tick: impl FnMut() + Send + 'static,
     ) -> Result<(), KvExportError> {
-        let payload = encode_payload(metadata, compatibility_hash)
-            .map_err(|e| KvExportError::SideChannel(e.to_string()))?;
+        let payload = encode_payload(metadata, compatibility_hash)?;
         let host = if host.contains(':') {
             format!("[{host}]")
         } else {
