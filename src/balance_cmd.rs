@@ -440,6 +440,9 @@ fn replay_synthetic(args: &BalanceArgs, pattern: TracePattern) -> anyhow::Result
         tokens,
     );
     spec.family = args.family.unwrap_or(spec.family);
+    // The balancer benchmark's recorded figures were drawn token by token; it keeps that
+    // reference (`rackfill simulate` draws rows by their counts).
+    spec.sampler = rackfill_bench::synthetic::Sampler::Tokens;
     let generator = TraceGenerator::new(&spec, args.seed)?;
     let config = replay_config(args, shape.ranks, shape.experts, shape.slots)?;
     let name = format!(

@@ -42,6 +42,7 @@ mod serve_bench_cmd;
 mod serve_cmd;
 mod serve_group;
 mod simulate_cmd;
+mod simulate_sweep;
 mod trace_gen_cmd;
 
 use clap::{Parser, Subcommand};
@@ -135,6 +136,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => bench_cmd::run(cmd),
         Command::Serve(args) => serve_group::run(args),
         Command::Kernels(cmd) => kernels_cmd::run(cmd),
+        Command::Simulate(args) if args.sweep => simulate_sweep::run(&args),
         Command::Simulate(args) => simulate_cmd::run(args),
     };
     let code = match result {

@@ -538,3 +538,132 @@ fn bench_forward_runs_a_real_model_shape_with_phases() {
         "--expert-gemms chooses the GPU path's expert kernels",
     );
 }
+
+/// A successful run's standard output as JSON.
+fn stdout_json(out: std::process::Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `simulate` on synthetic routing, small enough for the test profile.
+fn small_simulation(shape: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "simulate",
+        "--model-shape",
+        shape,
+        "--ep",
+        "4",
+        "--steps",
+        "4",
+        "--chunk-tokens",
+        "128",
+        "--json",
+    ];
+    args.extend(extra);
+    rackfill(&args)
+}
+
+#[test]
+fn simulate_charges_a_modelled_solve_time_and_is_the_same_run_after_run() {
+    let dir = temp_dir();
+    let shape = write(&dir, "shape.json", SHAPE);
+    let a = small_simulation(&shape, &[]);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    // Nothing measured on this host by default: the same command gives the same bytes.
+    assert_eq!(a.stdout, small_simulation(&shape, &[]).stdout);
+    let doc: Value = serde_json::from_slice(&a.stdout).unwrap();
+    assert_eq!(doc["solve_us_override"], 111.0, "{doc}");
+    assert_eq!(doc["solve_time"], "modelled: UltraEP's planner on a GB200");
+    assert_eq!(doc["sampler"], "counts");
+    assert_eq!(doc["balancers"][0]["balancer"], "quota");
+    assert_eq!(
+        doc["balancers"][0]["solve_us_mean"], 222.0,
+        "two micro-batches"
+    );
+    // The per-token reference and the host's own solve time on request.
+    let doc = stdout_json(small_simulation(
+        &shape,
+        &["--sampler", "tokens", "--host-solve-time"],
+    ));
+    assert_eq!(doc["sampler"], "tokens");
+    assert_eq!(doc["solve_us_override"], Value::Null);
+    assert_eq!(doc["solve_time"], "measured on this host");
+    refused(
+        &[
+            "simulate",
+            "--model-shape",
+            &shape,
+            "--solve-us",
+            "5",
+            "--host-solve-time",
+        ],
+        "cannot be used with",
+    );
+    refused(
+        &["simulate", "--model-shape", &shape, "--sampler", "alias"],
+        "invalid value 'alias'",
+    );
+}
+
+#[test]
+fn simulate_calibrates_the_rack_with_a_gpu_session_report() {
+    let dir = temp_dir();
+    let shape = write(&dir, "shape.json", SHAPE);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/tests/fixtures/calibration");
+    let session = fixtures.join("h200-2026-11-28");
+    let out = small_simulation(&shape, &["--calibration", session.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let calibration = &doc["calibration"];
+    assert_eq!(calibration["card"], "NVIDIA H200", "{calibration}");
+    let term = |name: &str| {
+        calibration["terms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["term"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {calibration}"))
+            .clone()
+    };
+    assert_eq!(term("attention_efficiency")["measured"], true);
+    assert_eq!(term("link_efficiency")["measured"], false);
+    // rackfill's measured attention (about 9% of the peak) is slower than the paper's 60%.
+    let plain = stdout_json(small_simulation(&shape, &[]));
+    let tokens = |d: &Value| d["ideal"]["tokens_per_s"].as_f64().unwrap();
+    assert!(
+        tokens(&doc) < tokens(&plain),
+        "{} vs {}",
+        tokens(&doc),
+        tokens(&plain)
+    );
+    // The H100 session measured the device planner: its solve time is charged.
+    let kernels = fixtures.join("h100-2026-11-28");
+    let doc = stdout_json(small_simulation(
+        &shape,
+        &["--calibration", kernels.to_str().unwrap()],
+    ));
+    assert_eq!(doc["solve_time"], "calibrated: the report's device solver");
+    assert!(
+        (doc["solve_us_override"].as_f64().unwrap() - 278.2).abs() < 0.1,
+        "{doc}"
+    );
+    let missing = dir.join("no-such-session");
+    refused(
+        &[
+            "simulate",
+            "--model-shape",
+            &shape,
+            "--calibration",
+            missing.to_str().unwrap(),
+        ],
+        "calibration",
+    );
+}

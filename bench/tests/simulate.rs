@@ -14,6 +14,7 @@ use rackfill_bench::simulate::queue::{run_requests, RequestRun};
 use rackfill_bench::simulate::shape::{Attention, ModelShape};
 use rackfill_bench::simulate::trace::{even_load, TraceSource};
 use rackfill_bench::simulate::{run_throughput, SimError, SimSpec, StepCoster, ThroughputRun};
+use rackfill_bench::synthetic::Sampler;
 use rackfill_engine::rack_cost::{token_traffic, ReplicaTraffic};
 use rackfill_engine::{Rack, Schedule, SlotMemory};
 use std::path::PathBuf;
@@ -69,6 +70,8 @@ fn spec(ranks: usize, experts: usize, algos: Vec<Algo>) -> SimSpec {
         schedule: Schedule::ULTRAEP,
         slot_memory: SlotMemory::Shared,
         reuse_tolerance: None,
+        sampler: Sampler::default(),
+        threads: 1,
     }
 }
 
@@ -453,6 +456,8 @@ fn qwen3_at_ep_64_reaches_the_target_under_the_overlapped_schedule() {
             schedule: Schedule::OVERLAPPED,
             slot_memory: SlotMemory::Shared,
             reuse_tolerance: None,
+            sampler: Sampler::default(),
+            threads: 1,
         },
         trace: TraceSource::SYNTHETIC_MIXED,
         steps: 3,
@@ -990,6 +995,8 @@ fn recorded_engine_routing_costs_what_the_engine_reported() {
             schedule: Schedule::ULTRAEP,
             slot_memory: SlotMemory::Shared,
             reuse_tolerance: None,
+            sampler: Sampler::default(),
+            threads: 1,
         },
         trace: TraceSource::File(trace),
         steps: 1,
@@ -1037,6 +1044,8 @@ fn preferring_resident_replicas_streams_less_on_a_recorded_trace() {
                 schedule: Schedule::ULTRAEP,
                 slot_memory,
                 reuse_tolerance,
+                sampler: Sampler::default(),
+                threads: 1,
             },
             trace: TraceSource::File(root.join("data/builtin-ep8-routing.jsonl")),
             steps: 100,

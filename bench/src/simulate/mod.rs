@@ -16,9 +16,14 @@
 //! - [`report`]: reports, the readable tables and the plots.
 //!
 //! Balancers are the real planners (`Algo::build`), one instance per MoE layer so history-based
-//! ones keep a per-layer window; their solve time is measured around `Balancer::plan` unless
-//! `--solve-us` fixes it. Every plan is validated before it is costed.
+//! ones keep a per-layer window, planned on all cores; every re-plan is charged a modelled GPU
+//! solve time (`--solve-us`, the calibration's device solver, or UltraEP's 111 us) unless
+//! `--host-solve-time` measures `Balancer::plan` on this host. Every plan is validated before it
+//! is costed. [`calibration`] replaces the rack's assumed kernel rates with a GPU session's
+//! measured ones; [`sweep`] runs the cross product of shapes, EP sizes, slots, schedules and
+//! traces.
 
+pub mod calibration;
 pub mod cost;
 mod error;
 pub mod queue;
@@ -26,6 +31,7 @@ pub mod report;
 pub mod shape;
 pub mod spec;
 pub mod step;
+pub mod sweep;
 pub mod throughput;
 pub mod trace;
 

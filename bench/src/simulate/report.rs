@@ -1,6 +1,7 @@
 //! What `rackfill simulate` reports: the JSON documents (`--json`), the readable tables, and the
 //! plots (`--plot-prefix`).
 
+use super::calibration::CalibrationReport;
 use super::cost::{Terms, TERM_NAMES};
 use super::step::ScheduledStep;
 use crate::plot::{write_chart, Chart, PlotError, Series};
@@ -131,7 +132,15 @@ pub struct ThroughputReport {
     pub moe_layers: usize,
     /// Load matrices costed per step, each standing for `moe_layers / simulated_layers` layers.
     pub simulated_layers: usize,
+    /// Solve time charged per layer; `None`: measured live on this host.
     pub solve_us_override: Option<f64>,
+    /// Where the charged solve time comes from, e.g. `modelled: UltraEP's planner on a GB200`.
+    pub solve_time: String,
+    /// How synthetic routing drew each rank's row (`counts` or `tokens`).
+    pub sampler: String,
+    /// The measured rates the rack was calibrated with (`--calibration`), and what is assumed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationReport>,
     /// The schedule the headline figures are under (`--schedule`).
     pub schedule: String,
     /// `shared` or `per-layer` (`--slot-memory`).
@@ -210,8 +219,8 @@ pub fn throughput_table(r: &ThroughputReport) -> String {
             ),
         },
         match r.solve_us_override {
-            Some(us) => format!(", solve fixed at {us} us/layer"),
-            None => ", solve measured".into(),
+            Some(us) => format!(", solve {us} us/layer ({})", r.solve_time),
+            None => ", solve measured on this host".into(),
         }
     );
     let _ = writeln!(

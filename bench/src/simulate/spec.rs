@@ -5,6 +5,7 @@ use super::cost::StepCost;
 use super::error::SimError;
 use super::shape::ModelShape;
 use crate::synthetic::multilayer::MAX_STEP_COUNTS;
+use crate::synthetic::Sampler;
 use rackfill_balancer::relay::RelayConfig;
 use rackfill_balancer::{Algo, Settings};
 use rackfill_engine::{Rack, Schedule, SlotMemory};
@@ -50,6 +51,10 @@ pub struct SimSpec {
     /// same expert while the busiest rank's load stays within this fraction of the unconstrained
     /// plan's (`rackfill_balancer::reuse::prefer_resident`); `None`: plans as solved.
     pub reuse_tolerance: Option<f64>,
+    /// How synthetic routing draws each rank's row (`--sampler`).
+    pub sampler: Sampler,
+    /// Threads one simulation samples routing on (a sweep runs its points one thread each).
+    pub threads: usize,
 }
 
 impl SimSpec {

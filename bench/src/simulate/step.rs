@@ -19,14 +19,19 @@ use std::time::Instant;
 /// Planner slots of one simulated layer: the whole step, then the two micro-batches.
 const PLAN_SLOTS: usize = 3;
 
-/// The balancers of one algorithm: one planner per simulated layer and planner slot (the whole
-/// step, micro-batch 0, micro-batch 1: each micro-batch has its own plan and replicas), and the
-/// slots each one's last plan filled (for history-based planners, whose replicas stay resident).
+/// The balancers of one algorithm, per simulated layer.
 struct AlgoState {
     algo: Algo,
-    /// `[slot][layer]`.
-    planners: Vec<Vec<Box<dyn Balancer>>>,
-    previous_slots: Vec<Vec<Option<Vec<Option<u32>>>>>,
+    layers: Vec<LayerPlanners>,
+}
+
+/// One simulated layer's planners, one per planner slot (the whole step, micro-batch 0,
+/// micro-batch 1: each micro-batch has its own plan and replicas), and the slots each one's
+/// last plan filled (for history-based planners, whose replicas stay resident). Layers plan
+/// independently, so they are planned in parallel.
+struct LayerPlanners {
+    planners: Vec<Box<dyn Balancer>>,
+    previous_slots: Vec<Option<Vec<Option<u32>>>>,
 }
 
 /// One step under one schedule of [`Schedule::ALL`].
@@ -107,10 +112,14 @@ impl<'a> StepCoster<'a> {
             .iter()
             .map(|&algo| AlgoState {
                 algo,
-                planners: (0..PLAN_SLOTS)
-                    .map(|_| (0..layers).map(|_| algo.build(&spec.settings)).collect())
+                layers: (0..layers)
+                    .map(|_| LayerPlanners {
+                        planners: (0..PLAN_SLOTS)
+                            .map(|_| algo.build(&spec.settings))
+                            .collect(),
+                        previous_slots: vec![None; PLAN_SLOTS],
+                    })
                     .collect(),
-                previous_slots: vec![vec![None; layers]; PLAN_SLOTS],
             })
             .collect();
         Ok(Self {
@@ -196,6 +205,18 @@ impl<'a> StepCoster<'a> {
         batch: &[Vec<Segment>],
         loads: &[LoadMatrix],
     ) -> Result<Vec<AlgoStep>, SimError> {
+        self.step_split(batch, loads, None)
+    }
+
+    /// [`StepCoster::step`] with the routing of the two micro-batches given (`halves[m][l]`:
+    /// micro-batch `m`, layer `l`, drawn for the token halves of [`split_batch`]) instead of cut
+    /// from `loads` here.
+    pub fn step_split(
+        &mut self,
+        batch: &[Vec<Segment>],
+        loads: &[LoadMatrix],
+        halves: Option<&[Vec<LoadMatrix>; 2]>,
+    ) -> Result<Vec<AlgoStep>, SimError> {
         if loads.len() != self.layers {
             return Err(SimError::Input(format!(
                 "a step brought {} load matrices for {} simulated layers",
@@ -213,7 +234,12 @@ impl<'a> StepCoster<'a> {
                 batches: vec![batch.to_vec()],
                 loads: vec![loads.to_vec()],
             },
-            if needed[1] {
+            if let (true, Some(halves)) = (needed[1], halves) {
+                MicroBatches {
+                    batches: split_batch(batch, 2),
+                    loads: halves.to_vec(),
+                }
+            } else if needed[1] {
                 self.split_loads(batch, loads, step)
             } else {
                 MicroBatches {
@@ -236,23 +262,11 @@ impl<'a> StepCoster<'a> {
                 // Per micro-batch count: [layer][micro-batch] costs.
                 let mut costed: Vec<Vec<Vec<LayerCost>>> = Vec::with_capacity(2);
                 for (n, mb) in split.iter().enumerate() {
-                    let mut layers = Vec::with_capacity(self.layers);
-                    for l in (0..self.layers).filter(|_| needed[n]) {
-                        let per_micro = (0..=n)
-                            .map(|m| {
-                                let slot = if n == 0 { 0 } else { 1 + m };
-                                self.cost_layer(
-                                    state,
-                                    slot,
-                                    step,
-                                    l,
-                                    &mb.loads[m][l],
-                                    dense[n][m][0],
-                                )
-                            })
-                            .collect::<Result<Vec<_>, _>>()?;
-                        layers.push(per_micro);
-                    }
+                    let layers = if needed[n] {
+                        self.cost_layers(state, step, n, mb, dense[n].as_slice())?
+                    } else {
+                        Vec::new()
+                    };
                     costed.push(layers);
                 }
                 let mut result = AlgoStep::default();
@@ -299,6 +313,65 @@ impl<'a> StepCoster<'a> {
             .collect();
         self.states = states;
         out
+    }
+
+    /// Plans and costs every simulated layer of one micro-batch count (`n + 1` micro-batches:
+    /// planner slot 0 for the whole step, slots 1 and 2 for the two halves), the layers spread
+    /// over `spec.threads` threads. Returns `[layer][micro-batch]`.
+    fn cost_layers(
+        &self,
+        state: &mut AlgoState,
+        step: usize,
+        n: usize,
+        mb: &MicroBatches,
+        dense: &[[LayerPhases; 2]],
+    ) -> Result<Vec<Vec<LayerCost>>, SimError> {
+        let planning = Planning {
+            spec: self.spec,
+            layout: &self.layout,
+            algo: state.algo,
+            step,
+        };
+        let cost_one = |l: usize, planners: &mut LayerPlanners| {
+            (0..=n)
+                .map(|m| {
+                    let slot = if n == 0 { 0 } else { 1 + m };
+                    planning.cost_layer(planners, slot, l, &mb.loads[m][l], dense[m][0])
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let threads = self.spec.threads.clamp(1, self.layers.max(1));
+        if threads == 1 {
+            return state
+                .layers
+                .iter_mut()
+                .enumerate()
+                .map(|(l, planners)| cost_one(l, planners))
+                .collect();
+        }
+        let per = self.layers.div_ceil(threads);
+        let cost_one = &cost_one;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = state
+                .layers
+                .chunks_mut(per)
+                .enumerate()
+                .map(|(c, chunk)| {
+                    scope.spawn(move || {
+                        chunk
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, planners)| cost_one(c * per + i, planners))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                })
+                .collect();
+            let mut layers = Vec::with_capacity(self.layers);
+            for handle in handles {
+                layers.extend(handle.join().expect("a planning thread panicked")?);
+            }
+            Ok(layers)
+        })
     }
 
     /// The step cut in two micro-batches: each rank's tokens halved (the first half's segments,
@@ -404,60 +477,69 @@ impl<'a> StepCoster<'a> {
         }
         layers
     }
+}
 
+/// What planning one algorithm's layers in one step needs (shared by the planning threads).
+struct Planning<'a> {
+    spec: &'a SimSpec,
+    layout: &'a Layout,
+    algo: Algo,
+    step: usize,
+}
+
+impl Planning<'_> {
     /// Plans, validates and costs simulated layer `l` of step `step` for one balancer with the
     /// planner of `slot`, on top of the micro-batch's `dense` phases (quota plans moved onto
     /// resident replicas first, with per-layer slots and a reuse tolerance).
     fn cost_layer(
         &self,
-        state: &mut AlgoState,
+        state: &mut LayerPlanners,
         slot: usize,
-        step: usize,
         l: usize,
         load: &LoadMatrix,
         dense: LayerPhases,
     ) -> Result<LayerCost, SimError> {
-        let spec = self.spec;
+        let (spec, algo, step) = (self.spec, self.algo, self.step);
         let fail = |message: String| SimError::Plan {
-            balancer: state.algo.name().into(),
+            balancer: algo.name().into(),
             step,
             layer: l,
             message,
         };
-        let planner = &mut state.planners[slot][l];
+        let planner = &mut state.planners[slot];
         let started = Instant::now();
         let mut plan = planner
-            .plan(&self.layout, load)
+            .plan(self.layout, load)
             .map_err(|e| fail(e.to_string()))?;
-        let previous = state.previous_slots[slot][l].as_deref();
+        let previous = state.previous_slots[slot].as_deref();
         if let (Some(tolerance), Some(resident)) = (self.spec.resident_preference(), previous) {
-            if moves_replicas_of(state.algo) {
-                plan = prefer_resident(&self.layout, load, &plan, resident, tolerance);
+            if moves_replicas_of(algo) {
+                plan = prefer_resident(self.layout, load, &plan, resident, tolerance);
             }
         }
         let measured_us = started.elapsed().as_secs_f64() * 1e6;
-        plan.validate(&self.layout, load, planner.u_min())
+        plan.validate(self.layout, load, planner.u_min())
             .map_err(|e| fail(e.to_string()))?;
         let bytes = spec.shape.moe_dims().expert_bytes();
         // A history balancer re-plans every few steps and keeps its placement between re-plans:
         // only a step whose placement changed pays its solve and its reloads.
-        let (traffic, replanned) = if keeps_replicas(state.algo, spec.slot_memory) {
+        let (traffic, replanned) = if keeps_replicas(algo, spec.slot_memory) {
             // Exact-load planners solve every layer of every step whatever stays resident.
-            let replanned = state.algo != Algo::EplbHistory || previous != Some(plan.slots());
-            let traffic = if state.algo == Algo::EplbHistory {
-                ReplicaTraffic::new_replicas(&self.layout, &plan, previous, bytes)
+            let replanned = algo != Algo::EplbHistory || previous != Some(plan.slots());
+            let traffic = if algo == Algo::EplbHistory {
+                ReplicaTraffic::new_replicas(self.layout, &plan, previous, bytes)
             } else {
                 // New replicas go directly from their home, or the whole plan over its relay
                 // trees when that loads the busiest rank less (the engine's rule).
                 let nothing = vec![None; plan.slots().len()];
                 ReplicaTraffic::reused(&plan, previous.unwrap_or(&nothing), bytes, &spec.relay)
             };
-            state.previous_slots[slot][l] = Some(plan.slots().to_vec());
+            state.previous_slots[slot] = Some(plan.slots().to_vec());
             (traffic, replanned)
         } else {
             (ReplicaTraffic::planned(&plan, bytes, &spec.relay), true)
         };
-        let solve_us = match state.algo {
+        let solve_us = match algo {
             Algo::None => 0.0,
             _ if !replanned => 0.0,
             _ => spec.solve_us.unwrap_or(measured_us),
@@ -477,7 +559,7 @@ impl<'a> StepCoster<'a> {
                 ..dense
             },
             replica_bytes: busiest,
-            imbalance_before: imbalance(&main_rank_loads(&self.layout, &load.expert_totals())),
+            imbalance_before: imbalance(&main_rank_loads(self.layout, &load.expert_totals())),
             imbalance_after: imbalance(&plan.rank_loads()),
             replicas: plan.replicas(),
             max_fanout: plan.max_fanout(),

@@ -31,41 +31,117 @@ pub struct ThroughputRun {
 /// per rank its rows imply; `spec.sim_layers` and `spec.chunk_tokens` do not apply to it.
 pub fn run_throughput(
     run: &ThroughputRun,
-    mut progress: impl FnMut(usize, usize),
+    progress: impl FnMut(usize, usize),
 ) -> Result<ThroughputReport, SimError> {
-    let spec = &run.spec;
-    if !(1..=MAX_STEPS).contains(&run.steps) {
-        return Err(SimError::Input(format!(
+    run_throughput_shared(&[run], progress)
+        .pop()
+        .expect("one run, one result")
+}
+
+/// Runs simulations that share their routing, drawing it once: they differ only in what does
+/// not change the routing (slots, schedule, balancers, slot memory, relay, solve time, context),
+/// so their routing is that of `runs[0]` (a sweep's slot counts and schedules at one model, EP
+/// size and trace). One result per run, in order; a run whose plan fails carries its error and
+/// the others go on. `progress(done, total)` after every step.
+pub fn run_throughput_shared(
+    runs: &[&ThroughputRun],
+    mut progress: impl FnMut(usize, usize),
+) -> Vec<Result<ThroughputReport, SimError>> {
+    let Some(first) = runs.first() else {
+        return Vec::new();
+    };
+    let fail_all = |e: SimError| runs.iter().map(|_| Err(e.clone())).collect();
+    if let Err(e) = shares_routing(runs) {
+        return fail_all(e);
+    }
+    let spec = &first.spec;
+    if !(1..=MAX_STEPS).contains(&first.steps) {
+        return fail_all(SimError::Input(format!(
             "--steps must be in 1..={MAX_STEPS}, got {}",
-            run.steps
+            first.steps
         )));
     }
-    spec.validate()?;
-    let mut routing = match &run.trace {
-        TraceSource::Synthetic(pattern) => LoadStream::synthetic(*pattern, spec, run.steps)?,
-        TraceSource::File(path) => LoadStream::recorded(path, spec.ep, spec.shape.experts)?,
+    let mut routing = match spec.validate().and_then(|()| match &first.trace {
+        TraceSource::Synthetic(pattern) => LoadStream::synthetic(*pattern, spec, first.steps),
+        TraceSource::File(path) => LoadStream::recorded(path, spec.ep, spec.shape.experts),
+    }) {
+        Ok(routing) => routing,
+        Err(e) => return fail_all(e),
     };
-    let mut coster = StepCoster::with_layers(spec, &spec.algos, routing.layers())?;
-    let mut totals = Totals::new(spec.algos.len());
-    while totals.steps < run.steps {
-        let Some(loads) = routing.next_step() else {
+    let layers = routing.layers();
+    // Per run: its coster and totals, or the error that stopped it.
+    let mut states: Vec<Result<(StepCoster, Totals), SimError>> = runs
+        .iter()
+        .map(|run| {
+            let coster = StepCoster::with_layers(&run.spec, &run.spec.algos, layers)?;
+            Ok((coster, Totals::new(run.spec.algos.len())))
+        })
+        .collect();
+    let mut steps = 0;
+    while steps < first.steps {
+        // Synthetic steps are drawn with their micro-batches (the first half of every rank's
+        // chunk, then the rest); a recorded trace's are cut from its rows by the coster.
+        let Some(routing_step) = routing.next_split_step(spec.chunk_tokens / 2) else {
             break;
         };
-        let loads = loads?;
-        let batch = step_batch(run, &loads);
-        let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
-        let ideal = coster.ideal(&batch);
-        for (acc, step) in totals.ideal.iter_mut().zip(&ideal.schedules) {
-            acc.push(step, tokens);
+        let (loads, halves) = match routing_step {
+            Ok(step) => step,
+            Err(e) => return fail_all(e),
+        };
+        for (run, state) in runs.iter().zip(&mut states) {
+            let Ok((coster, totals)) = state else {
+                continue;
+            };
+            let batch = step_batch(run, &loads);
+            let tokens: u64 = batch.iter().flatten().map(|s| s.tokens).sum();
+            let ideal = coster.ideal(&batch);
+            for (acc, step) in totals.ideal.iter_mut().zip(&ideal.schedules) {
+                acc.push(step, tokens);
+            }
+            totals.ideal_imbalance += coster.ideal_imbalance(&batch);
+            match coster.step_split(&batch, &loads, halves.as_ref()) {
+                Ok(step) => totals.add_step(&step, tokens),
+                Err(e) => *state = Err(e),
+            }
         }
-        totals.ideal_imbalance += coster.ideal_imbalance(&batch);
-        totals.add_step(&coster.step(&batch, &loads)?, tokens);
-        progress(totals.steps, run.steps);
+        steps += 1;
+        progress(steps, first.steps);
     }
-    if totals.steps == 0 {
-        return Err(SimError::Input("the routing trace has no steps".into()));
+    if steps == 0 {
+        return fail_all(SimError::Input("the routing trace has no steps".into()));
     }
-    Ok(totals.report(run, routing.layers()))
+    runs.iter()
+        .zip(states)
+        .map(|(run, state)| state.map(|(_, totals)| totals.report(run, layers)))
+        .collect()
+}
+
+/// Checks that `runs` route alike (see [`run_throughput_shared`]).
+fn shares_routing(runs: &[&ThroughputRun]) -> Result<(), SimError> {
+    let key = |r: &ThroughputRun| {
+        let s = &r.spec;
+        (
+            r.trace.clone(),
+            r.steps,
+            s.shape.name.clone(),
+            s.shape.experts,
+            s.shape.top_k,
+            s.ep,
+            s.chunk_tokens,
+            s.seed,
+            s.sim_layers,
+            s.sampler,
+        )
+    };
+    let first = key(runs[0]);
+    match runs.iter().all(|r| key(r) == first) {
+        true => Ok(()),
+        false => Err(SimError::Input(
+            "simulations that share routing need the same trace, steps, shape, EP size, \
+             chunk, seed, simulated layers and sampler"
+                .into(),
+        )),
+    }
 }
 
 /// Running sums over the steps of a throughput simulation, per schedule of
@@ -177,6 +253,12 @@ impl Totals {
             moe_layers: spec.shape.moe_layers(),
             simulated_layers,
             solve_us_override: spec.solve_us,
+            solve_time: match spec.solve_us {
+                Some(_) => "fixed".into(),
+                None => "measured on this host".into(),
+            },
+            sampler: spec.sampler.name().into(),
+            calibration: None,
             schedule: spec.schedule.name(),
             slot_memory: spec.slot_memory.name().into(),
             reuse_tolerance: spec.resident_preference(),

@@ -3,7 +3,8 @@
 //! - `synthetic-mixed`: the multi-layer synthetic generator of [`crate::synthetic::multilayer`]
 //!   with its `mixed` pattern (every layer its own skew and hot order, neighbouring layers
 //!   correlated, hot orders drifting every step, random domain switches that reshuffle every
-//!   layer, a per-rank lognormal perturbation, exact distinct top-k sampling per token), with the
+//!   layer, a per-rank lognormal perturbation, distinct top-k experts per token, each rank's row
+//!   drawn by the spec's [`crate::synthetic::Sampler`]), with the
 //!   popularity skew of [`MIXED_FAMILY`] and [`MIXED_LAYER_SKEW_SIGMA`] (calibration in
 //!   `docs/simulate.md`).
 //! - a recorded routing trace (`--record-routing` JSONL, read with
@@ -82,12 +83,15 @@ impl LoadStream {
     ) -> Result<Self, SimError> {
         let (ranks, experts, top_k) = (spec.ep, spec.shape.experts, spec.shape.top_k);
         let (layers, tokens_per_rank, seed) = (spec.sim_layers, spec.chunk_tokens, spec.seed);
+        let (sampler, threads) = (spec.sampler, spec.threads);
         let mut spec = TraceSpec::new(pattern, ranks, experts, layers, steps, tokens_per_rank);
         spec.top_k = top_k;
         spec.family = MIXED_FAMILY;
         spec.layer_skew_sigma = MIXED_LAYER_SKEW_SIGMA;
-        let generator =
-            TraceGenerator::new(&spec, seed).map_err(|e| SimError::Input(e.to_string()))?;
+        spec.sampler = sampler;
+        let generator = TraceGenerator::new(&spec, seed)
+            .map_err(|e| SimError::Input(e.to_string()))?
+            .with_threads(threads);
         Ok(Self::Synthetic(Box::new(generator)))
     }
 
@@ -114,6 +118,21 @@ impl LoadStream {
         match self {
             Self::Synthetic(g) => g.spec().layers,
             Self::Recorded { reader, .. } => reader.layers().len(),
+        }
+    }
+
+    /// The next step's matrices and, on synthetic routing, the two micro-batches' (every rank's
+    /// first `first` tokens, then the rest) drawn with them; `None` at the end.
+    #[allow(clippy::type_complexity)]
+    pub fn next_split_step(
+        &mut self,
+        first: u64,
+    ) -> Option<Result<(Vec<LoadMatrix>, Option<[Vec<LoadMatrix>; 2]>), SimError>> {
+        match self {
+            Self::Synthetic(g) => g
+                .next_split(first)
+                .map(|step| Ok((step.loads, Some(step.halves)))),
+            Self::Recorded { .. } => self.next_step().map(|r| r.map(|loads| (loads, None))),
         }
     }
 

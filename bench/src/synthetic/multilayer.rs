@@ -18,7 +18,7 @@
 //! trace is a pure function of the spec and the seed.
 
 use super::{
-    drift, InvalidSuite, Popularity, RankJob, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK,
+    drift, InvalidSuite, Popularity, RankJob, Sampler, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK,
     RANK_SIGMA, TOP_K,
 };
 use rackfill_balancer::LoadMatrix;
@@ -119,6 +119,8 @@ pub struct TraceSpec {
     pub drift: bool,
     /// Probability of a domain switch before each step after the first, in `[0, 1]`.
     pub switch_probability: f64,
+    /// How rows are drawn (per row by default; per token is the reference).
+    pub sampler: Sampler,
 }
 
 impl TraceSpec {
@@ -151,6 +153,7 @@ impl TraceSpec {
             } else {
                 0.0
             },
+            sampler: Sampler::default(),
         }
     }
 
@@ -219,8 +222,6 @@ pub struct TraceGenerator {
     threads: usize,
     /// Steps that began with a domain switch.
     switches: Vec<u64>,
-    /// Scratch: one layer's popularity by expert id.
-    popularity: Vec<f64>,
 }
 
 impl TraceGenerator {
@@ -255,7 +256,6 @@ impl TraceGenerator {
             step: 0,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             switches: Vec::new(),
-            popularity: vec![0.0; spec.experts],
         };
         generator.new_domain();
         Ok(generator)
@@ -304,6 +304,42 @@ impl TraceGenerator {
     }
 
     fn next_step(&mut self) -> TraceStep {
+        let (step, [loads, _]) = self.next_matrices(None);
+        TraceStep { step, loads }
+    }
+
+    /// The next step cut in two micro-batches: every rank's first `first` tokens, then the rest
+    /// (the two add up to the step [`Iterator::next`] would give from the same state), or `None`
+    /// after the last step.
+    pub fn next_split(&mut self, first: u64) -> Option<SplitStep> {
+        (self.step < self.spec.steps).then(|| {
+            let (step, [first, mut second]) = self.next_matrices(Some(first));
+            if second.is_empty() {
+                // Every token in the first micro-batch: the second routes nothing.
+                let (ranks, experts) = (self.spec.ranks, self.spec.experts);
+                second = vec![matrix(ranks, experts, vec![0; ranks * experts]); first.len()];
+            }
+            let loads = first
+                .iter()
+                .zip(&second)
+                .map(|(a, b)| {
+                    let sum = a.as_flat().iter().zip(b.as_flat()).map(|(x, y)| x + y);
+                    LoadMatrix::from_flat(a.ranks(), a.experts(), sum.collect())
+                        .expect("two halves of a step add up to a step")
+                })
+                .collect();
+            SplitStep {
+                step,
+                loads,
+                halves: [first, second],
+            }
+        })
+    }
+
+    /// Moves the hot orders to the next step and samples every layer: whole (`first: None`) or
+    /// cut after `first` tokens per rank. Layers are sampled in parallel, each from the seeds
+    /// the master stream gives it in layer order, so the result does not depend on the threads.
+    fn next_matrices(&mut self, first: Option<u64>) -> (u64, [Vec<LoadMatrix>; 2]) {
         if self.step > 0 {
             let p = self.spec.switch_probability;
             if p > 0.0 && self.master.gen::<f64>() < p {
@@ -316,29 +352,78 @@ impl TraceGenerator {
             }
         }
         let (ranks, experts) = (self.spec.ranks, self.spec.experts);
-        let mut loads = Vec::with_capacity(self.layers.len());
-        for l in 0..self.layers.len() {
-            let layer = &self.layers[l];
-            for (pos, &expert) in layer.hot_order.iter().enumerate() {
-                self.popularity[expert as usize] = layer.sorted_weights[pos];
-            }
-            let rank_seeds: Vec<u64> = (0..ranks).map(|_| self.master.next_u64()).collect();
+        let jobs: Vec<(Vec<f64>, Vec<u64>)> = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let mut popularity = vec![0.0; experts];
+                for (pos, &expert) in layer.hot_order.iter().enumerate() {
+                    popularity[expert as usize] = layer.sorted_weights[pos];
+                }
+                let seeds = (0..ranks).map(|_| self.master.next_u64()).collect();
+                (popularity, seeds)
+            })
+            .collect();
+        let spec = &self.spec;
+        let first = first.unwrap_or(spec.tokens_per_rank);
+        let sample = |(popularity, seeds): &(Vec<f64>, Vec<u64>), threads: usize| {
             let job = RankJob {
-                popularity: &self.popularity,
-                rank_sigma: self.spec.rank_sigma,
-                tokens: self.spec.tokens_per_rank,
-                top_k: self.spec.top_k,
+                popularity,
+                rank_sigma: spec.rank_sigma,
+                tokens: spec.tokens_per_rank,
+                top_k: spec.top_k,
+                sampler: spec.sampler,
             };
-            let counts = job.sample(&rank_seeds, self.threads);
-            loads.push(
-                LoadMatrix::from_flat(ranks, experts, counts)
-                    .expect("synthetic counts are bounded by ranks * tokens * top_k"),
-            );
+            job.sample_halves(seeds, threads, first)
+        };
+        let sampled: Vec<[Vec<u64>; 2]> = if self.threads <= 1 || jobs.len() == 1 {
+            jobs.iter().map(|job| sample(job, self.threads)).collect()
+        } else {
+            let per = jobs.len().div_ceil(self.threads);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = jobs
+                    .chunks(per)
+                    .map(|chunk| {
+                        scope.spawn(move || {
+                            chunk.iter().map(|job| sample(job, 1)).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a sampling thread panicked"))
+                    .collect()
+            })
+        };
+        let mut halves = [
+            Vec::with_capacity(jobs.len()),
+            Vec::with_capacity(jobs.len()),
+        ];
+        for [a, b] in sampled {
+            halves[0].push(matrix(ranks, experts, a));
+            if !b.is_empty() {
+                halves[1].push(matrix(ranks, experts, b));
+            }
         }
         let step = self.step as u64;
         self.step += 1;
-        TraceStep { step, loads }
+        (step, halves)
     }
+}
+
+/// One step cut in two micro-batches ([`TraceGenerator::next_split`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitStep {
+    pub step: u64,
+    /// One matrix per layer: the whole step.
+    pub loads: Vec<LoadMatrix>,
+    /// Per micro-batch, one matrix per layer.
+    pub halves: [Vec<LoadMatrix>; 2],
+}
+
+fn matrix(ranks: usize, experts: usize, counts: Vec<u64>) -> LoadMatrix {
+    LoadMatrix::from_flat(ranks, experts, counts)
+        .expect("synthetic counts are bounded by ranks * tokens * top_k")
 }
 
 impl Iterator for TraceGenerator {

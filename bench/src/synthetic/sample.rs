@@ -1,13 +1,60 @@
-//! Token sampling for the synthetic generators: every token of a source rank picks `top_k`
-//! distinct experts from the rank's perturbed popularity, by alias-table draws with duplicates
-//! rejected, so rows are exact router outputs (each sums to `tokens * top_k`).
+//! Row sampling for the synthetic generators: every source rank perturbs the global popularity
+//! (lognormal, per expert) and routes its tokens over it, `top_k` distinct experts per token.
+//! Rows are drawn by one of two [`Sampler`]s: per token (alias-table draws, duplicates
+//! rejected: the reference) or per row ([`super::counts`]: the counts drawn at once, in
+//! `O(experts)`). Either way every row sums to `tokens * top_k`.
 
-use rand::rngs::StdRng;
+use super::counts::{exp, RowCounts};
+use rand::rngs::{SmallRng, StdRng};
 use rand::{RngCore, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
+use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
 
-/// Work (token-expert draws) below which a step is generated on the calling thread.
-const PARALLEL_DRAWS: u64 = 1 << 17;
+/// Estimated work (token-expert draws, or about 20 per expert of a counted row) below which a
+/// matrix is sampled on the calling thread.
+const PARALLEL_WORK: u64 = 1 << 17;
+
+/// How a rank's row of expert counts is drawn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sampler {
+    /// Each row's counts at once from the tokens' inclusion probabilities: `O(experts)` per
+    /// row, the same statistics within the bounds `docs/simulate.md` gives.
+    #[default]
+    Counts,
+    /// Every token's experts one by one: `O(tokens * top_k)` per row; the reference.
+    Tokens,
+}
+
+impl Sampler {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sampler::Counts => "counts",
+            Sampler::Tokens => "tokens",
+        }
+    }
+}
+
+impl fmt::Display for Sampler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Sampler {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "counts" => Ok(Sampler::Counts),
+            "tokens" => Ok(Sampler::Tokens),
+            _ => Err(format!("unknown sampler '{s}' (expected counts or tokens)")),
+        }
+    }
+}
 
 /// Everything one rank needs to sample its row of one step.
 pub(crate) struct RankJob<'a> {
@@ -16,54 +63,122 @@ pub(crate) struct RankJob<'a> {
     pub rank_sigma: f64,
     pub tokens: u64,
     pub top_k: usize,
+    pub sampler: Sampler,
 }
 
 impl RankJob<'_> {
     /// Samples one matrix, row `r` from `rank_seeds[r]`, on up to `threads` threads (large steps
     /// only); the counts do not depend on the thread count.
     pub(crate) fn sample(&self, rank_seeds: &[u64], threads: usize) -> Vec<u64> {
+        let [whole, _] = self.sample_halves(rank_seeds, threads, self.tokens);
+        whole
+    }
+
+    /// Samples one matrix cut in two: every rank's first `first` tokens (clamped to the rank's
+    /// tokens), then the rest. The halves add up to what [`RankJob::sample`] draws from the same
+    /// seeds; the second is empty when `first` covers every token.
+    pub(crate) fn sample_halves(
+        &self,
+        rank_seeds: &[u64],
+        threads: usize,
+        first: u64,
+    ) -> [Vec<u64>; 2] {
         let (ranks, experts) = (rank_seeds.len(), self.popularity.len());
-        let mut counts = vec![0u64; ranks * experts];
-        let draws = ranks as u64 * self.tokens * self.top_k as u64;
-        let threads = if draws < PARALLEL_DRAWS {
+        let first = first.min(self.tokens);
+        let split = first < self.tokens;
+        let mut halves = [
+            vec![0u64; ranks * experts],
+            vec![0u64; if split { ranks * experts } else { 0 }],
+        ];
+        let per_row = match self.sampler {
+            Sampler::Tokens => self.tokens * self.top_k as u64,
+            Sampler::Counts => 20 * experts as u64,
+        };
+        let threads = if ranks as u64 * per_row < PARALLEL_WORK {
             1
         } else {
-            threads.min(ranks)
+            threads.min(ranks).max(1)
+        };
+        let per = ranks.div_ceil(threads);
+        let [a, b] = &mut halves;
+        let b_chunks: Vec<&mut [u64]> = if split {
+            b.chunks_mut(per * experts).collect()
+        } else {
+            (0..ranks.div_ceil(per)).map(|_| &mut [][..]).collect()
         };
         if threads <= 1 {
-            self.run(rank_seeds, &mut counts);
+            for ((seeds, a), b) in rank_seeds
+                .chunks(per)
+                .zip(a.chunks_mut(per * experts))
+                .zip(b_chunks)
+            {
+                self.run(seeds, first, a, b);
+            }
         } else {
-            let per = ranks.div_ceil(threads);
             std::thread::scope(|scope| {
-                for (seeds, out) in rank_seeds.chunks(per).zip(counts.chunks_mut(per * experts)) {
-                    scope.spawn(move || self.run(seeds, out));
+                for ((seeds, a), b) in rank_seeds
+                    .chunks(per)
+                    .zip(a.chunks_mut(per * experts))
+                    .zip(b_chunks)
+                {
+                    scope.spawn(move || self.run(seeds, first, a, b));
                 }
             });
         }
-        counts
+        halves
     }
 
-    /// Samples the rows of the ranks whose seeds are given into `out` (`seeds.len()` rows).
-    fn run(&self, seeds: &[u64], out: &mut [u64]) {
+    /// Samples the rows of the ranks whose seeds are given: the first `first` tokens into `a`,
+    /// the rest into `b` (empty when there is no rest).
+    fn run(&self, seeds: &[u64], first: u64, a: &mut [u64], b: &mut [u64]) {
         let e = self.popularity.len();
         let mut scratch = Scratch::new(e, self.top_k);
-        for (&seed, row) in seeds.iter().zip(out.chunks_mut(e)) {
-            self.sample_row(seed, row, &mut scratch);
+        let mut counts = RowCounts::default();
+        for (r, &seed) in seeds.iter().enumerate() {
+            let row_a = &mut a[r * e..(r + 1) * e];
+            let row_b = if b.is_empty() {
+                None
+            } else {
+                Some(&mut b[r * e..(r + 1) * e])
+            };
+            let mut rng = StdRng::seed_from_u64(seed);
+            for w in scratch.weights.iter_mut() {
+                *w = StandardNormal.sample(&mut rng);
+            }
+            for (w, &p) in scratch.weights.iter_mut().zip(self.popularity) {
+                *w = p * exp(self.rank_sigma * *w);
+            }
+            match self.sampler {
+                Sampler::Tokens => self.sample_tokens(&mut rng, first, row_a, row_b, &mut scratch),
+                Sampler::Counts => {
+                    // The counts draw from a fast generator seeded by the row's stream (the
+                    // perturbation above is the per-token sampler's, draw for draw).
+                    let mut rng = SmallRng::seed_from_u64(rng.next_u64());
+                    counts.set_weights(&scratch.weights, self.top_k);
+                    counts.draw(first, self.top_k, &mut rng, row_a);
+                    if let Some(row_b) = row_b {
+                        counts.draw(self.tokens - first, self.top_k, &mut rng, row_b);
+                    }
+                }
+            }
         }
     }
 
-    fn sample_row(&self, seed: u64, row: &mut [u64], s: &mut Scratch) {
-        let mut rng = StdRng::seed_from_u64(seed);
-        for (w, &p) in s.weights.iter_mut().zip(self.popularity) {
-            let z: f64 = StandardNormal.sample(&mut rng);
-            *w = p * (self.rank_sigma * z).exp();
-        }
+    /// Every token's experts one by one; tokens before `first` count into `a`, the rest into `b`.
+    fn sample_tokens(
+        &self,
+        rng: &mut StdRng,
+        first: u64,
+        a: &mut [u64],
+        mut b: Option<&mut [u64]>,
+        s: &mut Scratch,
+    ) {
         s.build_alias();
-        let n = row.len() as u64;
+        let n = a.len() as u64;
         // Rejections before falling back to the heaviest unpicked expert: only reachable when a
         // handful of experts hold nearly all the mass.
         let max_rejects = 64 * self.top_k;
-        for _ in 0..self.tokens {
+        for token in 0..self.tokens {
             let mut picked = 0;
             let mut rejects = 0;
             while picked < self.top_k {
@@ -90,6 +205,10 @@ impl RankJob<'_> {
                     }
                 }
             }
+            let row = match (&mut b, token < first) {
+                (Some(b), false) => &mut **b,
+                _ => &mut *a,
+            };
             for &expert in &s.chosen {
                 let expert = expert as usize;
                 row[expert] += 1;
