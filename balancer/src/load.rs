@@ -48,10 +48,16 @@ impl LoadMatrix {
                 experts,
             });
         }
-        // Totals are summed in u64 everywhere; refuse inputs whose sum could overflow.
-        let mut total: u64 = 0;
-        for &c in &counts {
-            total = total.checked_add(c).ok_or(BalanceError::TooLarge)?;
+        // Totals are summed in u64 everywhere; refuse inputs whose sum could overflow. Quick
+        // bound first (an OR vectorises, a checked sum is one long chain): no count above
+        // `2^bits - 1` and `len * (2^bits - 1)` fits, so no sum of them overflows.
+        let bits = 64 - counts.iter().fold(0, |a, &c| a | c).leading_zeros();
+        let bound = (counts.len() as u128) * ((1u128 << bits) - 1);
+        if bound > u128::from(u64::MAX) {
+            let mut total: u64 = 0;
+            for &c in &counts {
+                total = total.checked_add(c).ok_or(BalanceError::TooLarge)?;
+            }
         }
         Ok(Self {
             ranks,
@@ -182,5 +188,10 @@ mod tests {
     fn overflowing_totals_are_rejected() {
         let err = LoadMatrix::from_rows(&[vec![u64::MAX, 1]]).unwrap_err();
         assert!(matches!(err, BalanceError::TooLarge));
+        let err = LoadMatrix::from_rows(&[vec![1 << 62; 4]]).unwrap_err();
+        assert!(matches!(err, BalanceError::TooLarge));
+        // Large counts whose sum still fits pass the exact check the quick bound defers to.
+        assert!(LoadMatrix::from_rows(&[vec![u64::MAX - 1, 1]]).is_ok());
+        assert!(LoadMatrix::from_rows(&[vec![1 << 62; 3]]).is_ok());
     }
 }

@@ -344,8 +344,9 @@ impl Plan {
             return Err(PlanViolation::Shape);
         }
         let mut column = vec![0u64; inst.len()];
-        for r in 0..self.ranks {
-            let row = self.split(r, e).unwrap_or(&[]);
+        let start = self.split_offsets[e] as usize;
+        let rows = self.split[start..start + block].chunks_exact(inst.len());
+        for (r, row) in rows.enumerate() {
             let sent: u64 = row.iter().sum();
             if sent != load.get(r, e) {
                 return Err(PlanViolation::SourceSplit {

@@ -20,6 +20,7 @@ pub mod ep;
 pub mod forward;
 mod markdown;
 pub mod model_shapes;
+pub(crate) mod parallel;
 pub mod plot;
 pub mod replay;
 mod replay_report;

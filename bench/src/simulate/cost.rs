@@ -16,8 +16,7 @@
 //! Solving is on the critical path, before replica streaming (UltraEP §4.2).
 
 use super::shape::ModelShape;
-use rackfill_balancer::{LoadMatrix, Plan};
-use rackfill_engine::rack_cost::{MoeCost, MoeTerms, ReplicaTraffic};
+use rackfill_engine::rack_cost::MoeCost;
 use rackfill_engine::Rack;
 use serde::Serialize;
 use std::ops::{Add, AddAssign};
@@ -78,19 +77,6 @@ impl Terms {
     }
 }
 
-impl From<MoeTerms> for Terms {
-    /// A layer's MoE terms; attention, the dense FFN and the solve are not part of them.
-    fn from(moe: MoeTerms) -> Self {
-        Terms {
-            replicate: moe.replicate,
-            dispatch: moe.dispatch,
-            expert: moe.expert,
-            combine: moe.combine,
-            ..Terms::default()
-        }
-    }
-}
-
 impl Add for Terms {
     type Output = Terms;
 
@@ -135,17 +121,6 @@ impl StepCost<'_> {
             rack: self.rack,
             dims: self.shape.moe_dims(),
         }
-    }
-
-    /// The MoE terms of one layer under `plan` (solve not included), as [`Terms`].
-    pub fn moe_layer(
-        &self,
-        load: &LoadMatrix,
-        plan: &Plan,
-        replicas: &ReplicaTraffic,
-        chunk_bytes: u64,
-    ) -> Terms {
-        self.moe().layer(load, plan, replicas, chunk_bytes).into()
     }
 
     /// Attention of one rank in one layer: q/k/v/o projections (and the router on MoE layers) as

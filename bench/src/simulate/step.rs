@@ -8,12 +8,16 @@ use super::cost::{Segment, Terms};
 use super::error::SimError;
 use super::spec::SimSpec;
 use super::trace::{even_load, thin_rows};
+use crate::parallel::map_dynamic;
 use rackfill_balancer::metrics::imbalance;
 use rackfill_balancer::reuse::{moves_replicas_of, prefer_resident};
 use rackfill_balancer::{main_rank_loads, Algo, Balancer, Layout, LoadMatrix, Plan, Settings};
-use rackfill_engine::rack_cost::{makespan, LayerPhases, ReplicaTraffic, Schedule, SlotMemory};
+use rackfill_engine::rack_cost::{
+    makespan, LayerPhases, MoeCost, ReplicaTraffic, Schedule, SlotMemory,
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use std::borrow::Cow;
 use std::time::Instant;
 
 /// Planner slots of one simulated layer: the whole step, then the two micro-batches.
@@ -89,10 +93,10 @@ fn keeps_replicas(algo: Algo, memory: SlotMemory) -> bool {
 }
 
 /// A step cut into `n` micro-batches (1 or 2): per micro-batch, each rank's segments and the
-/// load of every simulated layer.
-struct MicroBatches {
+/// load of every simulated layer (the caller's, or cut here).
+struct MicroBatches<'l> {
     batches: Vec<Vec<Vec<Segment>>>,
-    loads: Vec<Vec<LoadMatrix>>,
+    loads: Vec<Cow<'l, [LoadMatrix]>>,
 }
 
 impl<'a> StepCoster<'a> {
@@ -153,18 +157,10 @@ impl<'a> StepCoster<'a> {
                         b.iter().map(|s| s.iter().map(|x| x.tokens).sum()).collect();
                     let even = even_load(&tokens, self.spec.shape.experts, self.spec.shape.top_k);
                     let plan = Plan::main_only(&self.layout, &even.expert_totals());
-                    let moe = cost.moe_layer(&even, &plan, &ReplicaTraffic::default(), 0);
-                    let (main, _) = cost.moe().expert_split_ms(&plan);
                     let dense = self.dense_phases(b);
+                    let none = ReplicaTraffic::default();
                     vec![
-                        LayerPhases {
-                            replicate: moe.replicate,
-                            dispatch: moe.dispatch,
-                            expert_main: main,
-                            expert_replica: moe.expert - main,
-                            combine: moe.combine,
-                            ..dense[0]
-                        },
+                        moe_phases(&cost.moe(), &even, &plan, &none, 0, dense[0]),
                         dense[1],
                     ]
                 })
@@ -232,12 +228,12 @@ impl<'a> StepCoster<'a> {
         let split = [
             MicroBatches {
                 batches: vec![batch.to_vec()],
-                loads: vec![loads.to_vec()],
+                loads: vec![Cow::Borrowed(loads)],
             },
-            if let (true, Some(halves)) = (needed[1], halves) {
+            if let (true, Some([a, b])) = (needed[1], halves) {
                 MicroBatches {
                     batches: split_batch(batch, 2),
-                    loads: halves.to_vec(),
+                    loads: vec![Cow::Borrowed(a.as_slice()), Cow::Borrowed(b.as_slice())],
                 }
             } else if needed[1] {
                 self.split_loads(batch, loads, step)
@@ -260,15 +256,7 @@ impl<'a> StepCoster<'a> {
                     warm_up(state.algo, &self.spec.settings, &self.layout, loads);
                 }
                 // Per micro-batch count: [layer][micro-batch] costs.
-                let mut costed: Vec<Vec<Vec<LayerCost>>> = Vec::with_capacity(2);
-                for (n, mb) in split.iter().enumerate() {
-                    let layers = if needed[n] {
-                        self.cost_layers(state, step, n, mb, dense[n].as_slice())?
-                    } else {
-                        Vec::new()
-                    };
-                    costed.push(layers);
-                }
+                let costed = self.cost_layers(state, step, &split, needed, &dense)?;
                 let mut result = AlgoStep::default();
                 for (out, schedule) in result.schedules.iter_mut().zip(Schedule::ALL) {
                     let n = schedule.micro_batches - 1;
@@ -315,63 +303,52 @@ impl<'a> StepCoster<'a> {
         out
     }
 
-    /// Plans and costs every simulated layer of one micro-batch count (`n + 1` micro-batches:
-    /// planner slot 0 for the whole step, slots 1 and 2 for the two halves), the layers spread
-    /// over `spec.threads` threads. Returns `[layer][micro-batch]`.
+    /// Plans and costs every simulated layer for each micro-batch count this run costs
+    /// (`split[n]`: `n + 1` micro-batches; planner slot 0 for the whole step, slots 1 and 2 for
+    /// the two halves), the layers spread over `spec.threads` threads. Returns
+    /// `[n][layer][micro-batch]`, empty for a count not `needed`.
     fn cost_layers(
         &self,
         state: &mut AlgoState,
         step: usize,
-        n: usize,
-        mb: &MicroBatches,
-        dense: &[[LayerPhases; 2]],
-    ) -> Result<Vec<Vec<LayerCost>>, SimError> {
+        split: &[MicroBatches; 2],
+        needed: [bool; 2],
+        dense: &[Vec<[LayerPhases; 2]>],
+    ) -> Result<[Vec<Vec<LayerCost>>; 2], SimError> {
         let planning = Planning {
             spec: self.spec,
             layout: &self.layout,
             algo: state.algo,
             step,
         };
-        let cost_one = |l: usize, planners: &mut LayerPlanners| {
-            (0..=n)
-                .map(|m| {
+        let cost_one = |(l, planners): (usize, &mut LayerPlanners)| {
+            let mut per_count = [Vec::new(), Vec::new()];
+            for (n, costs) in per_count.iter_mut().enumerate().filter(|&(n, _)| needed[n]) {
+                for m in 0..=n {
                     let slot = if n == 0 { 0 } else { 1 + m };
-                    planning.cost_layer(planners, slot, l, &mb.loads[m][l], dense[m][0])
-                })
-                .collect::<Result<Vec<_>, _>>()
-        };
-        let threads = self.spec.threads.clamp(1, self.layers.max(1));
-        if threads == 1 {
-            return state
-                .layers
-                .iter_mut()
-                .enumerate()
-                .map(|(l, planners)| cost_one(l, planners))
-                .collect();
-        }
-        let per = self.layers.div_ceil(threads);
-        let cost_one = &cost_one;
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = state
-                .layers
-                .chunks_mut(per)
-                .enumerate()
-                .map(|(c, chunk)| {
-                    scope.spawn(move || {
-                        chunk
-                            .iter_mut()
-                            .enumerate()
-                            .map(|(i, planners)| cost_one(c * per + i, planners))
-                            .collect::<Result<Vec<_>, _>>()
-                    })
-                })
-                .collect();
-            let mut layers = Vec::with_capacity(self.layers);
-            for handle in handles {
-                layers.extend(handle.join().expect("a planning thread panicked")?);
+                    let load = &split[n].loads[m][l];
+                    costs.push(planning.cost_layer(planners, slot, l, load, dense[n][m][0])?);
+                }
             }
-            Ok(layers)
-        })
+            Ok(per_count)
+        };
+        let threads = self.spec.threads.max(1);
+        let layers = map_dynamic(state.layers.iter_mut().enumerate(), threads, cost_one);
+        let mut costed = [
+            Vec::with_capacity(self.layers),
+            Vec::with_capacity(self.layers),
+        ];
+        for layer in layers {
+            let [one, two] = layer?;
+            costed[0].push(one);
+            costed[1].push(two);
+        }
+        for (costs, needed) in costed.iter_mut().zip(needed) {
+            if !needed {
+                costs.clear();
+            }
+        }
+        Ok(costed)
     }
 
     /// The step cut in two micro-batches: each rank's tokens halved (the first half's segments,
@@ -383,7 +360,7 @@ impl<'a> StepCoster<'a> {
         batch: &[Vec<Segment>],
         loads: &[LoadMatrix],
         step: usize,
-    ) -> MicroBatches {
+    ) -> MicroBatches<'static> {
         let batches = split_batch(batch, 2);
         let full: Vec<u64> = batch
             .iter()
@@ -418,7 +395,7 @@ impl<'a> StepCoster<'a> {
         }
         MicroBatches {
             batches,
-            loads: halves.into(),
+            loads: halves.map(Cow::Owned).into(),
         }
     }
 
@@ -546,17 +523,12 @@ impl Planning<'_> {
         };
         let busiest = busiest_bytes(&traffic);
         let cost = spec.cost();
-        let moe = cost.moe_layer(load, &plan, &traffic, spec.relay.chunk_bytes);
-        let (main, _) = cost.moe().expert_split_ms(&plan);
+        let chunk = spec.relay.chunk_bytes;
+        let phases = moe_phases(&cost.moe(), load, &plan, &traffic, chunk, dense);
         Ok(LayerCost {
             phases: LayerPhases {
                 solve: solve_us * 1e-3,
-                replicate: moe.replicate,
-                dispatch: moe.dispatch,
-                expert_main: main,
-                expert_replica: moe.expert - main,
-                combine: moe.combine,
-                ..dense
+                ..phases
             },
             replica_bytes: busiest,
             imbalance_before: imbalance(&main_rank_loads(self.layout, &load.expert_totals())),
@@ -578,6 +550,29 @@ struct LayerCost {
     replicas: usize,
     max_fanout: usize,
     solve_us: f64,
+}
+
+/// The MoE phases of one layer under `plan` (its replicas moving as `traffic` says, in chunks
+/// of `chunk_bytes`) on top of the layer's `dense` phases; no solve.
+fn moe_phases(
+    moe: &MoeCost,
+    load: &LoadMatrix,
+    plan: &Plan,
+    traffic: &ReplicaTraffic,
+    chunk_bytes: u64,
+    dense: LayerPhases,
+) -> LayerPhases {
+    let (main, expert) = moe.expert_split_ms(plan);
+    let dispatch = moe.dispatch_ms(load, plan);
+    LayerPhases {
+        replicate: moe.replicate_ms(traffic, chunk_bytes),
+        dispatch,
+        expert_main: main,
+        expert_replica: expert - main,
+        // Combine moves the dispatched pairs back.
+        combine: dispatch,
+        ..dense
+    }
 }
 
 /// Replica bytes the busiest rank sends or receives.

@@ -21,6 +21,7 @@ use super::{
     drift, InvalidSuite, Popularity, RankJob, Sampler, MAX_EXPERTS, MAX_RANKS, MAX_TOKENS_PER_RANK,
     RANK_SIGMA, TOP_K,
 };
+use crate::parallel::map_dynamic;
 use rackfill_balancer::LoadMatrix;
 use rackfill_engine::routing_trace::TraceStep;
 use rand::rngs::StdRng;
@@ -304,7 +305,8 @@ impl TraceGenerator {
     }
 
     fn next_step(&mut self) -> TraceStep {
-        let (step, [loads, _]) = self.next_matrices(None);
+        let (step, layers) = self.next_layers(None);
+        let loads = layers.into_iter().map(|l| l.whole).collect();
         TraceStep { step, loads }
     }
 
@@ -313,25 +315,22 @@ impl TraceGenerator {
     /// after the last step.
     pub fn next_split(&mut self, first: u64) -> Option<SplitStep> {
         (self.step < self.spec.steps).then(|| {
-            let (step, [first, mut second]) = self.next_matrices(Some(first));
-            if second.is_empty() {
-                // Every token in the first micro-batch: the second routes nothing.
-                let (ranks, experts) = (self.spec.ranks, self.spec.experts);
-                second = vec![matrix(ranks, experts, vec![0; ranks * experts]); first.len()];
+            let (step, layers) = self.next_layers(Some(first));
+            let mut loads = Vec::with_capacity(layers.len());
+            let mut halves = [
+                Vec::with_capacity(layers.len()),
+                Vec::with_capacity(layers.len()),
+            ];
+            for layer in layers {
+                let [a, b] = layer.halves.expect("a cut step samples both micro-batches");
+                loads.push(layer.whole);
+                halves[0].push(a);
+                halves[1].push(b);
             }
-            let loads = first
-                .iter()
-                .zip(&second)
-                .map(|(a, b)| {
-                    let sum = a.as_flat().iter().zip(b.as_flat()).map(|(x, y)| x + y);
-                    LoadMatrix::from_flat(a.ranks(), a.experts(), sum.collect())
-                        .expect("two halves of a step add up to a step")
-                })
-                .collect();
             SplitStep {
                 step,
                 loads,
-                halves: [first, second],
+                halves,
             }
         })
     }
@@ -339,7 +338,7 @@ impl TraceGenerator {
     /// Moves the hot orders to the next step and samples every layer: whole (`first: None`) or
     /// cut after `first` tokens per rank. Layers are sampled in parallel, each from the seeds
     /// the master stream gives it in layer order, so the result does not depend on the threads.
-    fn next_matrices(&mut self, first: Option<u64>) -> (u64, [Vec<LoadMatrix>; 2]) {
+    fn next_layers(&mut self, first: Option<u64>) -> (u64, Vec<SampledLayer>) {
         if self.step > 0 {
             let p = self.spec.switch_probability;
             if p > 0.0 && self.master.gen::<f64>() < p {
@@ -365,8 +364,13 @@ impl TraceGenerator {
             })
             .collect();
         let spec = &self.spec;
-        let first = first.unwrap_or(spec.tokens_per_rank);
-        let sample = |(popularity, seeds): &(Vec<f64>, Vec<u64>), threads: usize| {
+        // One layer: its ranks in parallel; several: the layers.
+        let (per_layer, across) = if jobs.len() == 1 {
+            (self.threads, 1)
+        } else {
+            (1, self.threads)
+        };
+        let sample = |(popularity, seeds): &(Vec<f64>, Vec<u64>)| {
             let job = RankJob {
                 popularity,
                 rank_sigma: spec.rank_sigma,
@@ -374,41 +378,32 @@ impl TraceGenerator {
                 top_k: spec.top_k,
                 sampler: spec.sampler,
             };
-            job.sample_halves(seeds, threads, first)
-        };
-        let sampled: Vec<[Vec<u64>; 2]> = if self.threads <= 1 || jobs.len() == 1 {
-            jobs.iter().map(|job| sample(job, self.threads)).collect()
-        } else {
-            let per = jobs.len().div_ceil(self.threads);
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = jobs
-                    .chunks(per)
-                    .map(|chunk| {
-                        scope.spawn(move || {
-                            chunk.iter().map(|job| sample(job, 1)).collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .flat_map(|h| h.join().expect("a sampling thread panicked"))
-                    .collect()
-            })
-        };
-        let mut halves = [
-            Vec::with_capacity(jobs.len()),
-            Vec::with_capacity(jobs.len()),
-        ];
-        for [a, b] in sampled {
-            halves[0].push(matrix(ranks, experts, a));
-            if !b.is_empty() {
-                halves[1].push(matrix(ranks, experts, b));
+            let [a, b] = job.sample_halves(seeds, per_layer, first.unwrap_or(spec.tokens_per_rank));
+            if first.is_none() {
+                return SampledLayer {
+                    whole: matrix(ranks, experts, a),
+                    halves: None,
+                };
             }
-        }
+            // Every token in the first micro-batch: the second routes nothing.
+            let b = if b.is_empty() { vec![0; a.len()] } else { b };
+            let whole = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+            SampledLayer {
+                whole: matrix(ranks, experts, whole),
+                halves: Some([matrix(ranks, experts, a), matrix(ranks, experts, b)]),
+            }
+        };
+        let layers = map_dynamic(jobs.iter(), across, sample);
         let step = self.step as u64;
         self.step += 1;
-        (step, halves)
+        (step, layers)
     }
+}
+
+/// One layer of a sampled step: the whole step and, for a cut step, its two micro-batches.
+struct SampledLayer {
+    whole: LoadMatrix,
+    halves: Option<[LoadMatrix; 2]>,
 }
 
 /// One step cut in two micro-batches ([`TraceGenerator::next_split`]).

@@ -197,29 +197,45 @@ impl MoeCost<'_> {
 /// with top-8 over 2-4 experts per rank that saves a few percent) and pairs whose instance lives
 /// on the source rank never touch the fabric.
 pub fn token_traffic(load: &LoadMatrix, plan: &Plan) -> (Vec<u64>, Vec<u64>) {
-    let ranks = load.ranks();
+    let (ranks, experts) = (load.ranks(), plan.experts());
     let mut send = vec![0u64; ranks];
     let mut recv = vec![0u64; ranks];
-    for e in 0..plan.experts() {
+    // Experts without a split (no replica: most of them) send every pair to their main
+    // instance: each source sends its row over them (a masked sum, which vectorises) less what
+    // sits on its own rank, and each main receives its column less its own rank's.
+    let home: Vec<Option<usize>> = (0..experts)
+        .map(|e| {
+            plan.split(0, e)
+                .is_none()
+                .then(|| plan.instances(e)[0].rank as usize)
+        })
+        .collect();
+    let mask: Vec<u64> = home
+        .iter()
+        .map(|h| if h.is_some() { u64::MAX } else { 0 })
+        .collect();
+    for (r, sent) in send.iter_mut().enumerate() {
+        *sent = load.row(r).iter().zip(&mask).map(|(&q, &m)| q & m).sum();
+    }
+    let totals = load.expert_totals();
+    for (e, home) in home.iter().enumerate() {
+        if let Some(h) = *home {
+            let local = load.get(h, e);
+            send[h] -= local;
+            recv[h] += totals[e] - local;
+        }
+    }
+    for e in (0..experts).filter(|&e| home[e].is_none()) {
         let inst = plan.instances(e);
         for (r, sent) in send.iter_mut().enumerate() {
-            match plan.split(r, e) {
-                None => {
-                    let home = inst[0].rank as usize;
-                    if home != r {
-                        let q = load.get(r, e);
-                        *sent += q;
-                        recv[home] += q;
-                    }
-                }
-                Some(row) => {
-                    for (&q, i) in row.iter().zip(inst) {
-                        let t = i.rank as usize;
-                        if t != r {
-                            *sent += q;
-                            recv[t] += q;
-                        }
-                    }
+            let row = plan
+                .split(r, e)
+                .expect("an expert with a split has one for every rank");
+            for (&q, i) in row.iter().zip(inst) {
+                let t = i.rank as usize;
+                if t != r {
+                    *sent += q;
+                    recv[t] += q;
                 }
             }
         }
@@ -380,5 +396,51 @@ mod tests {
             "{got:?}"
         );
         assert!((got.balanced_us - want.total() * 1e3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn token_traffic_counts_every_pair_that_leaves_its_rank() {
+        use rand::{Rng, SeedableRng};
+        // Skewed loads on 6 ranks x 12 experts, planned with replicas, against pair-by-pair
+        // counting over the split (or the main instance where an expert has none).
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let layout = Layout::contiguous(6, 12, 2).unwrap();
+        let mut planner = Algo::Quota.build(&Settings {
+            u_min: 1,
+            ..Settings::default()
+        });
+        let mut replicated = 0;
+        for _ in 0..20 {
+            let rows: Vec<Vec<u64>> = (0..6)
+                .map(|_| {
+                    (0..12)
+                        .map(|e| rng.gen_range(0..40 * (e % 4 + 1) as u64))
+                        .collect()
+                })
+                .collect();
+            let load = LoadMatrix::from_rows(&rows).unwrap();
+            let plan = planner.plan(&layout, &load).unwrap();
+            replicated += plan.replicas();
+            let (mut send, mut recv) = (vec![0u64; 6], vec![0u64; 6]);
+            for (r, row) in rows.iter().enumerate() {
+                for (e, &q) in row.iter().enumerate() {
+                    let inst = plan.instances(e);
+                    let parts: Vec<(usize, u64)> = match plan.split(r, e) {
+                        None => vec![(inst[0].rank as usize, q)],
+                        Some(split) => inst
+                            .iter()
+                            .map(|i| i.rank as usize)
+                            .zip(split.iter().copied())
+                            .collect(),
+                    };
+                    for (t, n) in parts.into_iter().filter(|&(t, _)| t != r) {
+                        send[r] += n;
+                        recv[t] += n;
+                    }
+                }
+            }
+            assert_eq!(token_traffic(&load, &plan), (send, recv));
+        }
+        assert!(replicated > 20, "the loads exercise the split path");
     }
 }

@@ -256,8 +256,8 @@ impl Rack {
         for pair in curve.windows(2) {
             let ([ta, ea], [tb, eb]) = (pair[0], pair[1]);
             if tokens <= tb {
-                let x = (tokens.ln() - ta.ln()) / (tb.ln() - ta.ln());
-                return (ea.ln() + x * (eb.ln() - ea.ln())).exp();
+                let x = (tokens / ta).ln() / (tb / ta).ln();
+                return ea * (x * (eb / ea).ln()).exp();
             }
         }
         curve[curve.len() - 1][1]
