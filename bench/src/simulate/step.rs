@@ -324,10 +324,10 @@ impl<'a> StepCoster<'a> {
         let cost_one = |(l, planners): (usize, &mut LayerPlanners)| {
             let mut per_count = [Vec::new(), Vec::new()];
             for (n, costs) in per_count.iter_mut().enumerate().filter(|&(n, _)| needed[n]) {
-                for m in 0..=n {
+                // Micro-batch m of n + 1: its loads and its batch's dense phases.
+                for (m, (loads, dense)) in split[n].loads.iter().zip(&dense[n]).enumerate() {
                     let slot = if n == 0 { 0 } else { 1 + m };
-                    let load = &split[n].loads[m][l];
-                    costs.push(planning.cost_layer(planners, slot, l, load, dense[n][m][0])?);
+                    costs.push(planning.cost_layer(planners, slot, l, &loads[l], dense[0])?);
                 }
             }
             Ok(per_count)
