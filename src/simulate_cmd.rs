@@ -154,9 +154,9 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "PATH")]
     pub(crate) calibration: Option<PathBuf>,
     /// How synthetic routing draws each rank's expert counts: counts (per row, fast) or tokens
-    /// (every token's experts, the reference).
-    #[arg(long, default_value = "counts")]
-    pub(crate) sampler: Sampler,
+    /// (every token's experts, the reference) [default: counts].
+    #[arg(long)]
+    pub(crate) sampler: Option<Sampler>,
     /// Simulate this many MoE layers per step, each standing for moe_layers / N of the model's
     /// (synthetic routing; a recorded trace simulates each of its layers) [default: all].
     #[arg(long)]
@@ -221,25 +221,40 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     let slots = *single(&args.redundant_slots, "--redundant-slots")?;
     let schedule = *single(&args.schedule, "--schedule")?;
     let trace = TraceSource::parse(single(&args.trace, "--trace")?);
-    if let TraceSource::File(path) = &trace {
-        // A recorded trace sets both from its own lines; a flag that changes nothing is refused.
-        for (given, flag) in [
-            (args.sample_layers.is_some(), "--sample-layers"),
-            (args.chunk_tokens.is_some(), "--chunk-tokens"),
-        ] {
-            if given {
-                bail!(
-                    "{flag} applies to synthetic routing: --trace {} simulates each of its layers \
-                     with the tokens its rows hold",
-                    path.display()
-                );
-            }
-        }
-    }
+    refuse_synthetic_only_flags(&args, std::slice::from_ref(&trace))?;
     let shape = ModelShape::load(model_shape)?;
     let spec = sim_spec(&args, shape, ep, slots, schedule)?;
     spec.validate()?;
     run_one(args, spec, trace)
+}
+
+/// Flags that shape synthetic routing only, refused when every `--trace` is a recorded one
+/// (it sets its layers and tokens from its own lines); with a synthetic trace among them they
+/// apply to it.
+pub(crate) fn refuse_synthetic_only_flags(
+    args: &SimulateArgs,
+    traces: &[TraceSource],
+) -> Result<()> {
+    let Some(TraceSource::File(path)) = traces.first() else {
+        return Ok(());
+    };
+    if !traces.iter().all(|t| matches!(t, TraceSource::File(_))) {
+        return Ok(());
+    }
+    for (given, flag) in [
+        (args.sample_layers.is_some(), "--sample-layers"),
+        (args.chunk_tokens.is_some(), "--chunk-tokens"),
+        (args.sampler.is_some(), "--sampler"),
+    ] {
+        if given {
+            bail!(
+                "{flag} applies to synthetic routing: --trace {} replays each of its layers with \
+                 the tokens its rows hold",
+                path.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--plot-format` is one `plotters` writes.
@@ -300,7 +315,7 @@ pub(crate) fn sim_spec(
         schedule,
         slot_memory: args.slot_memory,
         reuse_tolerance: args.reuse_tolerance.0,
-        sampler: args.sampler,
+        sampler: args.sampler.unwrap_or_default(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         shape,
     })

@@ -3,7 +3,9 @@
 //! `--jobs` threads (see `rackfill_bench::simulate::sweep` and docs/simulate.md#sweeps). Prints
 //! the table, or the report as JSON with `--json`; progress goes to standard error.
 
-use crate::simulate_cmd::{check_plot_format, print_report, sim_spec, SimulateArgs};
+use crate::simulate_cmd::{
+    check_plot_format, print_report, refuse_synthetic_only_flags, sim_spec, SimulateArgs,
+};
 use anyhow::{bail, Result};
 use rackfill_bench::simulate::shape::ModelShape;
 use rackfill_bench::simulate::sweep::{run_sweep, sweep_plots, sweep_table, SweepSpec};
@@ -36,24 +38,7 @@ pub(crate) fn run(args: &SimulateArgs) -> Result<()> {
         }
     }
     let traces: Vec<TraceSource> = args.trace.iter().map(|t| TraceSource::parse(t)).collect();
-    // A recorded trace sets both from its own lines: refused when no trace of the sweep is
-    // synthetic (with a synthetic one in the list they apply to it).
-    if let Some(TraceSource::File(path)) = traces.first() {
-        if traces.iter().all(|t| matches!(t, TraceSource::File(_))) {
-            for (given, flag) in [
-                (args.sample_layers.is_some(), "--sample-layers"),
-                (args.chunk_tokens.is_some(), "--chunk-tokens"),
-            ] {
-                if given {
-                    bail!(
-                        "{flag} applies to synthetic routing: --trace {} simulates each of its \
-                         layers with the tokens its rows hold",
-                        path.display()
-                    );
-                }
-            }
-        }
-    }
+    refuse_synthetic_only_flags(args, &traces)?;
     let shapes = args
         .model_shape
         .iter()

@@ -93,7 +93,11 @@ fn simulate_reports_the_trace_layers_and_tokens_that_ran() {
     args.extend(["--slot-memory", "per-layer", "--reuse-tolerance", "0.05"]);
     let doc: Value = serde_json::from_slice(&rackfill(&args).stdout).unwrap();
     assert_eq!(doc["reuse_tolerance"], 0.05, "{doc}");
-    for flag in [["--sample-layers", "2"], ["--chunk-tokens", "64"]] {
+    for flag in [
+        ["--sample-layers", "2"],
+        ["--chunk-tokens", "64"],
+        ["--sampler", "tokens"],
+    ] {
         let mut args = base.to_vec();
         args.extend(flag);
         refused(&args, &format!("{} applies to synthetic routing", flag[0]));

@@ -5,6 +5,7 @@
 //! `O(experts)`). Either way every row sums to `tokens * top_k`.
 
 use super::counts::{exp, RowCounts};
+use crate::parallel::map_dynamic;
 use rand::rngs::{SmallRng, StdRng};
 use rand::{RngCore, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
@@ -106,25 +107,13 @@ impl RankJob<'_> {
         } else {
             (0..ranks.div_ceil(per)).map(|_| &mut [][..]).collect()
         };
-        if threads <= 1 {
-            for ((seeds, a), b) in rank_seeds
-                .chunks(per)
-                .zip(a.chunks_mut(per * experts))
-                .zip(b_chunks)
-            {
-                self.run(seeds, first, a, b);
-            }
-        } else {
-            std::thread::scope(|scope| {
-                for ((seeds, a), b) in rank_seeds
-                    .chunks(per)
-                    .zip(a.chunks_mut(per * experts))
-                    .zip(b_chunks)
-                {
-                    scope.spawn(move || self.run(seeds, first, a, b));
-                }
-            });
-        }
+        let jobs = rank_seeds
+            .chunks(per)
+            .zip(a.chunks_mut(per * experts))
+            .zip(b_chunks);
+        map_dynamic(jobs, threads, |((seeds, a), b)| {
+            self.run(seeds, first, a, b)
+        });
         halves
     }
 
